@@ -1,0 +1,72 @@
+"""What core and backends exchange: backend descriptions, load options, one forward step's batch.
+
+The engine speaks block ids and token ids; backends own the tensors. A forward step gets a ragged
+batch of sequence chunks. Each chunk carries the new tokens of one sequence, how many of its tokens
+are already in the KV cache (``start_pos``) and its block table; the backend writes the chunk's keys
+and values into the cache slots ``start_pos .. start_pos + len(token_ids)`` (slot ``p`` lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``) and attends over positions
+``0 .. start_pos + len(token_ids)`` only. Nothing outside those positions is ever read, so what an
+earlier request left in a reused block cannot leak into a later one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    description: str
+    #: Higher wins when the user names no backend (``available()`` must be true).
+    priority: int = 0
+    available: Callable[[], bool] = lambda: True
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    #: ``none`` keeps the checkpoint's precision; ``q8`` / ``q4`` quantize weights at load (RTN).
+    quantization: str = "none"
+    #: Compute dtype hint (``float32``, ``bfloat16``); backends may refuse what they cannot do.
+    dtype: str = "float32"
+    #: Backend-specific extras (thread counts, device, tensor-parallel size, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SequenceChunk:
+    """New tokens of one sequence in a forward step."""
+
+    token_ids: np.ndarray  # int32 [n]
+    start_pos: int
+    block_table: np.ndarray  # int32 [num_blocks_of_this_sequence]
+    #: Return logits for every new token (prompt logprobs, perplexity), not only the last one.
+    all_logits: bool = False
+    #: Return final-norm hidden states for every new token (embeddings, SONA's ReasoningBank).
+    hidden_states: bool = False
+    #: An adapter object a plugin attached to this sequence (SONA's MicroLoRA), or None.
+    adapter: Any = None
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + int(len(self.token_ids))
+
+
+@dataclass
+class ForwardBatch:
+    chunks: list[SequenceChunk]
+    block_size: int
+
+
+@dataclass
+class ForwardOutput:
+    #: float32 ``[len(chunks), vocab]``: logits at the last new position of each chunk.
+    logits: np.ndarray
+    #: chunk index -> float32 ``[n, vocab]`` for chunks that asked for ``all_logits``.
+    all_logits: dict[int, np.ndarray] = field(default_factory=dict)
+    #: chunk index -> float32 ``[n, hidden]`` for chunks that asked for ``hidden_states``.
+    hidden_states: dict[int, np.ndarray] = field(default_factory=dict)

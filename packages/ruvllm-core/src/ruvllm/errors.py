@@ -1,0 +1,33 @@
+"""Errors users can act on. The CLI prints their message on one line and exits non-zero."""
+
+
+class RuvllmError(Exception):
+    """Base of every error ruvllm raises on purpose."""
+
+
+class ModelNotFoundError(RuvllmError):
+    """The model reference resolves to nothing usable here (missing file, offline and not cached)."""
+
+
+class ModelFormatError(RuvllmError):
+    """A model file is truncated, corrupt or not in the format it claims."""
+
+
+class UnsupportedArchitectureError(RuvllmError):
+    """The checkpoint's architecture is one no installed backend implements."""
+
+
+class UnsupportedQuantizationError(RuvllmError):
+    """A tensor uses a quantization type ruvllm cannot decode."""
+
+
+class BackendError(RuvllmError):
+    """No backend is installed, the requested one is unknown, or it failed to load."""
+
+
+class PluginError(RuvllmError):
+    """A plugin could not be loaded."""
+
+
+class RequestError(RuvllmError):
+    """A request is invalid (bad sampling values, prompt longer than the context, ...)."""

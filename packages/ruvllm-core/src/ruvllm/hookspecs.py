@@ -1,0 +1,52 @@
+"""Hook specifications of ruvllm: one function per hook; backends and plugins implement them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions
+    from ruvllm.checkpoint import Checkpoint
+    from ruvllm.inference import InferenceRequest, InferenceResult
+
+hookspec = pluggy.HookspecMarker("ruvllm")
+hookimpl = pluggy.HookimplMarker("ruvllm")
+
+
+@hookspec
+def register_backends(register: Callable[[BackendInfo], None]) -> None:
+    """Register the backends this plugin provides by calling ``register(BackendInfo(...))``."""
+
+
+@hookspec(firstresult=True)
+def load_model(backend: str, checkpoint: Checkpoint, options: LoadOptions) -> Any | None:
+    """Load ``checkpoint`` into a model object if ``backend`` names one of yours, else return None."""
+
+
+@hookspec(firstresult=True)
+def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, Any]) -> Any | None:
+    """Allocate paged KV storage of ``num_blocks`` blocks of ``block_size`` tokens for your ``model``."""
+
+
+@hookspec(firstresult=True)
+def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
+    """Run one step of your ``model`` over a ragged ``batch``, reading and writing ``cache``."""
+
+
+@hookspec
+def register_commands(subparsers: Any) -> None:
+    """Add ``ruvllm`` sub-commands: ``subparsers`` is the CLI's argparse sub-parser action; set
+    ``func`` (taking the parsed args, returning an exit code) with ``set_defaults``."""
+
+
+@hookspec
+def pre_inference(request: InferenceRequest) -> None:
+    """Inspect or adjust a request (sampling, adapter choice) before it is scheduled."""
+
+
+@hookspec
+def post_inference(request: InferenceRequest, result: InferenceResult) -> None:
+    """Observe a finished request and its result (tokens, text, timings)."""

@@ -1,0 +1,103 @@
+"""The plugin manager: everything optional (backends included) comes in through the ``ruvllm``
+entry-point group. ``RUVLLM_PLUGINS`` (comma list of entry-point names) restricts what loads."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+from dataclasses import dataclass, field
+
+import pluggy
+import structlog
+
+from ruvllm import hookspecs
+from ruvllm.backend import BackendInfo
+from ruvllm.errors import BackendError
+
+log = structlog.get_logger("ruvllm.plugins")
+
+ENTRY_POINT_GROUP = "ruvllm"
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    name: str
+    version: str
+    module: str
+    hooks: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class PluginHost:
+    """A pluggy manager with the ruvllm hookspecs, plus what loading the plugins found."""
+
+    pm: pluggy.PluginManager
+    records: list[PluginRecord] = field(default_factory=list)
+    backends: dict[str, BackendInfo] = field(default_factory=dict)
+
+    @property
+    def hook(self) -> pluggy.HookRelay:
+        return self.pm.hook
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Register a plugin object (module or instance) directly, e.g. from tests or embedding code."""
+        self.pm.register(plugin, name=name)
+        self._collect_backends()
+
+    def _collect_backends(self) -> None:
+        found: dict[str, BackendInfo] = {}
+        self.pm.hook.register_backends(register=lambda info: found.__setitem__(info.name, info))
+        self.backends = found
+
+    def choose_backend(self, requested: str | None = None) -> BackendInfo:
+        """The backend named by ``requested`` / ``RUVLLM_BACKEND``, else the best available one."""
+        name = requested or os.environ.get("RUVLLM_BACKEND") or None
+        if name:
+            info = self.backends.get(name)
+            if info is None:
+                known = ", ".join(sorted(self.backends)) or "none installed"
+                raise BackendError(f"unknown backend {name!r} (installed: {known})")
+            if not info.available():
+                raise BackendError(f"backend {name!r} is installed but cannot run on this machine")
+            return info
+        usable = [b for b in self.backends.values() if b.available()]
+        if not usable:
+            raise BackendError(
+                "no ruvllm backend is installed: pip install ruvllm-backend-jax or ruvllm-backend-candle-compat"
+            )
+        return max(usable, key=lambda b: b.priority)
+
+
+def _hooks_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, ...]:
+    return tuple(sorted(h.name for h in (pm.get_hookcallers(plugin) or [])))
+
+
+def load_plugins(allowed: str | None = None) -> PluginHost:
+    """Build a :class:`PluginHost` from the installed entry points.
+
+    ``allowed`` (default: ``RUVLLM_PLUGINS``) is a comma list of entry-point names; empty or unset
+    means all. A plugin that fails to import is recorded with its error and skipped.
+    """
+    pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    pm.add_hookspecs(hookspecs)
+    allowed = os.environ.get("RUVLLM_PLUGINS") if allowed is None else allowed
+    only = {p.strip() for p in allowed.split(",") if p.strip()} if allowed else None
+    host = PluginHost(pm)
+    seen: set[str] = set()
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in seen or (only is not None and ep.name not in only):
+            continue
+        seen.add(ep.name)
+        version = ep.dist.version if ep.dist is not None else "?"
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # a broken plugin must not take the host down
+            msg = f"{type(exc).__name__}: {exc}"
+            log.warning("plugin failed to load", plugin=ep.name, error=msg)
+            host.records.append(PluginRecord(ep.name, version, ep.value, error=msg))
+            continue
+        host.records.append(PluginRecord(ep.name, version, ep.value, hooks=_hooks_of(pm, plugin)))
+    host._collect_backends()
+    return host

@@ -1,0 +1,3 @@
+"""ruvllm OpenAI-compatible server (Litestar)."""
+
+__version__ = "0.1.0"
