@@ -1,0 +1,75 @@
+"""The engine's public request and output types (the server and the CLI speak only these)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ruvllm.sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prompt: str | None = None
+    #: OpenAI ``user`` or the API key id; plugins (SONA) may scope adapters by it.
+    user: str | None = None
+    #: Lower runs first under the priority policy; ignored under FCFS.
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice (of ``n``) produced since the previous output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    #: ``stop`` (eos, stop string or stop token), ``length``, ``abort``; None while running.
+    finish_reason: str | None = None
+    #: The stop string or stop token id that ended this choice, when one did.
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestMetrics:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time: float = 0.0
+    ttft: float = 0.0
+    inter_token_latencies: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    deltas: list[ChoiceDelta]
+    finished: bool
+    #: Filled on every output; final figures once ``finished``.
+    metrics: RequestMetrics
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    preemptions: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_queried_tokens: int
