@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -15,7 +15,9 @@ from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
 from ruvllm.plugins import PluginHost, load_plugins
 from ruvllm.resolve import resolve
-from ruvllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ruvllm.tokenizer import Tokenizer
 
 log = structlog.get_logger("ruvllm.runtime")
 

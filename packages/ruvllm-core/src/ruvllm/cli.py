@@ -1,0 +1,290 @@
+"""The ``ruvllm`` command line. Every error a user can cause ends as one line on stderr and a non-zero
+exit code; plugins add sub-commands through the ``register_commands`` hook."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ruvllm import __version__
+from ruvllm.errors import RuvllmError
+
+if TYPE_CHECKING:
+    from ruvllm.plugins import PluginHost
+    from ruvllm.runtime import LoadedModel
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="alias (smollm2), GGUF file, HF model directory or Hub repo id")
+    p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
+    p.add_argument("--quantization", default="none", choices=["none", "q8", "q4"], help="weight quantization at load")
+    p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(args: argparse.Namespace):
+    from ruvllm.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=list(args.stop),
+    )
+
+
+def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
+    from ruvllm.backend import LoadOptions
+    from ruvllm.runtime import load_model
+
+    return load_model(
+        args.model,
+        backend=args.backend,
+        options=LoadOptions(quantization=args.quantization),
+        host=host,
+        cache_dir=args.cache_dir,
+    )
+
+
+def _stream(model: LoadedModel, prompt_ids: list[int], sampling, out=sys.stdout) -> str:
+    """Generate with the engine, writing text as it arrives; returns the whole completion."""
+    from ruvllm.engine import EngineConfig, LLMEngine
+    from ruvllm.engine.types import GenerationRequest
+
+    sampling.validate(model.config.vocab_size)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1))
+    pieces: list[str] = []
+    for output in engine.stream(GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling)):
+        for delta in output.deltas:
+            if delta.text:
+                out.write(delta.text)
+                out.flush()
+                pieces.append(delta.text)
+    return "".join(pieces)
+
+
+def cmd_generate(args: argparse.Namespace, host: PluginHost) -> int:
+    sampling = _sampling(args)
+    sampling.validate()  # before the model load, so a typo fails fast
+    model = _load(args, host)
+    ids = model.tokenizer.encode(args.prompt)
+    _stream(model, ids, sampling)
+    sys.stdout.write("\n")
+    return 0
+
+
+CHAT_HELP = """commands:
+  /help            this help
+  /clear           forget the conversation
+  /system TEXT     set the system prompt (and clear the conversation)
+  /temp VALUE      set the sampling temperature
+  /quit            leave (Ctrl-D works too)"""
+
+
+def cmd_chat(args: argparse.Namespace, host: PluginHost) -> int:
+    sampling = _sampling(args)
+    sampling.validate()
+    model = _load(args, host)
+    tok = model.tokenizer
+    if model.checkpoint.chat_template is None:
+        raise RuvllmError(f"model {args.model!r} has no chat template; use `ruvllm generate` instead")
+    system = args.system
+    history: list[dict[str, str]] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model} on {model.backend.name} (/help for commands)", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, rest = text.partition(" ")
+            if cmd == "/quit":
+                return 0
+            if cmd == "/help":
+                print(CHAT_HELP)
+            elif cmd == "/clear":
+                history.clear()
+                print("conversation cleared")
+            elif cmd == "/system":
+                system = rest.strip() or None
+                history.clear()
+                print(f"system prompt {'set' if system else 'removed'}; conversation cleared")
+            elif cmd == "/temp":
+                try:
+                    value = float(rest)
+                    if not 0.0 <= value <= 2.0:
+                        raise ValueError
+                except ValueError:
+                    print("usage: /temp VALUE with VALUE in [0, 2]")
+                    continue
+                sampling.temperature = value
+                print(f"temperature = {value}")
+            else:
+                print(f"unknown command {cmd}; /help lists them")
+            continue
+        history.append({"role": "user", "content": text})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        reply = _stream(model, tok.encode_chat(messages), sampling)
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_plugins(args: argparse.Namespace, host: PluginHost) -> int:
+    if not host.records:
+        print("no plugins installed")
+    for r in host.records:
+        if r.error:
+            print(f"{r.name} {r.version}  FAILED TO LOAD: {r.error}")
+        else:
+            print(f"{r.name} {r.version}  ({r.module})  hooks: {', '.join(r.hooks) or '-'}")
+    for b in sorted(host.backends.values(), key=lambda b: -b.priority):
+        state = "available" if b.available() else "unavailable here"
+        print(f"backend {b.name}: {b.description} [priority {b.priority}, {state}]")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace, host: PluginHost) -> int:
+    from ruvllm.resolve import list_models
+
+    for m in list_models(args.cache_dir):
+        if args.downloaded and not m.downloaded:
+            continue
+        mark = "*" if m.downloaded else " "
+        print(f"{mark} {m.name:<40} {m.description}")
+        if args.long and m.path is not None:
+            print(f"    {m.path}")
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def cmd_info(args: argparse.Namespace, host: PluginHost) -> int:
+    from ruvllm.checkpoint import open_checkpoint
+    from ruvllm.resolve import resolve
+
+    path = resolve(args.model, cache=args.cache_dir)
+    ck = open_checkpoint(path)
+    c = ck.config
+    rows = [
+        ("model", args.model),
+        ("path", str(path)),
+        ("format", ck.format),
+        ("name", c.name),
+        ("architecture", c.architecture),
+        ("parameters", f"{c.num_parameters / 1e6:.1f}M"),
+        ("quantization", ck.quantization),
+        ("context length", str(c.max_position_embeddings)),
+        ("layers / heads / kv heads", f"{c.num_layers} / {c.num_heads} / {c.num_kv_heads}"),
+        ("hidden / ffn / vocab", f"{c.hidden_size} / {c.intermediate_size} / {c.vocab_size}"),
+        ("chat template", "yes" if ck.chat_template else "no"),
+        ("size on disk", _human(ck.size_bytes)),
+    ]
+    for k, v in rows:
+        print(f"{k:<26} {v}")
+    return 0
+
+
+def cmd_download(args: argparse.Namespace, host: PluginHost) -> int:
+    from ruvllm.resolve import download
+
+    path = download(args.repo_id, revision=args.revision, force=args.force, cache=args.cache_dir)
+    print(path)
+    return 0
+
+
+def build_parser(host: PluginHost) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ruvllm", description="ruvllm: plugin-based LLM inference")
+    parser.add_argument("--version", action="version", version=f"ruvllm {__version__}")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging (else RUVLLM_LOG, default WARNING)")
+    parser.add_argument("--no-color", action="store_true", help="plain log output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("generate", help="complete a prompt, streaming tokens to stdout")
+    _add_model_args(p)
+    p.add_argument("prompt")
+    _add_sampling_args(p, max_tokens=128)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    _add_model_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("plugins", help="list plugins, their versions and hooks, and the backends")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("list", help="list known and downloaded models")
+    p.add_argument("--downloaded", action="store_true", help="only models present on this machine")
+    p.add_argument("--long", action="store_true", help="show paths")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("info", help="architecture, parameters, quantization, context length, size")
+    p.add_argument("model")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("download", help="download a Hugging Face Hub repository into the cache")
+    p.add_argument("repo_id")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--force", action="store_true", help="download again even if cached")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_download)
+
+    host.hook.register_commands(subparsers=sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ruvllm.log_setup import configure_logging
+    from ruvllm.plugins import load_plugins
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Logging must be set before plugins load so their import failures are reported.
+    configure_logging(verbose="--verbose" in argv or "-v" in argv, color=False if "--no-color" in argv else None)
+    try:
+        host = load_plugins()
+        parser = build_parser(host)
+        args = parser.parse_args(argv)
+        configure_logging(verbose=args.verbose, color=False if args.no_color else None)
+        return int(args.func(args, host) or 0)
+    except RuvllmError as exc:
+        print(f"ruvllm: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into head): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+raise RuntimeError("ruvllm-broken-plugin is broken on purpose")

@@ -1,0 +1,39 @@
+"""A third-party plugin: records every request it sees to the JSON-lines file named by
+RUVLLM_EXAMPLE_PLUGIN_LOG, and adds an ``example-echo`` command."""
+
+import json
+import os
+
+from ruvllm import hookimpl
+
+
+def _record(event: dict) -> None:
+    path = os.environ.get("RUVLLM_EXAMPLE_PLUGIN_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(event) + "\n")
+
+
+@hookimpl
+def pre_inference(request):
+    _record({"hook": "pre_inference", "request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)})
+
+
+@hookimpl
+def post_inference(request, result):
+    _record(
+        {
+            "hook": "post_inference",
+            "request_id": request.request_id,
+            "completion_tokens": len(result.output_token_ids),
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+        }
+    )
+
+
+@hookimpl
+def register_commands(subparsers):
+    p = subparsers.add_parser("example-echo", help="(example plugin) print the words given")
+    p.add_argument("words", nargs="*")
+    p.set_defaults(func=lambda args, host: print(" ".join(args.words)) or 0)
