@@ -81,7 +81,9 @@ def chat(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks with their peers (llama.cpp through llama-cpp-python, HF transformers) in one run."""
     install_project(session)
-    session.install("torch==2.13.0", "transformers>=4.46", "llama-cpp-python[server]>=0.3", "openai>=1.40", "httpx>=0.27")
+    session.install(
+        "torch==2.13.0", "transformers>=4.46", "llama-cpp-python[server]>=0.3", "openai>=1.40", "httpx>=0.27"
+    )
     scripts = session.posargs or sorted(
         f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _gguf_files import write_tiny_llama_gguf
 
 

@@ -277,7 +277,7 @@ class SafetensorsCheckpoint(Checkpoint):
         for f in files:
             try:
                 with safe_open(f, framework="numpy") as sf:
-                    for k in sf.keys():
+                    for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                         self._where[k] = f
             except Exception as exc:
                 raise ModelFormatError(f"{f}: not a readable safetensors file ({exc})") from exc

@@ -125,7 +125,8 @@ def download(
         )
     except LocalEntryNotFoundError as exc:
         raise ModelNotFoundError(
-            f"could not download {repo_id!r}: the Hugging Face Hub is unreachable and nothing is cached ({exc.__class__.__name__})"
+            f"could not download {repo_id!r}: the Hugging Face Hub is unreachable and nothing is cached "
+            f"({exc.__class__.__name__})"
         ) from None
     except HfHubHTTPError as exc:
         raise ModelNotFoundError(f"could not download {repo_id!r}: {str(exc).splitlines()[0]}") from None
@@ -153,5 +154,6 @@ def list_models(cache: str | os.PathLike[str] | None = None) -> list[ListedModel
 
         for repo in sorted(scan_cache_dir(hub).repos, key=lambda r: r.repo_id):
             if repo.repo_type == "model":
-                out.append(ListedModel(repo.repo_id, Path(repo.repo_path), True, f"Hugging Face Hub, {repo.size_on_disk_str}"))
+                desc = f"Hugging Face Hub, {repo.size_on_disk_str}"
+                out.append(ListedModel(repo.repo_id, Path(repo.repo_path), True, desc))
     return out
