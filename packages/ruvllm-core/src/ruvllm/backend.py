@@ -60,6 +60,9 @@ class SequenceChunk:
 class ForwardBatch:
     chunks: list[SequenceChunk]
     block_size: int
+    #: Whole-block copies ``(src, dst)`` the backend applies to every layer's keys and values, in
+    #: order, before running the step (copy-on-write of blocks that sequences shared).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
