@@ -52,6 +52,14 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad(f"stop strings must be non-empty strings, got {s!r}")
+        for tok in self.stop_token_ids:
+            if vocab_size is not None and not 0 <= int(tok) < vocab_size:
+                bad(f"stop token id {tok} is outside the vocabulary (0..{vocab_size - 1})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         for tok, bias in self.logit_bias.items():
@@ -68,34 +76,49 @@ class SamplingParams:
 @dataclass
 class SampleResult:
     token_id: int
+    #: Log-probability of ``token_id`` under the model's raw logits (0.0 unless logprobs were asked).
     logprob: float
+    #: The ``logprobs`` most likely tokens under the raw logits, most likely first.
     top_logprobs: list[tuple[int, float]]
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = np.max(x)
-    shifted = x - m
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of a logits vector."""
+    x = np.asarray(x, dtype=np.float64)
+    shifted = x - np.max(x)
     return shifted - np.log(np.sum(np.exp(shifted)))
 
 
 class Sampler:
-    """Per-sequence sampling state: its random generator and the counts of tokens it produced."""
+    """Per-choice sampling state: its random generator and the counts of the tokens it produced.
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int] | None = None, eos_token_ids=()) -> None:
+    Order of operations on a logits row: repetition penalty (prompt and output tokens), presence and
+    frequency penalties (output tokens), logit bias, the min_tokens ban on eos/stop tokens; then
+    greedy argmax, or temperature followed by top_k, top_p and min_p filtering and a draw.
+    Logprobs are those of the model's raw logits (what the model predicted, before any of this).
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        *,
+        choice_index: int = 0,
+    ) -> None:
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        # Each of the n choices of a seeded request gets its own reproducible stream.
+        seed = None if params.seed is None else [params.seed & 0xFFFF_FFFF_FFFF_FFFF, choice_index]
+        self.rng = np.random.default_rng(seed)
         self.eos_token_ids = tuple(eos_token_ids)
         self._prompt_ids = np.unique(np.asarray(prompt_token_ids or [], dtype=np.int64))
         self._counts: dict[int, int] = {}
         self.generated = 0
 
     def adjust(self, logits: np.ndarray) -> np.ndarray:
-        """Logits after bias, penalties and the min_tokens/eos rule (before temperature)."""
+        """Logits after penalties, bias and the min_tokens ban (before temperature), float64."""
         p = self.params
-        x = np.array(logits, dtype=np.float32, copy=True)
-        if p.logit_bias:
-            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
-            x[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
+        x = np.array(logits, dtype=np.float64, copy=True)
         if p.repetition_penalty != 1.0:
             seen = np.union1d(self._prompt_ids, np.fromiter(self._counts.keys(), dtype=np.int64))
             if seen.size:
@@ -103,42 +126,59 @@ class Sampler:
                 x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if self._counts and (p.presence_penalty or p.frequency_penalty):
             ids = np.fromiter(self._counts.keys(), dtype=np.int64)
-            cnt = np.fromiter(self._counts.values(), dtype=np.float32)
+            cnt = np.fromiter(self._counts.values(), dtype=np.float64)
             x[ids] -= p.frequency_penalty * cnt + p.presence_penalty
+        if p.logit_bias:
+            ids = np.fromiter((int(t) for t in p.logit_bias), dtype=np.int64)
+            x[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64)
         if self.generated < p.min_tokens:
-            for e in (*self.eos_token_ids, *p.stop_token_ids):
-                x[e] = -np.inf
+            banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < x.shape[-1]]
+            x[banned] = -np.inf
         return x
+
+    def probabilities(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidate token ids and their probabilities after temperature, top_k, top_p and
+        min_p (non-greedy requests). Probabilities sum to 1."""
+        p = self.params
+        z = self.adjust(logits) / p.temperature
+        if 0 < p.top_k < z.shape[-1]:
+            cand = np.argpartition(-z, p.top_k - 1)[: p.top_k]
+        else:
+            cand = np.arange(z.shape[-1])
+        zc = z[cand]
+        probs = np.exp(zc - np.max(zc))
+        probs /= probs.sum()
+        if p.top_p < 1.0 or p.min_p > 0.0:
+            order = np.argsort(-probs, kind="stable")
+            cand, probs = cand[order], probs[order]
+            keep = len(probs)
+            if p.top_p < 1.0:
+                # The smallest most-likely set whose mass reaches top_p.
+                keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+            if p.min_p > 0.0:
+                keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+            cand, probs = cand[:keep], probs[:keep] / probs[:keep].sum()
+        return cand, probs
 
     def sample(self, logits: np.ndarray) -> SampleResult:
         p = self.params
-        x = self.adjust(logits)
         if p.greedy:
-            token = int(np.argmax(x))
+            token = int(np.argmax(self.adjust(logits)))
         else:
-            z = x / p.temperature
-            order = np.argsort(-z, kind="stable")
-            if p.top_k > 0:
-                order = order[: p.top_k]
-            zs = z[order]
-            probs = np.exp(zs - zs[0])
-            probs /= probs.sum()
-            keep = len(order)
-            if p.top_p < 1.0:
-                keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-            if p.min_p > 0.0:
-                keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
-            probs = probs[:keep] / probs[:keep].sum()
-            token = int(order[self.rng.choice(keep, p=probs)])
-        lp = _log_softmax(np.asarray(logits, dtype=np.float64)) if p.logprobs is not None else None
+            cand, probs = self.probabilities(logits)
+            cdf = np.cumsum(probs)
+            idx = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+            token = int(cand[min(idx, len(cand) - 1)])
         top: list[tuple[int, float]] = []
         chosen_lp = 0.0
-        if lp is not None:
+        if p.logprobs is not None:
+            lp = log_softmax(logits)
             chosen_lp = float(lp[token])
             if p.logprobs:
-                idx = np.argpartition(-lp, p.logprobs)[: p.logprobs]
-                idx = idx[np.argsort(-lp[idx], kind="stable")]
-                top = [(int(i), float(lp[i])) for i in idx]
+                k = min(p.logprobs, lp.shape[-1])
+                idx_top = np.argpartition(-lp, k - 1)[:k]
+                idx_top = idx_top[np.argsort(-lp[idx_top], kind="stable")]
+                top = [(int(i), float(lp[i])) for i in idx_top]
         self._counts[token] = self._counts.get(token, 0) + 1
         self.generated += 1
         return SampleResult(token, chosen_lp, top)

@@ -1,0 +1,313 @@
+"""Paged KV-cache bookkeeping: which fixed-size blocks each sequence owns, shared and cached.
+
+The block manager speaks only block ids and token ids; the backend owns the tensors. Every sequence
+has a block table (slot ``p`` of the sequence lives in ``table[p // block_size]``). Blocks carry a
+reference count, so sequences can share them:
+
+* **Prefix caching.** Once a block is full and its keys/values are computed, it is registered under
+  a hash of (hash of the previous block, the block's token ids). A later sequence whose prompt starts
+  with the same full blocks takes those blocks instead of recomputing them. Only exact hash-chain
+  matches of full blocks hit, so a sequence never sees keys/values of tokens it does not have.
+* **Reuse and eviction.** A cached block nobody references stays cached until its slot is needed;
+  then the least recently used one is evicted (``lfu`` and ``fifo`` are selectable).
+* **Copy-on-write.** ``fork`` shares a sequence's blocks with a new one (``n > 1`` choices share
+  their prompt). The first write into a block that someone else still references copies it to a
+  fresh block first; the (src, dst) pairs are handed to the backend with the next forward step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from array import array
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from ruvllm.errors import RuvllmError
+
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+
+
+class BlockManagerError(RuvllmError):
+    """The block manager was asked for something inconsistent (unknown sequence, bad sizes)."""
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block: the parent's hash chained with this block's token ids (128-bit)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass
+class PrefixHit:
+    """Cached blocks that hold the keys/values of a token sequence's leading full blocks."""
+
+    block_ids: list[int]
+    hashes: list[bytes]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+
+@dataclass
+class _SequenceBlocks:
+    table: list[int] = field(default_factory=list)
+    #: Hash chain of the sequence's leading full, computed blocks (registered or not).
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class BlockManager:
+    """Owns the pool of ``num_blocks`` KV blocks of ``block_size`` tokens and every block table."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction: str = "lru",
+    ) -> None:
+        if num_blocks < 1:
+            raise BlockManagerError(f"num_blocks must be at least 1, got {num_blocks}")
+        if block_size < 1:
+            raise BlockManagerError(f"block_size must be at least 1, got {block_size}")
+        if eviction not in EVICTION_POLICIES:
+            raise BlockManagerError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.eviction = eviction
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._last_used = [0] * num_blocks
+        self._hits = [0] * num_blocks
+        self._cached_at = [0] * num_blocks
+        self._clock = 0
+        #: Unreferenced blocks holding nothing worth keeping: handed out first.
+        self._free: deque[int] = deque(range(num_blocks))
+        #: Unreferenced cached blocks, evicted by policy; heap entries go stale when a block is taken.
+        self._evictable: dict[int, int] = {}  # block id -> version of its live heap entry
+        self._heap: list[tuple[tuple[int, ...], int, int]] = []  # (policy key, version, block id)
+        self._version = 0
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._seqs: dict[Hashable, _SequenceBlocks] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.evictions = 0
+
+    # ----------------------------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (empty ones plus unreferenced cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self._entry(seq_id).table
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_cached_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The cached blocks matching the leading full blocks of ``token_ids`` (nothing is taken).
+
+        At least the last token is always left to compute, because its logits are what the caller
+        needs from the forward step.
+        """
+        hit = PrefixHit([], [], self.block_size)
+        if not self.enable_prefix_caching:
+            return hit
+        bs = self.block_size
+        parent = b""
+        for i in range((len(token_ids) - 1) // bs):
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hit.block_ids.append(block)
+            hit.hashes.append(h)
+            parent = h
+        return hit
+
+    # ------------------------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self, seq_id: Hashable, num_computed: int, num_new: int, prefix: PrefixHit | None = None
+    ) -> bool:
+        """Make ``seq_id``'s table cover slots ``0 .. num_computed + num_new`` and make the slots
+        from ``num_computed`` on writable (copy-on-write of shared blocks).
+
+        A sequence's first call may pass a ``prefix`` from :meth:`get_cached_prefix`; its blocks
+        become the start of the table and ``num_computed`` must equal ``prefix.num_tokens``.
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        entry = self._seqs.get(seq_id)
+        if prefix is not None and prefix.block_ids:
+            if entry is not None and entry.table:
+                raise BlockManagerError(f"sequence {seq_id!r} already has blocks; a prefix only starts a table")
+            if num_computed != prefix.num_tokens:
+                raise BlockManagerError("num_computed must equal the prefix hit's token count")
+        table = entry.table if entry is not None else []
+        have = len(table) + (len(prefix.block_ids) if prefix is not None else 0)
+        need_new = max(0, self.blocks_needed(num_computed + num_new) - have)
+        first, last = num_computed // self.block_size, self.blocks_needed(num_computed + num_new)
+        to_copy = [i for i in range(first, min(last, len(table))) if self._must_copy(table[i])]
+        taken_from_pool = sum(1 for b in (prefix.block_ids if prefix else ()) if self._ref[b] == 0)
+        if need_new + len(to_copy) + taken_from_pool > self.num_free_blocks:
+            return False
+
+        if entry is None:
+            entry = self._seqs[seq_id] = _SequenceBlocks()
+            table = entry.table
+        if prefix is not None and prefix.block_ids:
+            for b in prefix.block_ids:
+                self._take(b)
+                self._hits[b] += 1
+            table.extend(prefix.block_ids)
+            entry.hashes = list(prefix.hashes)
+        for i in to_copy:
+            src = table[i]
+            dst = self._pop_free()
+            self._pending_copies.append((src, dst))
+            table[i] = dst
+            self._release(src)
+        for _ in range(need_new):
+            table.append(self._pop_free())
+        return True
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the sequence's full blocks whose keys/values are now all computed, so later
+        sequences can reuse them. ``token_ids`` are the sequence's tokens (at least ``num_computed``)."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._entry(seq_id)
+        bs = self.block_size
+        full = min(num_computed // bs, len(entry.table))
+        for i in range(len(entry.hashes), full):
+            parent = entry.hashes[i - 1] if i else b""
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            entry.hashes.append(h)
+            b = entry.table[i]
+            if h in self._cached or self._hash[b] is not None:
+                continue  # an identical block is cached already (keep the first), or b is shared
+            self._hash[b] = h
+            self._cached[h] = b
+            self._clock += 1
+            self._cached_at[b] = self._clock
+            self._hits[b] = 0
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Give ``child_id`` the same blocks as ``parent_id`` (shared until one of them writes)."""
+        if child_id in self._seqs:
+            raise BlockManagerError(f"sequence {child_id!r} already has blocks")
+        parent = self._entry(parent_id)
+        for b in parent.table:
+            self._ref[b] += 1
+        self._seqs[child_id] = _SequenceBlocks(list(parent.table), list(parent.hashes))
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence's references; blocks nobody references return to the pool. Unknown
+        ids are ignored (a sequence that never got a block has nothing to free)."""
+        entry = self._seqs.pop(seq_id, None)
+        if entry is None:
+            return
+        # Tail first: under LRU the tail of a sequence is then evicted before its head, which
+        # more future prompts share.
+        for b in reversed(entry.table):
+            self._release(b)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies owed to the backend since the last call."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that nobody references."""
+        for b in list(self._evictable):
+            del self._evictable[b]
+            self._uncache(b)
+            self._free.append(b)
+        self._heap.clear()
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _entry(self, seq_id: Hashable) -> _SequenceBlocks:
+        entry = self._seqs.get(seq_id)
+        if entry is None:
+            raise BlockManagerError(f"sequence {seq_id!r} has no blocks")
+        return entry
+
+    def _must_copy(self, block: int) -> bool:
+        # A block someone else references, or one registered in the cache, must not be overwritten.
+        return self._ref[block] > 1 or self._hash[block] is not None
+
+    def _take(self, block: int) -> None:
+        if self._ref[block] == 0:
+            self._evictable.pop(block, None)
+        self._ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] > 0:
+            return
+        self._clock += 1
+        self._last_used[block] = self._clock
+        if self._hash[block] is None:
+            self._free.append(block)
+            return
+        self._version += 1
+        self._evictable[block] = self._version
+        heapq.heappush(self._heap, (self._eviction_key(block), self._version, block))
+        if len(self._heap) > 2 * len(self._evictable) + 64:
+            # Taking a cached block leaves its heap entry behind; rebuild before they pile up.
+            self._heap = [e for e in self._heap if self._evictable.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def _eviction_key(self, block: int) -> tuple[int, ...]:
+        if self.eviction == "lru":
+            return (self._last_used[block],)
+        if self.eviction == "lfu":
+            return (self._hits[block], self._last_used[block])
+        return (self._cached_at[block],)
+
+    def _pop_free(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block = self._evict()
+        self._ref[block] = 1
+        return block
+
+    def _evict(self) -> int:
+        while self._heap:
+            _, version, block = heapq.heappop(self._heap)
+            if self._evictable.get(block) == version:
+                del self._evictable[block]
+                self._uncache(block)
+                self.evictions += 1
+                return block
+        raise BlockManagerError("no free KV block (the caller must check free blocks first)")
+
+    def _uncache(self, block: int) -> None:
+        h = self._hash[block]
+        if h is not None and self._cached.get(h) == block:
+            del self._cached[h]
+        self._hash[block] = None
