@@ -59,8 +59,9 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
     """Row order that undoes llama.cpp's Q/K permutation (interleaved RoPE -> rotate-half layout)."""
+    # llama.cpp stores HF row (head, half, j) at (head, j, half); row r of the result names its GGUF row.
     idx = np.arange(rows)
-    return idx.reshape(n_head, 2, rows // n_head // 2).swapaxes(1, 2).reshape(rows)
+    return idx.reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 @dataclass(frozen=True)
