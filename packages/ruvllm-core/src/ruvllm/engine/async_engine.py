@@ -1,0 +1,203 @@
+"""The asyncio face of the engine: a background thread runs steps; callers await outputs.
+
+Only the step thread touches the :class:`LLMEngine`. Callers send it commands (add, abort, stop)
+through a queue and are answered through futures; each request's outputs come back through its own
+``asyncio.Queue`` on the caller's event loop. Commands are handled between steps, so an abort frees
+the request's blocks at the latest when the step in flight ends, and before ``abort`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ruvllm.engine.config import EngineConfig
+from ruvllm.engine.llm_engine import LLMEngine
+from ruvllm.engine.types import EngineStats, GenerationRequest, RequestOutput
+from ruvllm.errors import RuvllmError
+
+if TYPE_CHECKING:
+    from ruvllm.runtime import LoadedModel
+    from ruvllm.tokenizer import Tokenizer
+
+log = structlog.get_logger("ruvllm.engine")
+
+
+class EngineDeadError(RuvllmError):
+    """The engine was shut down; it takes no more requests."""
+
+
+class AsyncEngine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None):
+        self.engine = LLMEngine(model, config, tokenizer=tokenizer)
+        self._commands: queue.SimpleQueue[tuple[str, tuple[Any, ...], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._start_lock = threading.Lock()
+        # Touched by the step thread only.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping: bool | None = None  # None: running; else: drain before stopping?
+        self._stats = self.engine.stats()
+
+    # ---------------------------------------------------------------------------- public API
+
+    def start(self) -> None:
+        """Start the step thread (``generate`` does it on first use)."""
+        with self._start_lock:
+            if self._closed:
+                raise EngineDeadError("the engine has been shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ruvllm-engine", daemon=True)
+                self._thread.start()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Yield ``request``'s output deltas until it finishes. Leaving the loop early (break,
+        cancellation) aborts the request and frees its blocks."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        await self._call("add", request, loop, outputs)
+        done = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+                if item.finished:
+                    done = True
+                    return
+        finally:
+            if not done:
+                with contextlib.suppress(EngineDeadError):
+                    await self._call("abort", request.request_id)
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort ``request_id``; returns once its blocks are free (its stream ends with ``abort``)."""
+        return await self._call("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        """Engine statistics as of the last step or command."""
+        return self._stats
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Stop the step thread: after the unfinished requests complete (``drain``), or aborting them."""
+        with self._start_lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        await self._call("stop", drain)
+        await asyncio.to_thread(thread.join)
+
+    # ---------------------------------------------------------------------------- internals
+
+    async def _call(self, kind: str, *args: Any) -> Any:
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((kind, args, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._handle_commands()
+                if self._stopping is not None and not (self._stopping and self.engine.has_unfinished()):
+                    break
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    self._fail_all(exc)
+                    continue
+                for out in outputs:
+                    self._deliver(out.request_id, out, out.finished)
+                self._stats = self.engine.stats()
+        finally:
+            for rid in list(self.engine._requests):
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver(rid, out, True)
+            self._stats = self.engine.stats()
+            with self._start_lock:
+                self._closed = True
+            self._fail_commands(EngineDeadError("the engine has been shut down"))
+
+    def _handle_commands(self) -> None:
+        while True:
+            try:
+                kind, args, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._command(kind, args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            self._stats = self.engine.stats()
+
+    def _command(self, kind: str, args: tuple[Any, ...]) -> Any:
+        if kind == "add":
+            request, loop, outputs = args
+            if self._stopping is not None:
+                raise EngineDeadError("the engine is shutting down")
+            self.engine.add_request(request)
+            self._streams[request.request_id] = (loop, outputs)
+            return None
+        if kind == "abort":
+            (rid,) = args
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._deliver(rid, out, True)
+            return out
+        if kind == "stop":
+            (drain,) = args
+            self._stopping = bool(drain)
+            if not drain:
+                for rid in list(self.engine._requests):
+                    self._command("abort", (rid,))
+            return None
+        raise ValueError(f"unknown engine command {kind!r}")
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
+        target = self._streams.pop(rid, None) if last else self._streams.get(rid)
+        if target is None:
+            return
+        loop, outputs = target
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody listens any more
+            self._streams.pop(rid, None)
+            self.engine.abort(rid)
+
+    def _fail_all(self, exc: Exception) -> None:
+        log.error("engine step failed", error=repr(exc))
+        for rid in list(self.engine._requests):
+            self.engine.abort(rid)
+        for rid in list(self._streams):
+            self._deliver(rid, exc, True)
+        self._stats = self.engine.stats()
+
+    def _fail_commands(self, exc: Exception) -> None:
+        while True:
+            try:
+                _, _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)

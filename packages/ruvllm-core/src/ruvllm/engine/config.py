@@ -1,0 +1,75 @@
+"""Engine configuration and the default KV-cache size rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ruvllm.block_manager import EVICTION_POLICIES
+from ruvllm.errors import RequestError
+from ruvllm.model_config import ModelConfig
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    #: Tokens per KV block.
+    block_size: int = 16
+    #: KV blocks in the cache; None: see :func:`default_num_blocks`.
+    num_blocks: int | None = None
+    #: Sequences admitted to run at once (the choices of an ``n > 1`` request count one each).
+    max_num_seqs: int = 64
+    #: Tokens one forward step may carry (prefill chunks plus one per decoding sequence).
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    #: Which unreferenced cached block to evict first: ``lru``, ``lfu`` or ``fifo``.
+    eviction: str = "lru"
+    #: ``fcfs`` (order of arrival) or ``priority`` (lower ``GenerationRequest.priority`` first).
+    policy: str = "fcfs"
+    #: Passed to the backend's ``kv_cache`` hook.
+    kv_cache_options: dict[str, Any] = field(default_factory=dict)
+    #: Longest sequence (prompt + completion) served; None: the model's context length.
+    max_model_len: int | None = None
+    #: Memory budget of the KV cache when ``num_blocks`` is None.
+    kv_cache_memory_bytes: int = 2 * 1024**3
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise RequestError(msg)
+
+        if self.block_size < 1:
+            bad(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            bad(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            bad(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            bad(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.eviction not in EVICTION_POLICIES:
+            bad(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            bad(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes < 1:
+            bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, bytes_per_value: int = 4) -> int:
+    """Bytes of keys plus values of one block across all layers (float32 unless told)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * bytes_per_value
+
+
+def default_num_blocks(config: ModelConfig, engine: EngineConfig, max_model_len: int) -> int:
+    """KV blocks to allocate when ``EngineConfig.num_blocks`` is None.
+
+    Rule: enough blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens each, capped so
+    the cache (float32 keys and values of every layer) stays within ``kv_cache_memory_bytes``;
+    at least one block. Requests that could not fit the resulting cache alone are refused when they
+    are added; the scheduler preempts when concurrent ones outgrow it.
+    """
+    per_sequence = -(-max_model_len // engine.block_size)
+    wanted = engine.max_num_seqs * per_sequence
+    affordable = engine.kv_cache_memory_bytes // kv_block_bytes(config, engine.block_size)
+    return max(1, min(wanted, affordable))

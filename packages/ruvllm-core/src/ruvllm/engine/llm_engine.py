@@ -1,0 +1,379 @@
+"""The synchronous, step-driven engine: add requests, call ``step()``, read outputs."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+
+from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.block_manager import BlockManager
+from ruvllm.engine.config import EngineConfig, default_num_blocks
+from ruvllm.engine.scheduler import Scheduler, SchedulerOutput
+from ruvllm.engine.sequence import RequestState, Sequence
+from ruvllm.engine.types import (
+    ChoiceDelta,
+    EngineStats,
+    GenerationRequest,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from ruvllm.errors import RequestError
+from ruvllm.inference import InferenceRequest, InferenceResult
+from ruvllm.sampling import Sampler, SampleResult
+
+if TYPE_CHECKING:
+    from ruvllm.runtime import LoadedModel
+    from ruvllm.tokenizer import Tokenizer
+
+log = structlog.get_logger("ruvllm.engine")
+
+
+class LLMEngine:
+    """Continuous batching over one loaded model.
+
+    ``add_request`` queues a request, ``step`` runs one forward pass over every scheduled sequence
+    (prefill chunks and decodes together) and returns a :class:`RequestOutput` delta for each
+    request that made progress. ``stream`` and ``generate`` drive ``step`` for you.
+    """
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        config.validate()
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eviction=config.eviction,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.policy,
+        )
+        self.cache = model.allocate_cache(self.num_blocks, config.block_size, **config.kv_cache_options)
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self._requests: dict[str, RequestState] = {}
+        self._order = itertools.count()
+        #: Outputs of other requests produced while ``stream``/``generate`` drove the engine.
+        self._undelivered: list[RequestOutput] = []
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue ``request``. Raises :class:`RequestError` for invalid or oversized requests."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already running")
+        vocab = self.model.config.vocab_size
+        inference = InferenceRequest(
+            request_id=rid,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=copy.deepcopy(request.sampling),
+            prompt=request.prompt,
+            user=request.user,
+        )
+        # Plugins may adjust sampling or attach an adapter before anything is checked or scheduled.
+        self.model.host.hook.pre_inference(request=inference)
+        prompt = [int(t) for t in inference.prompt_token_ids]
+        sampling = inference.sampling
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        sampling.validate(vocab)
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; the model context is {self.max_model_len}")
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model "
+                f"context of {self.max_model_len} tokens"
+            )
+        need = self.block_manager.blocks_needed(len(prompt) + sampling.max_tokens)
+        if need > self.num_blocks:
+            raise RequestError(
+                f"the request needs {need} KV blocks but the cache has {self.num_blocks}; "
+                "lower max_tokens or give the engine more KV blocks"
+            )
+        state = RequestState(
+            request=request,
+            inference=inference,
+            sampling=sampling,
+            prompt_token_ids=prompt,
+            order=next(self._order),
+            metrics=RequestMetrics(prompt_tokens=len(prompt)),
+        )
+        state.seqs.append(self._new_sequence(state, 0))
+        self._requests[rid] = state
+        self.scheduler.add(state.seqs[0])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop ``request_id`` now and free its blocks. Returns its final output (finish reason
+        ``abort``), or None when no such request is running."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+        n_known = len(state.seqs)
+        output = self._output(state, time.monotonic(), finished=True)
+        # Choices never forked off still get their (empty) final delta.
+        output.deltas.extend(ChoiceDelta(i, "", [], finish_reason="abort") for i in range(n_known, state.sampling.n))
+        self._finish_request(state, "abort")
+        return output
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        """Engine-wide figures; ``running``/``waiting`` count sequences (choices)."""
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks_used=self.block_manager.num_used_blocks,
+            blocks_total=self.num_blocks,
+            preemptions=self.scheduler.preemptions,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
+        )
+
+    # ---------------------------------------------------------------------------------- steps
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward step; returns the outputs of requests that made progress."""
+        outputs, self._undelivered = self._undelivered, []
+        return outputs + self._step()
+
+    def stream(self, request: GenerationRequest) -> Iterator[RequestOutput]:
+        """Add ``request`` and yield its outputs as steps produce them. Closing the iterator early
+        aborts the request. Other requests keep running; their outputs come from the next ``step``."""
+        self.add_request(request)
+        rid = request.request_id
+        done = False
+        try:
+            while rid in self._requests:
+                for out in self._step():
+                    if out.request_id != rid:
+                        self._undelivered.append(out)
+                        continue
+                    yield out
+                    if out.finished:
+                        done = True
+                        return
+        finally:
+            if not done:
+                self.abort(rid)
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[list[RequestOutput]]:
+        """Run ``requests`` to completion together; returns each one's outputs in order."""
+        requests = list(requests)
+        added: list[str] = []
+        try:
+            for r in requests:
+                self.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            for rid in added:
+                self.abort(rid)
+            raise
+        collected: dict[str, list[RequestOutput]] = {rid: [] for rid in added}
+        pending = set(added)
+        while pending:
+            for out in self._step():
+                if out.request_id in collected:
+                    collected[out.request_id].append(out)
+                    if out.finished:
+                        pending.discard(out.request_id)
+                else:
+                    self._undelivered.append(out)
+        return [collected[rid] for rid in added]
+
+    def _step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            if self._requests:
+                # Cannot happen for requests that passed add_request's checks.
+                raise RuntimeError(
+                    f"the scheduler made no progress with {len(self.scheduler.waiting)} waiting sequences"
+                )
+            return []
+        now = time.monotonic()
+        for seq in sched.admitted:
+            st = seq.state
+            if st.first_scheduled is None:
+                st.first_scheduled = now
+                st.metrics.queue_time = now - st.request.arrival_time
+                st.metrics.cached_tokens = seq.num_cached_tokens or 0
+        try:
+            result = self.model.forward(self._batch(sched), self.cache)
+        except Exception:
+            # What the step wrote is unknown: drop every request that was in it, then report.
+            for rid in {c.seq.state.request.request_id for c in sched.chunks}:
+                self.abort(rid)
+            raise
+        self.scheduler.update_after_forward(sched)
+        now = time.monotonic()
+        progressed: dict[str, RequestState] = {}
+        for i, chunk in enumerate(sched.chunks):
+            if not chunk.completes:
+                continue
+            seq, st = chunk.seq, chunk.seq.state
+            logits = result.logits[i]
+            if not st.forked and st.sampling.n > 1:
+                targets = self._fork(seq)
+            else:
+                targets = [seq]
+            for s in targets:
+                self._append_token(s, s.sampler.sample(logits))
+            progressed[st.request.request_id] = st
+        outputs = []
+        for st in progressed.values():
+            m = st.metrics
+            if st.last_token_time is None:
+                m.ttft = now - st.request.arrival_time
+            else:
+                m.inter_token_latencies.append(now - st.last_token_time)
+            st.last_token_time = now
+            for s in st.seqs:
+                if s.finished and s in self.scheduler.running:
+                    self.scheduler.remove(s)
+            finished = st.finished
+            outputs.append(self._output(st, now, finished))
+            if finished:
+                del self._requests[st.request.request_id]
+                self._finish_request(st, st.seqs[0].finish_reason or "stop")
+        return outputs
+
+    def _batch(self, sched: SchedulerOutput) -> ForwardBatch:
+        bm = self.block_manager
+        chunks = [
+            SequenceChunk(
+                token_ids=np.asarray(c.token_ids, dtype=np.int32),
+                start_pos=c.start,
+                block_table=np.asarray(bm.block_table(c.seq.seq_id), dtype=np.int32),
+                adapter=c.seq.state.adapter,
+            )
+            for c in sched.chunks
+        ]
+        return ForwardBatch(chunks=chunks, block_size=bm.block_size, block_copies=sched.block_copies)
+
+    # --------------------------------------------------------------------------- sequences
+
+    def _new_sequence(self, state: RequestState, index: int) -> Sequence:
+        from ruvllm.tokenizer import IncrementalDetokenizer
+
+        sampler = Sampler(state.sampling, state.prompt_token_ids, self.eos_token_ids, choice_index=index)
+        return Sequence(state, index, sampler, IncrementalDetokenizer(self.tokenizer))
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The prompt of an ``n > 1`` request is computed once; its choices then share its blocks."""
+        st = parent.state
+        for index in range(1, st.sampling.n):
+            child = self._new_sequence(st, index)
+            st.seqs.append(child)
+            self.scheduler.fork(parent, child)
+        st.forked = True
+        return list(st.seqs)
+
+    def _append_token(self, seq: Sequence, sample: SampleResult) -> None:
+        p = seq.state.sampling
+        token = sample.token_id
+        seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
+        if p.logprobs is not None:
+            seq.new_logprobs.append(self._token_logprob(sample))
+        produced = len(seq.token_ids) - seq.num_prompt_tokens
+        may_stop = produced >= p.min_tokens
+        if token in self.eos_token_ids and not p.ignore_eos and may_stop:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids and may_stop:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        else:
+            text, stop = seq.text.feed(seq.detokenizer.push(token), may_stop)
+            seq.emit_text(text)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+        if seq.finish_reason is None and (produced >= p.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            text, stop = seq.text.finish(seq.detokenizer.flush(), may_stop)
+            seq.emit_text(text)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _token_logprob(self, sample: SampleResult) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        return TokenLogprob(
+            token_id=sample.token_id,
+            token=decode([sample.token_id]),
+            logprob=sample.logprob,
+            top=[(t, decode([t]), lp) for t, lp in sample.top_logprobs],
+        )
+
+    # ------------------------------------------------------------------------------ outputs
+
+    def _output(self, st: RequestState, now: float, finished: bool) -> RequestOutput:
+        deltas = []
+        for s in st.seqs:
+            report_finish = s.finished and not s.finish_reported
+            if not (s.new_token_ids or s.new_text or report_finish):
+                continue
+            deltas.append(
+                ChoiceDelta(
+                    index=s.index,
+                    text=s.new_text,
+                    token_ids=s.new_token_ids,
+                    logprobs=s.new_logprobs if st.sampling.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+            s.new_token_ids, s.new_text, s.new_logprobs = [], "", []
+            s.finish_reported = s.finished
+        m = st.metrics
+        m.completion_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in st.seqs)
+        if finished:
+            m.e2e = now - st.request.arrival_time
+        metrics = replace(m, inter_token_latencies=list(m.inter_token_latencies))
+        return RequestOutput(st.request.request_id, deltas, finished, metrics)
+
+    def _finish_request(self, st: RequestState, finish_reason: str) -> None:
+        first = st.seqs[0]
+        m = st.metrics
+        result = InferenceResult(
+            request_id=st.request.request_id,
+            output_token_ids=list(first.output_token_ids),
+            text=first.output_text,
+            finish_reason=finish_reason,
+            prompt_tokens=m.prompt_tokens,
+            cached_tokens=m.cached_tokens,
+            queue_time=m.queue_time,
+            ttft=m.ttft,
+            e2e=m.e2e,
+        )
+        try:
+            self.model.host.hook.post_inference(request=st.inference, result=result)
+        except Exception as exc:  # an observer's failure must not take the engine down
+            log.warning("post_inference hook failed", request_id=st.request.request_id, error=repr(exc))
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        blocks = f"{s.blocks_used}/{s.blocks_total}"
+        return f"LLMEngine({self.model.name}, running={s.running}, waiting={s.waiting}, blocks={blocks})"

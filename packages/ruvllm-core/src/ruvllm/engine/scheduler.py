@@ -1,0 +1,179 @@
+"""Which sequences run in the next forward step, and on how many of their tokens.
+
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, oldest
+first: a decoding sequence needs one token, one still prefilling gets the rest of its prompt or as
+much as the budget allows (chunked prefill). Then waiting sequences are admitted in policy order
+while the budget, the free blocks and ``max_num_seqs`` allow. When a running sequence needs a block
+and none is free, the newest running sequence is preempted: its blocks are freed and it waits to
+be recomputed (its prompt and output so far, largely from the prefix cache). Nobody fails for lack
+of blocks; a request that could never fit is refused when it is added.
+
+The scheduler speaks block ids and token ids only; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from ruvllm.block_manager import BlockManager
+from ruvllm.engine.config import SCHEDULING_POLICIES
+from ruvllm.engine.sequence import Sequence
+from ruvllm.errors import RequestError
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+    @property
+    def completes(self) -> bool:
+        """This chunk reaches the sequence's last token, so its logits yield the next token."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise RequestError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        #: Sorted by :meth:`key`, first to be admitted first.
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_queried_tokens = 0
+
+    def key(self, seq: Sequence) -> tuple[int, ...]:
+        """Scheduling order: smaller runs first and is preempted last."""
+        if self.policy == "priority":
+            return (seq.state.request.priority, seq.state.order, seq.index)
+        return (seq.state.order, seq.index)
+
+    # ----------------------------------------------------------------------------- membership
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self.key)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` on ``parent``'s blocks (shared until one of them writes into one)."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed = parent.num_computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out (finished or aborted) and free its blocks at once."""
+        self.block_manager.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # ------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        if self.policy == "priority":
+            self._make_room_for_more_important()
+        self.running.sort(key=self.key)
+
+        # Running sequences, oldest first; victims of preemption come from the newest end, which
+        # has not been scheduled yet in this loop.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            while not bm.allocate_slots(seq.seq_id, seq.num_computed, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed, num_new))
+                budget -= num_new
+                i += 1
+
+        # Waiting sequences; none while the running ones are short of blocks.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = bm.get_cached_prefix(seq.token_ids) if seq.cacheable else None
+            computed = hit.num_tokens if hit is not None else 0
+            num_new = min(len(seq.token_ids) - computed, budget)
+            if not bm.allocate_slots(seq.seq_id, computed, num_new, hit):
+                break
+            self.waiting.pop(0)
+            seq.num_computed = computed
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = computed
+            self.prefix_cache_queried_tokens += len(seq.token_ids)
+            self.prefix_cache_hit_tokens += computed
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.chunks.append(ScheduledChunk(seq, computed, num_new))
+            budget -= num_new
+
+        out.block_copies = bm.take_copies()
+        return out
+
+    def update_after_forward(self, out: SchedulerOutput) -> None:
+        """Record the keys/values the step computed and publish newly full blocks to the cache."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.num_tokens
+            if seq.cacheable:
+                self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed = 0
+        self.preemptions += 1
+        self.add(seq)
+
+    def _make_room_for_more_important(self) -> None:
+        """Priority policy: preempt less important running sequences while the most important
+        waiting one cannot be admitted for lack of a seat or of blocks for its first chunk."""
+        bm = self.block_manager
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            worst = max(self.running, key=self.key)
+            if self.key(worst) <= self.key(head):
+                return
+            first_chunk = min(len(head.token_ids), self.max_num_batched_tokens)
+            if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= bm.blocks_needed(first_chunk):
+                return
+            self._preempt(worst)
