@@ -1,0 +1,72 @@
+"""Attention over the paged KV cache: the jax.numpy reference and the dispatch to Pallas kernels.
+
+All implementations share one signature. ``q`` is ``[S, Q, heads, head_dim]``: ``Q`` new tokens of
+each of ``S`` sequences (padded); ``q_pos[s, i]`` is the position of query ``i``; a query attends to
+the keys at positions ``p <= q_pos[s, i]`` with ``p < context[s]``, read through ``tables[s]``
+(position ``p`` lives in block ``tables[s, p // block_size]`` at offset ``p % block_size``). The cache
+holds all layers, ``[layers, num_blocks, block_size, kv_heads, head_dim]``; ``layer`` picks one.
+Queries with nothing to attend to (padding) get zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+#: Large negative, finite, so fully masked rows never produce NaN.
+MASK_VALUE = -1e30
+
+
+def reference_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    q_pos: jax.Array,
+    context: jax.Array,
+) -> jax.Array:
+    s, nq, nh, hd = q.shape
+    _, _, bs, nkv, _ = k_cache.shape
+    group = nh // nkv
+    keys = tables.shape[1] * bs
+    k = k_cache[layer, tables].reshape(s, keys, nkv, hd)
+    v = v_cache[layer, tables].reshape(s, keys, nkv, hd)
+    qg = q.reshape(s, nq, nkv, group, hd)
+    scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    kpos = jnp.arange(keys, dtype=jnp.int32)
+    mask = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < context[:, None, None])
+    mask = mask[:, None, None]  # [S, 1, 1, Q, L]
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("skgql,slkd->sqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(s, nq, nh, hd).astype(q.dtype)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    q_pos: jax.Array,
+    context: jax.Array,
+    *,
+    impl: str = "reference",
+) -> jax.Array:
+    """Dispatch: ``reference``, or the Pallas kernels (``pallas`` compiled for CUDA,
+    ``pallas_interpret`` interpreted anywhere): decode kernel for one query per sequence, flash
+    prefill kernel otherwise."""
+    if impl == "reference":
+        return reference_paged_attention(q, k_cache, v_cache, layer, tables, q_pos, context)
+    from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention
+
+    interpret = impl == "pallas_interpret"
+    if q.shape[1] == 1:
+        return paged_decode_attention(q[:, 0], k_cache, v_cache, layer, tables, context, interpret=interpret)[:, None]
+    return paged_prefill_attention(q, k_cache, v_cache, layer, tables, q_pos[:, 0], context, interpret=interpret)

@@ -1,0 +1,258 @@
+"""Pallas attention kernels over the paged KV cache, written for the Triton (CUDA) lowering.
+
+Both kernels run one program per (sequence, kv head[, query tile]) and stream the sequence's keys
+and values through its block table in steps of ``pages_per_step`` blocks, with an online softmax
+(flash attention), so nothing of size ``context`` is ever materialized. All query heads that share
+a kv head (GQA) are processed together as the rows of one tile, so each key block is read once per
+group. Triton wants power-of-two tile sides of at least 16, so the group is padded up to that.
+
+The cache is passed whole, viewed as a ``[layers * blocks * block_size, kv_heads * head_dim]``
+matrix (a free reshape), and rows are gathered from it with computed indices: the layer and the
+block table are runtime values, which block specs cannot express on this lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+MASK_VALUE = -1e30
+#: Keys streamed per inner step (rounded to whole blocks).
+KEYS_PER_STEP = 64
+#: Query tile rows (query tokens x heads of a group) of the prefill kernel.
+QUERY_ROWS = 64
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def _stream_keys(
+    q, scale, k_ref, v_ref, tables_ref, *, layer, head, num_blocks, block_size, pages_per_step, steps, q_pos, length
+):
+    """Online-softmax attention of the tile ``q`` ``[M, D]`` over ``steps`` key steps; query row ``m``
+    sees keys at positions ``<= q_pos[m]`` and ``< length``."""
+    m_rows, hd = q.shape
+    keys = pages_per_step * block_size
+    r = jnp.arange(keys, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        page = tables_ref[i * pages_per_step + r // block_size]
+        rows = (layer * num_blocks + page) * block_size + r % block_size
+        k = k_ref[rows, pl.ds(head * hd, hd)]
+        v = v_ref[rows, pl.ds(head * hd, hd)]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        kpos = i * keys + r
+        valid = (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] < length)
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_new = jnp.maximum(m_prev, s.max(axis=-1))
+        corr = jnp.exp(m_prev - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = l_prev * corr + p.sum(axis=-1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc * corr[:, None] + pv, m_new, l_new
+
+    init = (
+        jnp.zeros((m_rows, hd), jnp.float32),
+        jnp.full((m_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    acc, _, l_sum = lax.fori_loop(0, steps, body, init)
+    return acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
+
+
+def _decode_kernel(
+    layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, num_blocks, block_size, pages_per_step, scale
+):
+    s, head = pl.program_id(0), pl.program_id(1)
+    length = lens_ref[s]
+    q = q_ref[...]
+    keys = pages_per_step * block_size
+    q_pos = jnp.full((q.shape[0],), length - 1, jnp.int32)
+    out = _stream_keys(
+        q,
+        scale,
+        k_ref,
+        v_ref,
+        tables_ref,
+        layer=layer_ref[0],
+        head=head,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        pages_per_step=pages_per_step,
+        steps=pl.cdiv(length, keys),
+        q_pos=q_pos,
+        length=length,
+    )
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _prefill_kernel(
+    layer_ref,
+    start_ref,
+    lens_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    num_blocks,
+    block_size,
+    pages_per_step,
+    scale,
+    group_rows,
+    tile_tokens,
+):
+    s, head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length = start_ref[s], lens_ref[s]
+    q = q_ref[...]
+    first = start + tile * tile_tokens
+    q_pos = first + jnp.arange(q.shape[0], dtype=jnp.int32) // group_rows
+    keys = pages_per_step * block_size
+    # Causal: the tile needs keys up to its last query; a tile of padding only needs none.
+    kv_end = jnp.minimum(length, first + tile_tokens)
+    steps = jnp.where(first < length, pl.cdiv(kv_end, keys), 0)
+    out = _stream_keys(
+        q,
+        scale,
+        k_ref,
+        v_ref,
+        tables_ref,
+        layer=layer_ref[0],
+        head=head,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        pages_per_step=pages_per_step,
+        steps=steps,
+        q_pos=q_pos,
+        length=length,
+    )
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _cache_matrix(cache: jax.Array) -> jax.Array:
+    layers, blocks, bs, kvh, hd = cache.shape
+    return cache.reshape(layers * blocks * bs, kvh * hd)
+
+
+def _pad_tables(tables: jax.Array, pages_per_step: int) -> jax.Array:
+    extra = -tables.shape[1] % pages_per_step
+    return jnp.pad(tables, ((0, 0), (0, extra))) if extra else tables
+
+
+def _full(x: jax.Array) -> pl.BlockSpec:
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def paged_decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    context: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """One query per sequence: ``q`` ``[S, heads, head_dim]`` at position ``context[s] - 1`` attends
+    over positions ``0 .. context[s]``. Returns ``[S, heads, head_dim]``."""
+    s, nh, hd = q.shape
+    _layers, num_blocks, bs, nkv, _ = k_cache.shape
+    group = nh // nkv
+    gp = _pow2_at_least(group)
+    pages = max(1, KEYS_PER_STEP // bs)
+    qg = jnp.pad(q.reshape(s, nkv, group, hd), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    tables = _pad_tables(tables.astype(jnp.int32), pages)
+    layer_arr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    context = context.astype(jnp.int32)
+    kernel = functools.partial(
+        _decode_kernel, num_blocks=num_blocks, block_size=bs, pages_per_step=pages, scale=1.0 / math.sqrt(hd)
+    )
+    k2, v2 = _cache_matrix(k_cache), _cache_matrix(v_cache)
+    out = pl.pallas_call(
+        kernel,
+        grid=(s, nkv),
+        in_specs=[
+            _full(layer_arr),
+            _full(context),
+            pl.BlockSpec((None, tables.shape[1]), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, None, gp, hd), lambda i, h: (i, h, 0, 0)),
+            _full(k2),
+            _full(v2),
+        ],
+        out_specs=pl.BlockSpec((None, None, gp, hd), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        interpret=interpret,
+        name="ruvllm_paged_decode_attention",
+    )(layer_arr, context, tables, qg, k2, v2)
+    return out[:, :, :group].reshape(s, nh, hd)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def paged_prefill_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    start: jax.Array,
+    context: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal flash attention of chunks: ``q`` ``[S, Q, heads, head_dim]``, query ``i`` of sequence
+    ``s`` at position ``start[s] + i`` attends over positions ``<= start[s] + i`` and
+    ``< context[s]`` (its own chunk's keys must already be in the cache). Returns ``q``'s shape."""
+    s, nq, nh, hd = q.shape
+    _layers, num_blocks, bs, nkv, _ = k_cache.shape
+    group = nh // nkv
+    gp = _pow2_at_least(group, floor=1)
+    tile_tokens = max(1, QUERY_ROWS // gp)
+    nq_pad = -(-nq // tile_tokens) * tile_tokens
+    pages = max(1, KEYS_PER_STEP // bs)
+    # [S, Q, kvh, g, D] -> [S, kvh, Q * gp, D]: a tile's rows are consecutive tokens, each with its
+    # whole head group, so one tile shares one kv head.
+    qg = q.reshape(s, nq, nkv, group, hd)
+    qg = jnp.pad(qg, ((0, 0), (0, nq_pad - nq), (0, 0), (0, gp - group), (0, 0)))
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(s, nkv, nq_pad * gp, hd)
+    tables = _pad_tables(tables.astype(jnp.int32), pages)
+    layer_arr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    start, context = start.astype(jnp.int32), context.astype(jnp.int32)
+    rows = tile_tokens * gp
+    kernel = functools.partial(
+        _prefill_kernel,
+        num_blocks=num_blocks,
+        block_size=bs,
+        pages_per_step=pages,
+        scale=1.0 / math.sqrt(hd),
+        group_rows=gp,
+        tile_tokens=tile_tokens,
+    )
+    k2, v2 = _cache_matrix(k_cache), _cache_matrix(v_cache)
+    out = pl.pallas_call(
+        kernel,
+        grid=(s, nkv, nq_pad // tile_tokens),
+        in_specs=[
+            _full(layer_arr),
+            _full(start),
+            _full(context),
+            pl.BlockSpec((None, tables.shape[1]), lambda i, h, t: (i, 0)),
+            pl.BlockSpec((None, None, rows, hd), lambda i, h, t: (i, h, t, 0)),
+            _full(k2),
+            _full(v2),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, hd), lambda i, h, t: (i, h, t, 0)),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        interpret=interpret,
+        name="ruvllm_paged_prefill_attention",
+    )(layer_arr, start, context, tables, qg, k2, v2)
+    out = out.reshape(s, nkv, nq_pad, gp, hd)[:, :, :nq, :group]
+    return out.transpose(0, 2, 1, 3, 4).reshape(s, nq, nh, hd)

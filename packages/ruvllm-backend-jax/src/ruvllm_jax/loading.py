@@ -1,0 +1,135 @@
+"""Checkpoint -> :class:`Weights` on host: per-layer tensors stacked on a leading layer axis, matrices
+optionally quantized (RTN from float32) or kept in their GGUF blocks."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ruvllm.checkpoint import Checkpoint
+from ruvllm.errors import BackendError, ModelFormatError
+from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
+from ruvllm_jax.quant import GGUF_DIRECT_TYPES, QuantArray, from_gguf_blocks, quantize, quantize_int8
+
+_MATRICES = {
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+_VECTORS = {"input_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight"}
+_BIASES = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias"}
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _float(a: np.ndarray, dtype: str) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=DTYPES[dtype])
+
+
+def _stack(items: list):
+    """Stack per-layer arrays (or QuantArrays of one format) on a new leading axis."""
+    first = items[0]
+    if isinstance(first, QuantArray):
+        if any(
+            not isinstance(x, QuantArray)
+            or (x.bits, x.group_size, x.zero_point) != (first.bits, first.group_size, first.zero_point)
+            or (x.offset is None) != (first.offset is None)
+            for x in items
+        ):
+            raise BackendError("layers store one weight in different formats; load with quantization q8/q4 or none")
+        return QuantArray(
+            np.stack([x.quant for x in items]),
+            np.stack([x.scale for x in items]),
+            None if first.offset is None else np.stack([x.offset for x in items]),
+            bits=first.bits,
+            group_size=first.group_size,
+            zero_point=first.zero_point,
+        )
+    return np.stack(items)
+
+
+class WeightLoader:
+    """Reads one checkpoint's tensors in the form the options ask for."""
+
+    def __init__(self, checkpoint: Checkpoint, spec: ModelSpec, quantization: str, keep_gguf_blocks: bool) -> None:
+        self.ckpt = checkpoint
+        self.spec = spec
+        self.quantization = quantization
+        self.keep_gguf_blocks = keep_gguf_blocks and checkpoint.format == "gguf"
+
+    def _direct(self, name: str) -> QuantArray | None:
+        if not self.keep_gguf_blocks:
+            return None
+        raw = self.ckpt.raw_tensor(name)
+        if raw.ggml_type not in GGUF_DIRECT_TYPES or len(raw.shape) != 2 or raw.shape[1] % 32:
+            return None
+        return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
+
+    def matrix(self, name: str):
+        direct = self._direct(name)
+        if direct is not None:
+            return direct
+        w = self.ckpt.tensor(name)
+        if self.quantization == "none":
+            return _float(w, self.spec.dtype)
+        return quantize(w, self.quantization)
+
+    def embedding(self, name: str):
+        direct = self._direct(name)
+        if direct is not None:
+            return direct
+        w = self.ckpt.tensor(name)
+        if self.quantization == "none":
+            return _float(w, self.spec.dtype)
+        # int8 per row for both q8 and q4: the embedding doubles as the output projection when tied,
+        # where int4 costs far more accuracy than it saves memory on small models.
+        return quantize_int8(w)
+
+    def vector(self, name: str) -> np.ndarray:
+        return _float(self.ckpt.tensor(name), self.spec.dtype)
+
+    def load(self) -> Weights:
+        spec = self.spec
+        names = set(self.ckpt.tensor_names())
+        per_layer: dict[str, list] = {k: [] for k in (*_MATRICES, *_VECTORS, *_BIASES)}
+        for i in range(spec.num_layers):
+            pre = f"model.layers.{i}."
+            for key, suffix in _MATRICES.items():
+                per_layer[key].append(self.matrix(pre + suffix))
+            for key, suffix in _VECTORS.items():
+                per_layer[key].append(self.vector(pre + suffix))
+            if spec.attention_bias:
+                for key, suffix in _BIASES.items():
+                    if pre + suffix not in names:
+                        raise ModelFormatError(f"{self.ckpt.path}: tensor {pre + suffix!r} is missing")
+                    per_layer[key].append(self.vector(pre + suffix))
+        layers = LayerWeights(**{k: (_stack(v) if v else None) for k, v in per_layer.items()})
+        self._check_shapes(layers)
+        lm_head = None if spec.tie_word_embeddings else self.embedding("lm_head.weight")
+        return Weights(
+            embed=self.embedding("model.embed_tokens.weight"),
+            layers=layers,
+            final_norm=self.vector("model.norm.weight"),
+            lm_head=lm_head,
+        )
+
+    def _check_shapes(self, layers: LayerWeights) -> None:
+        s = self.spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        want = {
+            "q_proj": (q, s.hidden_size),
+            "k_proj": (kv, s.hidden_size),
+            "v_proj": (kv, s.hidden_size),
+            "o_proj": (s.hidden_size, q),
+            "gate_proj": (s.intermediate_size, s.hidden_size),
+            "up_proj": (s.intermediate_size, s.hidden_size),
+            "down_proj": (s.hidden_size, s.intermediate_size),
+        }
+        for key, shape in want.items():
+            got = tuple(getattr(layers, key).shape[1:])
+            if got != shape:
+                raise ModelFormatError(f"{self.ckpt.path}: {key} has shape {got}, the config implies {shape}")

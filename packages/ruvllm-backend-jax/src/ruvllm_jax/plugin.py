@@ -1,0 +1,63 @@
+"""The ruvllm plugin: registers the ``jax`` backend and implements its hooks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ruvllm import hookimpl
+from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions
+from ruvllm.checkpoint import Checkpoint
+
+NAME = "jax"
+
+
+def _jax_importable() -> bool:
+    try:
+        import jax  # noqa: F401
+    except Exception:  # a broken jaxlib install raises more than ImportError
+        return False
+    return True
+
+
+@hookimpl
+def register_backends(register: Callable[[BackendInfo], None]) -> None:
+    register(
+        BackendInfo(
+            name=NAME,
+            description="JAX: one jitted step per shape bucket, paged KV cache on device, int8/int4 weights, "
+            "tensor parallelism; Pallas attention kernels on CUDA",
+            priority=100,
+            available=_jax_importable,
+        )
+    )
+
+
+@hookimpl
+def load_model(backend: str, checkpoint: Checkpoint, options: LoadOptions) -> Any | None:
+    if backend != NAME:
+        return None
+    from ruvllm_jax.runner import JaxModel
+
+    return JaxModel.load(checkpoint, options)
+
+
+def _is_ours(model: Any) -> bool:
+    # Only a loaded model imports the runner (and jax): other backends' models never pay for it.
+    runner = sys.modules.get("ruvllm_jax.runner")
+    return runner is not None and isinstance(model, runner.JaxModel)
+
+
+@hookimpl
+def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, Any]) -> Any | None:
+    if not _is_ours(model):
+        return None
+    return model.allocate_cache(num_blocks, block_size, options)
+
+
+@hookimpl
+def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
+    if not _is_ours(model):
+        return None
+    return model.forward(batch, cache)

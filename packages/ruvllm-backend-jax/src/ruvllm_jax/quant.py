@@ -1,0 +1,183 @@
+"""Weight-only quantization: int8 and packed int4 weights that stay quantized in device memory.
+
+A quantized matrix is one pytree, :class:`QuantArray`; :func:`linear` and :func:`take_rows` are the
+only places that look inside it, so the model code never branches on quantization.
+
+Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
+
+* int8: ``quant`` int8 ``[out, in]``; ``W = quant * scale`` with ``scale`` ``[out, in // group]``
+  (``group == in`` means one scale per output channel).
+* int4: ``quant`` uint8 ``[out, in // 2]``; inside each group of ``group`` weights, byte ``j`` holds
+  weight ``j`` in its low nibble and weight ``j + group // 2`` in its high nibble (GGUF's Q4 layout, so
+  Q4_0 / Q4_1 blocks load as they are). ``W = (nibble - zero_point) * scale (+ offset)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ruvllm.errors import BackendError, UnsupportedQuantizationError
+
+#: ``LoadOptions.quantization`` values this backend understands.
+QUANTIZATIONS = ("none", "q8", "q4")
+#: Group size of RTN int4 (GGUF's Q4 block size, so both paths share one layout).
+Q4_GROUP = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QuantArray:
+    quant: jax.Array
+    scale: jax.Array
+    #: Per-group additive term (GGUF Q4_1's minimum); None for symmetric formats.
+    offset: jax.Array | None = None
+    bits: int = field(default=8, metadata=dict(static=True))
+    group_size: int = field(default=0, metadata=dict(static=True))
+    #: Subtracted from the stored integer before scaling (8 for symmetric 4-bit, else 0).
+    zero_point: int = field(default=0, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, cols = self.quant.shape
+        return (*lead, cols * (8 // self.bits))
+
+    @property
+    def nbytes(self) -> int:
+        leaves = [self.quant, self.scale] + ([self.offset] if self.offset is not None else [])
+        return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+    def dequantize(self, dtype: jnp.dtype) -> jax.Array:
+        """The float matrix, ``[..., out, in]`` in ``dtype`` (inside a jitted step this is fused with
+        the matmul's operand load, never kept)."""
+        q = self.quant
+        if self.bits == 4:
+            q = _unpack_nibbles(q, self.group_size)
+        *lead, out, cols = q.shape
+        groups = cols // self.group_size
+        w = q.astype(dtype) if self.zero_point == 0 else q.astype(dtype) - jnp.asarray(self.zero_point, dtype)
+        w = w.reshape(*lead, out, groups, self.group_size) * self.scale.astype(dtype)[..., None]
+        if self.offset is not None:
+            w = w + self.offset.astype(dtype)[..., None]
+        return w.reshape(*lead, out, cols)
+
+
+def _unpack_nibbles(packed: jax.Array, group: int) -> jax.Array:
+    """uint8 ``[..., out, in // 2]`` -> uint8 ``[..., out, in]`` in the GGUF Q4 in-group order."""
+    *lead, out, half = packed.shape
+    g = packed.reshape(*lead, out, half // (group // 2), group // 2)
+    both = jnp.concatenate([g & 0x0F, g >> 4], axis=-1)
+    return both.reshape(*lead, out, half * 2)
+
+
+Weight = jax.Array | QuantArray
+
+
+def linear(x: jax.Array, w: Weight) -> jax.Array:
+    """``x @ w.T`` for ``x`` ``[..., in]`` and ``w`` ``[out, in]`` (float or quantized)."""
+    if isinstance(w, QuantArray):
+        if w.bits == 8 and w.offset is None and w.scale.shape[-1] == 1:
+            # One scale per output channel: scale the product instead of the weights.
+            y = jnp.einsum("...i,oi->...o", x, w.quant.astype(x.dtype))
+            return y * w.scale[..., 0].astype(x.dtype)
+        return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype))
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def take_rows(w: Weight, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows ``w[ids]`` as float ``dtype`` (embedding lookup); only the chosen rows are dequantized."""
+    if isinstance(w, QuantArray):
+        rows = QuantArray(
+            w.quant[ids],
+            w.scale[ids],
+            None if w.offset is None else w.offset[ids],
+            bits=w.bits,
+            group_size=w.group_size,
+            zero_point=w.zero_point,
+        )
+        return rows.dequantize(dtype)
+    return w[ids].astype(dtype)
+
+
+def weight_nbytes(tree: object) -> int:
+    """Bytes held by the arrays of a weight pytree (quantized leaves count as stored)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+# -- quantizing at load (host side, NumPy) -----------------------------------------------------------
+
+
+def quantize_int8(w: np.ndarray, group_size: int | None = None) -> QuantArray:
+    """Round-to-nearest symmetric int8 of a float ``[out, in]`` matrix; per output channel when
+    ``group_size`` is None."""
+    out, cols = w.shape
+    gs = cols if group_size is None else group_size
+    if cols % gs:
+        raise BackendError(f"int8 quantization: {cols} input features are not a multiple of group size {gs}")
+    g = w.astype(np.float32).reshape(out, cols // gs, gs)
+    amax = np.abs(g).max(axis=-1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(g / scale[..., None]), -127, 127).astype(np.int8)
+    return QuantArray(q.reshape(out, cols), scale, None, bits=8, group_size=gs)
+
+
+def quantize_int4(w: np.ndarray, group_size: int = Q4_GROUP) -> QuantArray:
+    """Round-to-nearest symmetric int4 (levels -8..7, scale ``amax / 8`` like GGUF Q4_0), group-wise,
+    packed two per byte."""
+    out, cols = w.shape
+    if cols % group_size or group_size % 2:
+        raise BackendError(f"int4 quantization: {cols} input features are not a multiple of group size {group_size}")
+    g = w.astype(np.float32).reshape(out, cols // group_size, group_size)
+    # The signed value of largest magnitude maps to -8, so the full range is used in both directions.
+    idx = np.abs(g).argmax(axis=-1)[..., None]
+    extreme = np.take_along_axis(g, idx, axis=-1)[..., 0]
+    scale = (extreme / -8.0).astype(np.float16)
+    inv = np.where(scale != 0, 1.0 / scale.astype(np.float32), 0.0)
+    u = np.clip(np.rint(g * inv[..., None]) + 8, 0, 15).astype(np.uint8)
+    return QuantArray(
+        _pack_nibbles(u, group_size).reshape(out, cols // 2), scale, None, bits=4, group_size=group_size, zero_point=8
+    )
+
+
+def _pack_nibbles(u: np.ndarray, group: int) -> np.ndarray:
+    """uint8 ``[out, groups, group]`` of values < 16 -> ``[out, groups, group // 2]`` bytes."""
+    half = group // 2
+    return (u[..., :half] | (u[..., half:] << 4)).astype(np.uint8)
+
+
+def quantize(w: np.ndarray, mode: str) -> QuantArray:
+    """Quantize a float ``[out, in]`` matrix for a ``LoadOptions.quantization`` mode."""
+    if mode == "q8":
+        return quantize_int8(w)
+    if mode == "q4":
+        return quantize_int4(w)
+    raise BackendError(f"unknown quantization {mode!r} (known: {', '.join(QUANTIZATIONS)})")
+
+
+# -- GGUF blocks kept as they are ----------------------------------------------------------------------
+
+#: GGUF block types that map onto :class:`QuantArray` without re-quantizing.
+GGUF_DIRECT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+
+
+def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
+    """A :class:`QuantArray` holding GGUF Q8_0 / Q4_0 / Q4_1 blocks (``data`` uint8, one row of
+    blocks per output row) bit for bit: the values it dequantizes to are the file's."""
+    out, cols = shape
+    if ggml_type not in GGUF_DIRECT_TYPES:
+        raise UnsupportedQuantizationError(f"GGUF type {ggml_type} cannot be kept quantized (only Q8_0, Q4_0, Q4_1)")
+    nblocks = cols // 32
+    rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(out, nblocks, -1)
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0]
+    if ggml_type == "Q8_0":
+        q = rows[..., 2:34].copy().view(np.int8).reshape(out, cols)
+        return QuantArray(q, d, None, bits=8, group_size=32)
+    if ggml_type == "Q4_0":
+        packed = rows[..., 2:18].reshape(out, cols // 2)
+        return QuantArray(np.ascontiguousarray(packed), d, None, bits=4, group_size=32, zero_point=8)
+    m = rows[..., 2:4].copy().view(np.float16)[..., 0]
+    packed = rows[..., 4:20].reshape(out, cols // 2)
+    return QuantArray(np.ascontiguousarray(packed), d, m, bits=4, group_size=32, zero_point=0)
