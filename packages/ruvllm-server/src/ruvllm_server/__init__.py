@@ -1,3 +1,3 @@
-"""ruvllm OpenAI-compatible server (Litestar)."""
+"""ruvllm OpenAI-compatible server (Litestar): ``ruvllm serve MODEL`` or ``create_app(settings)``."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,276 @@
+"""The Litestar app: thin handlers over :mod:`ruvllm_server.generation`, middleware, error mapping.
+
+``create_app(settings, model=None)`` builds an app (loading ``settings.model`` in the background at
+startup when no loaded model is given); ``app_factory()`` builds one from the environment for
+``uvicorn --factory ruvllm_server.app:app_factory``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.response import Stream
+from litestar.types import Receive, Scope, Send
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ruvllm_server import __version__
+from ruvllm_server.errors import bad_request, handle_exception, model_not_found
+from ruvllm_server.generation import (
+    ChatJob,
+    CompletionJob,
+    cancel_on_disconnect,
+    check_model,
+    completion_prompts,
+    encode_chat,
+)
+from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
+from ruvllm_server.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
+    Health,
+    ModelCard,
+    ModelList,
+    Readiness,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from ruvllm_server.settings import ServerSettings, load_settings
+from ruvllm_server.state import ServerState
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state["ruvllm"]
+
+
+def _user(request: Request) -> str | None:
+    return request.scope["state"].get("ruvllm_user")
+
+
+def _track_stream(request: Request, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    # The guard closes these after the response, so a client that went away while the stream was
+    # between chunks still has its engine request aborted right away (not at garbage collection).
+    request.scope["state"].setdefault("ruvllm_streams", []).append(stream)
+    return stream
+
+
+# --- generation -------------------------------------------------------------------------------
+
+
+@post("/v1/chat/completions", status_code=200, summary="Create a chat completion", tags=["openai"])
+async def chat_completions(request: Request, data: ChatCompletionRequest) -> ChatCompletion | Stream | Response[bytes]:
+    job = ChatJob(_state(request), data, _user(request))
+    run = job.prepare()
+    if data.stream:
+        return Stream(_track_stream(request, job.stream(run)), media_type="text/event-stream", headers=SSE_HEADERS)
+    result = await cancel_on_disconnect(request.receive, lambda: job.complete(run))
+    return result if result is not None else Response(b"", status_code=499)
+
+
+@post("/v1/completions", status_code=200, summary="Create a completion", tags=["openai"])
+async def completions(request: Request, data: CompletionRequest) -> Completion | Stream | Response[bytes]:
+    job = CompletionJob(_state(request), data, _user(request))
+    run = job.prepare()
+    if data.stream:
+        return Stream(_track_stream(request, job.stream(run)), media_type="text/event-stream", headers=SSE_HEADERS)
+    result = await cancel_on_disconnect(request.receive, lambda: job.complete(run))
+    return result if result is not None else Response(b"", status_code=499)
+
+
+@post("/v1/embeddings", status_code=200, summary="Embeddings: mean-pooled final hidden states", tags=["openai"])
+async def embeddings(request: Request, data: EmbeddingRequest) -> EmbeddingList:
+    state = _state(request)
+    check_model(state, data.model)
+    embedder = state.embedder
+    assert embedder is not None
+    if data.dimensions is not None and data.dimensions != embedder.dimensions:
+        raise bad_request(
+            f"dimensions cannot be changed: this model's embeddings have {embedder.dimensions}", param="dimensions"
+        )
+    inputs = completion_prompts(state, data.input)
+    vectors = await anyio.to_thread.run_sync(embedder.embed, inputs)
+    items = []
+    for i, v in enumerate(vectors):
+        if data.encoding_format == "base64":
+            items.append(EmbeddingData(i, base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")))
+        else:
+            items.append(EmbeddingData(i, v.tolist()))
+    tokens = sum(len(ids) for ids in inputs)
+    return EmbeddingList(items, state.model_name, EmbeddingUsage(tokens, tokens))
+
+
+# --- models, tokenizer ------------------------------------------------------------------------
+
+
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(state.model_name, state.started, max_model_len=state.max_context)
+
+
+@get("/v1/models", summary="List models", tags=["openai"])
+async def list_models(request: Request) -> ModelList:
+    return ModelList([_card(_state(request))])
+
+
+@get("/v1/models/{model_id:path}", summary="Retrieve a model", tags=["openai"])
+async def retrieve_model(request: Request, model_id: str) -> ModelCard:
+    state = _state(request)
+    model_id = model_id.lstrip("/")
+    if model_id != state.model_name:
+        raise model_not_found(model_id)
+    return _card(state)
+
+
+@post("/tokenize", status_code=200, summary="Token ids of a prompt or chat", tags=["tokenizer"])
+async def tokenize(request: Request, data: TokenizeRequest) -> TokenizeResponse:
+    state = _state(request)
+    check_model(state, data.model)
+    if (data.prompt is None) == (data.messages is None):
+        raise bad_request("give exactly one of prompt and messages")
+    if data.messages is not None:
+        ids = encode_chat(state, data.messages, data.add_generation_prompt)
+    else:
+        ids = state.tokenizer.encode(data.prompt or "", add_special_tokens=data.add_special_tokens)
+    return TokenizeResponse(len(ids), state.max_context, ids)
+
+
+@post("/detokenize", status_code=200, summary="Text of token ids", tags=["tokenizer"])
+async def detokenize(request: Request, data: DetokenizeRequest) -> DetokenizeResponse:
+    state = _state(request)
+    check_model(state, data.model)
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in data.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token ids {bad[:8]} are outside the vocabulary (0..{vocab - 1})", param="tokens")
+    return DetokenizeResponse(state.tokenizer.decode(data.tokens))
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+@get("/health", summary="Liveness", tags=["operations"])
+async def health() -> Health:
+    return Health("ok")
+
+
+@get("/ready", summary="Readiness: the model is loaded and the engine runs", tags=["operations"])
+async def ready(request: Request) -> Response[Readiness]:
+    state = _state(request)
+    if state.ready:
+        return Response(Readiness("ready", state.model_name))
+    status = "draining" if state.draining else ("failed" if state.load_error else "loading")
+    return Response(Readiness(status, state.model_name, state.not_ready_reason), status_code=503)
+
+
+@get("/metrics", summary="Prometheus metrics", tags=["operations"], include_in_schema=False)
+async def metrics(request: Request) -> Response[bytes]:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+
+class RuvllmApp(Litestar):
+    """A Litestar app whose every HTTP request (404s and CORS preflights too) passes the request
+    context middleware."""
+
+    def __init__(self, server: ServerState, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.server = server
+        self._outer = RequestContextMiddleware(super().__call__, server)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._outer(scope, receive, send)
+
+
+def _closing_streams(app: Any) -> Any:
+    async def close_streams_after(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            for stream in scope["state"].pop("ruvllm_streams", ()):
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+
+    return close_streams_after
+
+
+def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
+    """The ASGI app for ``settings``; ``model`` is an already loaded ``LoadedModel`` or None."""
+    state = ServerState(settings, model)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    cors = None
+    if settings.cors_origins:
+        cors = CORSConfig(
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+            expose_headers=["X-Request-ID", "Retry-After"],
+            max_age=600,
+        )
+    return RuvllmApp(
+        state,
+        route_handlers=[
+            chat_completions,
+            completions,
+            embeddings,
+            list_models,
+            retrieve_model,
+            tokenize,
+            detokenize,
+            health,
+            ready,
+            metrics,
+        ],
+        middleware=[DefineMiddleware(guard_middleware, state=state), _closing_streams],
+        exception_handlers={Exception: handle_exception},
+        cors_config=cors,
+        lifespan=[lifespan],
+        state=_app_state(state),
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="ruvllm", version=__version__, path="/schema"),
+        debug=False,
+    )
+
+
+def _app_state(state: ServerState) -> Any:
+    from litestar.datastructures import State
+
+    return State({"ruvllm": state})
+
+
+def app_factory() -> Litestar:
+    """``uvicorn --factory ruvllm_server.app:app_factory``: settings from ``RUVLLM_*`` (and the TOML
+    file ``RUVLLM_CONFIG`` names); the model loads in the background after startup."""
+    from ruvllm.log_setup import configure_logging
+
+    settings = load_settings(config_file=os.environ.get("RUVLLM_CONFIG") or None)
+    # A server logs its access lines at INFO unless RUVLLM_LOG says otherwise.
+    os.environ.setdefault("RUVLLM_LOG", "INFO")
+    configure_logging(json=settings.log_json)
+    return create_app(settings)

@@ -1,0 +1,539 @@
+"""From OpenAI requests to engine requests, and from engine outputs to OpenAI responses and SSE streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import jinja2
+import msgspec
+import structlog
+
+from ruvllm.engine.types import GenerationRequest, RequestOutput, TokenLogprob
+from ruvllm.errors import RequestError, RuvllmError
+from ruvllm.sampling import SamplingParams
+from ruvllm_server.errors import APIError, bad_request, model_not_found
+from ruvllm_server.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    PromptTokensDetails,
+    SamplingFields,
+    TopLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from ruvllm_server.state import ServerState
+
+log = structlog.get_logger("ruvllm.server")
+
+#: Most stop strings per request.
+MAX_STOP_STRINGS = 16
+#: Most choices (prompts x n) per completions request.
+MAX_CHOICES = 256
+#: OpenAI's default ``max_tokens`` of /v1/completions.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: Stand-in for ``-inf`` log probabilities, which JSON cannot carry.
+MIN_LOGPROB = -9999.0
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+# --- request conversion -----------------------------------------------------------------------
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise model_not_found(name)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (content parts joined into one string)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"content part type {part.type!r} is not supported (only 'text')",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        d = {"role": m.role, "content": content}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def encode_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    try:
+        return state.tokenizer.encode_chat(message_dicts(messages), add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as exc:
+        # Templates reject conversations they cannot render (e.g. roles that do not alternate).
+        raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+    except RequestError:
+        raise
+    except RuvllmError as exc:
+        raise bad_request(str(exc), param="messages") from None
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param="stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", param="stop")
+    return stops
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out
+
+
+def build_sampling(
+    state: ServerState,
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    prompt_len: int,
+    logprobs: int | None,
+) -> SamplingParams:
+    n = req.n if req.n is not None else 1
+    if n > state.settings.max_n:
+        raise bad_request(f"n must be at most {state.settings.max_n}, got {n}", param="n")
+    limit = state.max_context
+    if prompt_len >= limit:
+        raise bad_request(
+            f"the prompt is {prompt_len} tokens, which leaves no room in the context of {limit} tokens",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise bad_request(
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, limit - prompt_len),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(req.logit_bias),
+        seed=req.seed,
+        stop=_stop_strings(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
+        n=n,
+        logprobs=logprobs,
+    )
+    vocab = state.model.config.vocab_size if state.model is not None else None
+    if vocab is not None:
+        bad_ids = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_ids:
+            raise bad_request(
+                f"stop_token_ids {bad_ids} are outside the vocabulary (0..{vocab - 1})", param="stop_token_ids"
+            )
+    params.validate(vocab)
+    return params
+
+
+def completion_prompts(state: ServerState, prompt: str | list[Any]) -> list[list[int]]:
+    """Token ids of each prompt of a completions request."""
+    tok = state.tokenizer
+    vocab = tok.vocab_size
+    if isinstance(prompt, str):
+        prompts = [tok.encode(prompt)]
+    elif not prompt:
+        raise bad_request("prompt must not be an empty list", param="prompt")
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [tok.encode(p) for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            param="prompt",
+        )
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise bad_request(f"prompt {i} is empty", param="prompt")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"prompt {i} has token ids outside the vocabulary (0..{vocab - 1})", param="prompt")
+    return prompts
+
+
+# --- running requests -------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceAccumulator:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Run:
+    """The engine requests of one HTTP request, consumed as one interleaved stream."""
+
+    state: ServerState
+    requests: list[GenerationRequest]
+    finished: set[int] = field(default_factory=set)
+    last: dict[int, RequestOutput] = field(default_factory=dict)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(index of the engine request, output)`` as they arrive. Leaving early (client gone,
+        error, cancellation) aborts what has not finished."""
+        engine = self.state.engine
+        assert engine is not None
+        try:
+            if len(self.requests) == 1:
+                async for out in engine.generate(self.requests[0]):
+                    yield self._note(0, out)
+            else:
+                async for item in self._merged():
+                    yield self._note(*item)
+        finally:
+            await self._abort_unfinished()
+
+    def _note(self, i: int, out: RequestOutput) -> tuple[int, RequestOutput]:
+        self.last[i] = out
+        if out.finished:
+            self.finished.add(i)
+            self.state.metrics.observe_request(out.metrics, [d.finish_reason for d in out.deltas if d.finish_reason])
+        return i, out
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        engine = self.state.engine
+        assert engine is not None
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, req: GenerationRequest) -> None:
+            try:
+                async for out in engine.generate(req):
+                    queue.put_nowait((i, out))
+                queue.put_nowait(None)
+            except Exception as exc:  # handed to the consumer, which re-raises it
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.requests)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _abort_unfinished(self) -> None:
+        engine = self.state.engine
+        pending = [r.request_id for i, r in enumerate(self.requests) if i not in self.finished]
+        if not pending or engine is None:
+            return
+        # Shielded: this runs while the surrounding scope is being cancelled (client disconnect).
+        with anyio.CancelScope(shield=True):
+            for rid in pending:
+                await engine.abort(rid)
+        log.info("aborted unfinished requests", count=len(pending))
+
+    def usage(self) -> Usage:
+        prompt = sum(o.metrics.prompt_tokens for o in self.last.values())
+        completion = sum(o.metrics.completion_tokens for o in self.last.values())
+        cached = sum(o.metrics.cached_tokens for o in self.last.values())
+        return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached_tokens=cached))
+
+
+async def cancel_on_disconnect(receive: Callable[[], Any], work: Callable[[], Any]) -> Any:
+    """Run ``work()`` but cancel it if the client disconnects first (then returns None)."""
+    result = None
+
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    log.info("client disconnected before the response")
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        result = await work()
+        tg.cancel_scope.cancel()
+    return result
+
+
+def _clamp(lp: float) -> float:
+    return lp if lp > MIN_LOGPROB else MIN_LOGPROB
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        [
+            ChatTokenLogprob(
+                e.token,
+                _clamp(e.logprob),
+                _bytes(e.token),
+                [TopLogprob(tok, _clamp(lp), _bytes(tok)) for _, tok, lp in e.top],
+            )
+            for e in entries
+        ]
+    )
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int, top: int) -> CompletionLogprobs:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[_clamp(e.logprob) for e in entries],
+        top_logprobs=[{tok: _clamp(lp) for _, tok, lp in e.top} if top else None for e in entries],
+        text_offset=offsets,
+    )
+
+
+def _error_event(exc: Exception) -> bytes:
+    if isinstance(exc, APIError):
+        return sse(exc.body)
+    if isinstance(exc, RequestError):
+        return sse(ErrorResponse(ErrorBody(str(exc), "invalid_request_error")))
+    log.exception("generation failed mid-stream")
+    return sse(ErrorResponse(ErrorBody("internal server error (logged)", "server_error", code="internal_error")))
+
+
+# --- chat -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatJob:
+    state: ServerState
+    req: ChatCompletionRequest
+    user: str | None
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def prepare(self) -> Run:
+        req = self.req
+        check_model(self.state, req.model)
+        if req.tools:
+            raise bad_request("tools are not supported by this server", param="tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(f"response_format {req.response_format.type!r} is not supported", param="response_format")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        prompt = encode_chat(self.state, req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = build_sampling(
+            self.state,
+            req,
+            max_tokens=max_tokens,
+            default_max_tokens=self.state.max_context,
+            prompt_len=len(prompt),
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        )
+        return Run(self.state, [GenerationRequest(prompt, params, request_id=self.id, user=req.user or self.user)])
+
+    async def complete(self, run: Run) -> ChatCompletion:
+        acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(run.requests[0].sampling.n)}
+        async for _, out in run.outputs():
+            for d in out.deltas:
+                a = acc.setdefault(d.index, ChoiceAccumulator())
+                a.text.append(d.text)
+                a.token_ids.extend(d.token_ids)
+                if d.logprobs:
+                    a.logprobs.extend(d.logprobs)
+                if d.finish_reason:
+                    a.finish_reason = d.finish_reason
+        want_logprobs = bool(self.req.logprobs)
+        choices = [
+            ChatChoice(
+                i,
+                ChatResponseMessage("assistant", "".join(a.text)),
+                chat_logprobs(a.logprobs) if want_logprobs else None,
+                a.finish_reason,
+            )
+            for i, a in sorted(acc.items())
+        ]
+        return ChatCompletion(self.id, self.created, self.state.model_name, choices, run.usage())
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, choices, usage=usage))
+
+    async def stream(self, run: Run) -> AsyncIterator[bytes]:
+        n = run.requests[0].sampling.n
+        want_logprobs = bool(self.req.logprobs)
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        try:
+            yield self._chunk(
+                [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
+            )
+            async for _, out in run.outputs():
+                choices = []
+                for d in out.deltas:
+                    if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
+                        continue
+                    choices.append(
+                        ChatChunkChoice(
+                            d.index,
+                            ChatDelta(content=d.text) if d.text else ChatDelta(),
+                            chat_logprobs(d.logprobs) if want_logprobs and d.logprobs else None,
+                            d.finish_reason,
+                        )
+                    )
+                if choices:
+                    yield self._chunk(choices)
+            if include_usage:
+                yield self._chunk([], usage=run.usage())
+        except Exception as exc:  # the status line is sent: errors go into the stream
+            yield _error_event(exc)
+        yield SSE_DONE
+
+
+# --- completions ------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionJob:
+    state: ServerState
+    req: CompletionRequest
+    user: str | None
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompts_text: list[str] = field(default_factory=list)
+
+    def prepare(self) -> Run:
+        req = self.req
+        check_model(self.state, req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported by this server", param="suffix")
+        n = req.n or 1
+        if req.best_of is not None and req.best_of != n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        prompts = completion_prompts(self.state, req.prompt)
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts) * n}", param="prompt")
+        if req.echo:
+            self.prompts_text = [self.state.tokenizer.decode(p) for p in prompts]
+        requests = []
+        for i, ids in enumerate(prompts):
+            params = build_sampling(
+                self.state,
+                req,
+                max_tokens=req.max_tokens,
+                default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                prompt_len=len(ids),
+                logprobs=req.logprobs,
+            )
+            rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
+            requests.append(GenerationRequest(ids, params, request_id=rid, user=req.user or self.user))
+        return Run(self.state, requests)
+
+    def _index(self, run: Run, prompt_index: int, choice_index: int) -> int:
+        return prompt_index * run.requests[0].sampling.n + choice_index
+
+    def _echo(self, prompt_index: int) -> str:
+        return self.prompts_text[prompt_index] if self.req.echo else ""
+
+    async def complete(self, run: Run) -> Completion:
+        n = run.requests[0].sampling.n
+        acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(len(run.requests) * n)}
+        async for p, out in run.outputs():
+            for d in out.deltas:
+                a = acc[self._index(run, p, d.index)]
+                a.text.append(d.text)
+                if d.logprobs:
+                    a.logprobs.extend(d.logprobs)
+                if d.finish_reason:
+                    a.finish_reason = d.finish_reason
+        choices = []
+        for i, a in sorted(acc.items()):
+            echo = self._echo(i // n)
+            lp = (
+                completion_logprobs(a.logprobs, len(echo), self.req.logprobs) if self.req.logprobs is not None else None
+            )
+            choices.append(CompletionChoice(i, echo + "".join(a.text), lp, a.finish_reason))
+        return Completion(self.id, self.created, self.state.model_name, choices, usage=run.usage())
+
+    async def stream(self, run: Run) -> AsyncIterator[bytes]:
+        n = run.requests[0].sampling.n
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        offsets: dict[int, int] = {}
+        try:
+            if self.req.echo:
+                echoes = [CompletionChoice(i, self._echo(i // n), None, None) for i in range(len(run.requests) * n)]
+                yield sse(Completion(self.id, self.created, self.state.model_name, echoes))
+            async for p, out in run.outputs():
+                choices = []
+                for d in out.deltas:
+                    if not d.text and not d.finish_reason and not (self.req.logprobs is not None and d.logprobs):
+                        continue
+                    i = self._index(run, p, d.index)
+                    lp = None
+                    if self.req.logprobs is not None and d.logprobs:
+                        start = offsets.get(i, len(self._echo(p)))
+                        lp = completion_logprobs(d.logprobs, start, self.req.logprobs)
+                        offsets[i] = start + sum(len(e.token) for e in d.logprobs)
+                    choices.append(CompletionChoice(i, d.text, lp, d.finish_reason))
+                if choices:
+                    yield sse(Completion(self.id, self.created, self.state.model_name, choices))
+            if include_usage:
+                yield sse(Completion(self.id, self.created, self.state.model_name, [], usage=run.usage()))
+        except Exception as exc:  # the status line is sent: errors go into the stream
+            yield _error_event(exc)
+        yield SSE_DONE

@@ -1,0 +1,106 @@
+"""Prometheus metrics of one server instance, in its own registry (several apps may share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ruvllm.engine.types import EngineStats, RequestMetrics
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read at scrape time from the engine and the admission controller."""
+
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats | None], admission: Callable[[], tuple[int, int]]
+    ) -> None:
+        self._engine_stats = engine_stats
+        self._admission = admission
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight, queued = self._admission()
+        yield GaugeMetricFamily(
+            "ruvllm_server_requests_in_flight", "Requests admitted and being served", value=in_flight
+        )
+        yield GaugeMetricFamily("ruvllm_server_requests_queued", "Requests waiting for admission", value=queued)
+        stats = self._engine_stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily(
+            "ruvllm_num_requests_running", "Sequences groups running in the engine", value=stats.running
+        )
+        yield GaugeMetricFamily("ruvllm_num_requests_waiting", "Requests waiting in the engine", value=stats.waiting)
+        yield GaugeMetricFamily("ruvllm_kv_blocks_used", "KV cache blocks in use", value=stats.blocks_used)
+        yield GaugeMetricFamily("ruvllm_kv_blocks_total", "KV cache blocks allocated", value=stats.blocks_total)
+        yield CounterMetricFamily(
+            "ruvllm_preemptions", "Sequences preempted for lack of KV blocks", value=stats.preemptions
+        )
+        yield CounterMetricFamily(
+            "ruvllm_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache",
+            value=stats.prefix_cache_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "ruvllm_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=stats.prefix_cache_queried_tokens,
+        )
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "ruvllm_http_requests",
+            "HTTP requests by route template, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ruvllm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "ruvllm_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "ruvllm_e2e_request_latency_seconds", "Request latency, end to end", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "ruvllm_request_queue_time_seconds", "Time queued in the engine", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("ruvllm_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_tokens = Counter(
+            "ruvllm_prompt_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.completion_tokens = Counter("ruvllm_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "ruvllm_request_finished", "Generation requests by finish reason", ["finish_reason"], registry=r
+        )
+
+    def watch(self, engine_stats: Callable[[], EngineStats | None], admission: Callable[[], tuple[int, int]]) -> None:
+        self.registry.register(_StateCollector(engine_stats, admission))
+
+    def observe_request(self, m: RequestMetrics, finish_reasons: list[str]) -> None:
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.cached_tokens.inc(m.cached_tokens)
+        self.completion_tokens.inc(m.completion_tokens)
+        self.queue_time.observe(m.queue_time)
+        if m.completion_tokens:
+            self.ttft.observe(m.ttft)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        self.e2e.observe(m.e2e)
+        for reason in finish_reasons:
+            self.finished.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

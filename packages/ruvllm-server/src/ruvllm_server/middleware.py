@@ -1,0 +1,162 @@
+"""ASGI middleware of the server.
+
+``RequestContextMiddleware`` wraps the whole app (so it also sees 404s and CORS preflights): request
+id, the structured access log and the HTTP request counter. ``guard_middleware`` runs on matched
+routes inside Litestar, so the errors it raises get the OpenAI shape and CORS headers: API key,
+per-key rate limit, readiness and admission control.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ruvllm_server.errors import APIError
+from ruvllm_server.limits import Overloaded
+
+if TYPE_CHECKING:
+    from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+    from ruvllm_server.state import ServerState
+
+access_log = structlog.get_logger("ruvllm.server.access")
+
+#: Probes stay open with authentication on.
+OPEN_PATHS = frozenset({"/health", "/ready"})
+#: POST routes that take an admission slot.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+#: Routes that need the model loaded.
+MODEL_PATH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class RequestContextMiddleware:
+    """Request id (``X-Request-ID`` echoed, or a new one), bound into every log line of the request;
+    one access-log line and one counter sample per request."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        request_id = given if given and _REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 0
+        sent = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        start = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                # Route templates, not raw paths, keep the label set bounded.
+                route = scope.get("path_template") or "unmatched"
+                method = scope["method"]
+                self.state.metrics.http_requests.labels(route, method, str(status or 500)).inc()
+                client = scope.get("client")
+                access_log.info(
+                    "request",
+                    method=method,
+                    path=scope["path"],
+                    status=status or None,
+                    ms=round((time.perf_counter() - start) * 1000, 1),
+                    bytes=sent,
+                    client=client[0] if client else None,
+                    user=scope["state"].get("ruvllm_user"),
+                )
+
+
+def key_id(key: str) -> str:
+    """A stable, non-secret name of an API key (for logs, rate-limit buckets and ``user``)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _authenticate(scope: Scope, keys: list[str]) -> str:
+    header = _header(scope, b"authorization") or ""
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(
+            401,
+            "missing API key: send it as 'Authorization: Bearer KEY'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    # Compare against every key so timing does not reveal which (or whether a prefix) matched.
+    found = None
+    for key in keys:
+        if hmac.compare_digest(token.encode(), key.encode()):
+            found = key
+    if found is None:
+        raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return key_id(found)
+
+
+def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
+    settings = state.settings
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        if scope["type"] != "http" or path in OPEN_PATHS:
+            await app(scope, receive, send)
+            return
+        if settings.api_keys:
+            identity = _authenticate(scope, settings.api_keys)
+            scope["state"]["ruvllm_user"] = identity
+        else:
+            client = scope.get("client")
+            identity = client[0] if client else "anonymous"
+        if state.limiter is not None:
+            wait = state.limiter.acquire(identity)
+            if wait > 0:
+                raise APIError(
+                    429,
+                    f"rate limit of {settings.rate_limit:g} requests per second exceeded; retry in {wait:.2f}s",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                )
+        if path.startswith(MODEL_PATH_PREFIXES) and not state.ready:
+            raise APIError(503, state.not_ready_reason, code="not_ready", headers={"Retry-After": "5"})
+        if scope["method"] == "POST" and path in GENERATION_PATHS:
+            try:
+                async with state.admission.slot():
+                    await app(scope, receive, send)
+            except Overloaded:
+                raise APIError(
+                    503,
+                    f"server overloaded: {state.admission.running} running, {state.admission.queued} queued",
+                    code="overloaded",
+                    headers={"Retry-After": "1"},
+                ) from None
+            return
+        await app(scope, receive, send)
+
+    return guarded

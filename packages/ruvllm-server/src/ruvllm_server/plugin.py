@@ -1,0 +1,92 @@
+"""The ``ruvllm serve`` command, added to core's CLI through the ``register_commands`` hook."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ruvllm import hookimpl
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve MODEL over an OpenAI-compatible HTTP API. Settings: flags > RUVLLM_* environment "
+        "> --config TOML file > defaults.",
+    )
+    p.add_argument("model", nargs="?", default=None, help="alias (smollm2), GGUF file, HF directory or Hub repo id")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
+    p.add_argument("--quantization", default=None, choices=["none", "q8", "q4"], help="weight quantization at load")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="requests served at once (default 256)")
+    p.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot before 503 (default 512)")
+    p.add_argument("--max-context", type=int, default=None, help="prompt + completion tokens (default: the model's)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        dest="api_keys",
+        help="required Bearer key (repeatable; RUVLLM_API_KEY)",
+    )
+    p.add_argument("--cors-origins", default=None, help="comma list of allowed origins, '*' for any")
+    p.add_argument("--rate-limit", type=float, default=None, help="requests per second per key, 0 = off (default)")
+    p.add_argument("--rate-limit-burst", type=int, default=None, help="burst size of the rate limit")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: the engine's choice)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML file of settings")
+    p.set_defaults(func=cmd_serve)
+
+
+@hookimpl
+def register_commands(subparsers: Any) -> None:
+    _add_serve_parser(subparsers)
+
+
+def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
+    import uvicorn
+
+    from ruvllm.log_setup import configure_logging
+    from ruvllm_server.app import create_app
+    from ruvllm_server.settings import load_settings
+    from ruvllm_server.state import load_model
+
+    flags = {
+        "model": args.model,
+        "host": args.host,
+        "port": args.port,
+        "backend": args.backend,
+        "quantization": args.quantization,
+        "served_model_name": args.served_model_name,
+        "max_concurrent": args.max_concurrent,
+        "max_queue": args.max_queue,
+        "max_context": args.max_context,
+        "api_keys": args.api_keys,
+        "cors_origins": args.cors_origins,
+        "rate_limit": args.rate_limit,
+        "rate_limit_burst": args.rate_limit_burst,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    settings = load_settings(flags, config_file=args.config)
+    if not getattr(args, "verbose", False):
+        # The server's access lines are INFO; RUVLLM_LOG still wins when set.
+        os.environ.setdefault("RUVLLM_LOG", "INFO")
+    configure_logging(verbose=getattr(args, "verbose", False), json=settings.log_json)
+    print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
+    # Load before listening so a bad model reference fails with one line and a non-zero exit.
+    model = load_model(settings)
+    uvicorn.run(
+        create_app(settings, model),
+        host=settings.host,
+        port=settings.port,
+        access_log=False,  # ours is structured and carries the request id
+        timeout_graceful_shutdown=int(settings.drain_timeout),
+        log_level="info",
+    )
+    return 0

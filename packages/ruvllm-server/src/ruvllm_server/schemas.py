@@ -1,0 +1,292 @@
+"""Wire types of the OpenAI-compatible API (and vLLM-style /tokenize, /detokenize) as msgspec Structs.
+
+Requests ignore fields they do not know (clients send newer OpenAI fields); ranges that do not
+depend on the model are checked here so they show in the OpenAPI schema, the rest by
+``SamplingParams.validate`` and the handlers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+# --- shared -----------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields chat and completions share (OpenAI's plus vLLM's common extensions)."""
+
+    model: str
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: PositiveInt | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: PositiveInt | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    #: Token id (as a string, per the OpenAI spec) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # Extensions beyond OpenAI, as vLLM names them.
+    top_k: NonNegativeInt | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: NonNegativeInt | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+
+
+# --- chat -------------------------------------------------------------------------------------
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(Struct):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+# --- completions ------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    #: A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str | int | list[int]]
+    logprobs: TopLogprobs | None = None
+    echo: bool | None = None
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None = None
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "ruvllm"
+    object: str = "model"
+    #: Longest prompt + completion in tokens (vLLM names it so).
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# --- embeddings -------------------------------------------------------------------------------
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    model: str
+    #: A string, a list of strings, a list of token ids, or a list of token-id lists.
+    input: str | list[str | int | list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+
+
+class EmbeddingData(Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Struct):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+# --- health -----------------------------------------------------------------------------------
+
+
+class Health(Struct):
+    status: str
+
+
+class Readiness(Struct):
+    status: str
+    model: str
+    detail: str | None = None
+
+
+def encode_json(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)

@@ -1,0 +1,141 @@
+"""Server settings: command-line flags > ``RUVLLM_*`` environment > TOML file > defaults, in one Struct."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import tomllib
+
+from ruvllm.errors import RuvllmError
+
+
+class ServerConfigError(RuvllmError):
+    """A server setting is missing, unknown or out of range."""
+
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: Model reference (alias, GGUF file, HF directory, Hub repo id).
+    model: str = ""
+    #: The id clients send as ``model`` and see in ``/v1/models`` (default: derived from ``model``).
+    served_model_name: str | None = None
+    backend: str | None = None
+    quantization: str = "none"
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    #: Requests generating at once (admission control); more wait in a queue of ``max_queue``.
+    max_concurrent: Positive = 256
+    max_queue: NonNegative = 512
+    #: Longest prompt + completion in tokens (default: the model's context length).
+    max_context: Positive | None = None
+    #: Bearer keys; none means no authentication.
+    api_keys: list[str] = []
+    #: Origins allowed by CORS (``*`` for any); empty disables CORS headers.
+    cors_origins: list[str] = []
+    #: Requests per second per API key (per client address without keys); 0 disables the limit.
+    rate_limit: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: Bucket size of the rate limiter (default: the rate rounded up, at least 1).
+    rate_limit_burst: Positive | None = None
+    max_body_bytes: Positive = 4 * 1024 * 1024
+    #: Largest ``n`` (choices per request) accepted.
+    max_n: Positive = 16
+    #: Longest input of /v1/embeddings, in tokens (its private KV allocation is this long).
+    embedding_max_tokens: Positive = 512
+    block_size: Positive = 16
+    num_kv_blocks: Positive | None = None
+    max_num_seqs: Positive = 64
+    max_num_batched_tokens: Positive = 2048
+    enable_prefix_caching: bool = True
+    #: Seconds to wait for in-flight requests at shutdown.
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    #: JSON log lines (default: when stderr is not a terminal).
+    log_json: bool | None = None
+
+    @property
+    def model_name(self) -> str:
+        """What clients call the model."""
+        if self.served_model_name:
+            return self.served_model_name
+        p = Path(self.model)
+        # A path is shown by its file or directory name, an alias or repo id as given.
+        return p.stem if p.suffix == ".gguf" else (p.name if p.is_dir() else self.model)
+
+    def masked(self) -> dict[str, Any]:
+        """The settings as a dict with secrets replaced, for printing at start."""
+        out = msgspec.to_builtins(self)
+        out["api_keys"] = ["***"] * len(self.api_keys)
+        return out
+
+
+_FIELDS = {f.name: f for f in msgspec.structs.fields(ServerSettings)}
+_LIST_FIELDS = {"api_keys", "cors_origins"}
+#: Singular spellings accepted in TOML and the environment (``RUVLLM_API_KEY``).
+_ALIASES = {"api_key": "api_keys", "cors_origin": "cors_origins"}
+ENV_PREFIX = "RUVLLM_"
+
+
+def _normalise(source: str, raw: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_").lower()
+        name = _ALIASES.get(name, name)
+        if name not in _FIELDS:
+            raise ServerConfigError(f"{source}: unknown setting {key!r}")
+        if name in _LIST_FIELDS and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        out[name] = value
+    return out
+
+
+def from_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Settings in a TOML file: top-level keys, or a ``[server]`` table."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ServerConfigError(f"config file {str(p)!r} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ServerConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    if isinstance(data.get("server"), dict) and len(data) == 1:
+        data = data["server"]
+    return _normalise(f"config file {str(p)!r}", data)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Settings named ``RUVLLM_<FIELD>`` in the environment; other RUVLLM_* variables belong to core."""
+    environ = os.environ if environ is None else environ
+    raw = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        name = _ALIASES.get(name, name)
+        if name in _FIELDS:
+            raw[name] = value
+    return _normalise("environment", raw)
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerSettings:
+    """Merge the sources (flags > environment > TOML > defaults). ``None`` flags count as unset."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(from_toml(config_file))
+    merged.update(from_env(environ))
+    merged.update(_normalise("flags", {k: v for k, v in (flags or {}).items() if v is not None}))
+    try:
+        # Non-strict so that environment strings ("8000", "true") convert to their field types.
+        return msgspec.convert(merged, ServerSettings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ServerConfigError(f"invalid server setting: {exc}") from None

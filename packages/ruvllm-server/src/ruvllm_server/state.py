@@ -1,0 +1,147 @@
+"""What one server instance holds: settings, the loaded model and its engine, limits and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from ruvllm.errors import RuvllmError
+from ruvllm_server.limits import AdmissionController, TokenBucketLimiter
+from ruvllm_server.metrics import ServerMetrics
+from ruvllm_server.settings import ServerConfigError, ServerSettings
+
+if TYPE_CHECKING:
+    from ruvllm.engine import AsyncEngine
+    from ruvllm.engine.types import EngineStats
+    from ruvllm.runtime import LoadedModel
+    from ruvllm.tokenizer import Tokenizer
+    from ruvllm_server.embeddings import Embedder
+
+log = structlog.get_logger("ruvllm.server")
+
+
+def load_model(settings: ServerSettings) -> LoadedModel:
+    """Load ``settings.model`` on the chosen backend (blocking)."""
+    from ruvllm.backend import LoadOptions
+    from ruvllm.runtime import load_model as runtime_load
+
+    if not settings.model:
+        raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
+    return runtime_load(
+        settings.model, backend=settings.backend, options=LoadOptions(quantization=settings.quantization)
+    )
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, model: LoadedModel | None = None) -> None:
+        self.settings = settings
+        self.model_name = settings.model_name
+        self.metrics = ServerMetrics()
+        self.admission = AdmissionController(settings.max_concurrent, settings.max_queue)
+        self.limiter = (
+            TokenBucketLimiter(settings.rate_limit, settings.rate_limit_burst) if settings.rate_limit > 0 else None
+        )
+        self.model: LoadedModel | None = model
+        self.engine: AsyncEngine | None = None
+        self.embedder: Embedder | None = None
+        self.max_context = 0
+        self.started = int(time.time())
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self._loader: asyncio.Task[None] | None = None
+        self.metrics.watch(self.engine_stats, lambda: (self.admission.running, self.admission.queued))
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine; when no model was handed in, load it in the background so /health
+        answers at once and /ready turns 200 when loading is done."""
+        if self.model is not None:
+            await self._start_engine()
+        else:
+            self._loader = asyncio.create_task(self._load_then_start())
+
+    async def _load_then_start(self) -> None:
+        try:
+            self.model = await anyio.to_thread.run_sync(load_model, self.settings)
+            await self._start_engine()
+        except RuvllmError as exc:
+            self.load_error = str(exc)
+            log.error("model failed to load", model=self.settings.model, error=str(exc))
+
+    async def _start_engine(self) -> None:
+        from ruvllm.engine import AsyncEngine, EngineConfig
+        from ruvllm_server.embeddings import Embedder
+
+        assert self.model is not None
+        s = self.settings
+        config = EngineConfig(
+            block_size=s.block_size,
+            num_blocks=s.num_kv_blocks,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            enable_prefix_caching=s.enable_prefix_caching,
+        )
+        model_context = self.model.config.max_position_embeddings
+        if s.max_context is not None and s.max_context > model_context:
+            raise ServerConfigError(f"max_context {s.max_context} exceeds the model's context length {model_context}")
+        engine = AsyncEngine(self.model, config)
+        await _maybe_await(engine.start())
+        self.engine = engine
+        stats = engine.stats()
+        # A request must fit in the KV cache on its own, or the engine could never schedule it.
+        kv_tokens = stats.blocks_total * s.block_size
+        self.max_context = min(s.max_context or model_context, model_context, kv_tokens)
+        self.embedder = Embedder(
+            self.model, max_tokens=min(s.embedding_max_tokens, model_context), block_size=s.block_size
+        )
+        self.ready = True
+        log.info(
+            "model ready",
+            model=self.model_name,
+            backend=self.model.backend.name,
+            max_context=self.max_context,
+            kv_blocks=stats.blocks_total,
+        )
+
+    async def stop(self) -> None:
+        """Refuse new work, let running requests finish (up to ``drain_timeout``), stop the engine."""
+        self.draining = True
+        self.ready = False
+        if self._loader is not None and not self._loader.done():
+            self._loader.cancel()
+        if self.engine is not None:
+            try:
+                with anyio.fail_after(self.settings.drain_timeout):
+                    await self.engine.shutdown(drain=True)
+            except TimeoutError:
+                log.warning("drain timed out; aborting what is left", seconds=self.settings.drain_timeout)
+                await self.engine.shutdown(drain=False)
+
+    # --- accessors ------------------------------------------------------------------------------
+
+    def engine_stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self.model is not None
+        return self.model.tokenizer
+
+    @property
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return "the server is shutting down"
+        if self.load_error:
+            return f"the model failed to load: {self.load_error}"
+        return "the model is still loading"
+
+
+async def _maybe_await(value: object) -> None:
+    if asyncio.iscoroutine(value):
+        await value
