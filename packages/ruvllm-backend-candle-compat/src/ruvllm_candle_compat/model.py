@@ -1,0 +1,314 @@
+"""Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM2) in NumPy float32 over a paged KV cache.
+
+Every token of every chunk in a step goes through the projections and the MLP as one ``[T, hidden]``
+matrix, so the matmuls are a handful of BLAS calls per layer whatever the batch looks like; only
+attention runs per chunk, over that sequence's cached positions ``0 .. end_pos``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk
+from ruvllm.checkpoint import Checkpoint
+from ruvllm.errors import BackendError, RequestError, UnsupportedArchitectureError
+from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
+
+#: Projection names an adapter's ``delta(layer, proj, x)`` is asked about, in Hugging Face naming.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, matrices stored ``[in, out]`` so every projection is ``x @ W``."""
+
+    attn_norm: np.ndarray  # [hidden]
+    qkv: np.ndarray  # [hidden, q_dim + 2 * kv_dim]: q_proj | k_proj | v_proj side by side
+    qkv_bias: np.ndarray | None  # [q_dim + 2 * kv_dim] (Qwen2), else None
+    o: np.ndarray  # [q_dim, hidden]
+    mlp_norm: np.ndarray  # [hidden]
+    gate_up: np.ndarray  # [hidden, 2 * intermediate]: gate_proj | up_proj side by side
+    down: np.ndarray  # [intermediate, hidden]
+
+
+class PagedKVCache:
+    """Per-layer keys and values, ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 each."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise BackendError(f"a KV cache needs at least one block of one slot, got {num_blocks} x {block_size}")
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.k: list[np.ndarray] = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+        self.v: list[np.ndarray] = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """Where one chunk's rows sit in the step's token matrix and which cache slots it touches."""
+
+    rows: slice
+    start_pos: int
+    write_slots: np.ndarray  # flat cache slots of positions start_pos .. end_pos
+    read_slots: np.ndarray  # flat cache slots of positions 0 .. end_pos
+    adapter: Any
+
+
+class CandleCompatModel:
+    """Float32 weights of a Llama-family checkpoint and the forward pass over them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: np.ndarray,
+        layers: Sequence[LayerWeights],
+        final_norm: np.ndarray,
+        lm_head: np.ndarray,
+    ) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = list(layers)
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [hidden, vocab]; a transposed view of embed when tied
+        half = config.head_dim // 2
+        self._inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / config.head_dim))
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, options: LoadOptions) -> CandleCompatModel:
+        if options.quantization != "none":
+            raise BackendError(
+                f"candle-compat keeps weights in float32 (asked for quantization {options.quantization!r}); "
+                "use the jax backend for q8/q4"
+            )
+        if options.dtype != "float32":
+            raise BackendError(f"candle-compat computes in float32 only (asked for dtype {options.dtype!r})")
+        cfg = checkpoint.config
+        if cfg.architecture not in LLAMA_FAMILY:
+            raise UnsupportedArchitectureError(
+                f"candle-compat runs the Llama family ({', '.join(sorted(LLAMA_FAMILY))}), not {cfg.architecture!r}"
+            )
+        if cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
+            raise BackendError(
+                f"unsupported attention shape: {cfg.num_heads} heads over {cfg.num_kv_heads} KV heads, "
+                f"head_dim {cfg.head_dim}"
+            )
+
+        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            t = checkpoint.tensor(name)
+            if t.shape != shape:
+                raise BackendError(f"tensor {name} has shape {t.shape}, the config implies {shape}")
+            return t
+
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        layers = []
+        for n in range(cfg.num_layers):
+            p = f"model.layers.{n}."
+            q = get(p + "self_attn.q_proj.weight", (q_dim, h))
+            k = get(p + "self_attn.k_proj.weight", (kv_dim, h))
+            v = get(p + "self_attn.v_proj.weight", (kv_dim, h))
+            bias = None
+            if cfg.attention_bias:
+                bias = np.concatenate(
+                    [
+                        get(p + "self_attn.q_proj.bias", (q_dim,)),
+                        get(p + "self_attn.k_proj.bias", (kv_dim,)),
+                        get(p + "self_attn.v_proj.bias", (kv_dim,)),
+                    ]
+                )
+            gate = get(p + "mlp.gate_proj.weight", (i, h))
+            up = get(p + "mlp.up_proj.weight", (i, h))
+            layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "input_layernorm.weight", (h,)),
+                    qkv=np.ascontiguousarray(np.concatenate([q, k, v]).T),
+                    qkv_bias=bias,
+                    o=np.ascontiguousarray(get(p + "self_attn.o_proj.weight", (h, q_dim)).T),
+                    mlp_norm=get(p + "post_attention_layernorm.weight", (h,)),
+                    gate_up=np.ascontiguousarray(np.concatenate([gate, up]).T),
+                    down=np.ascontiguousarray(get(p + "mlp.down_proj.weight", (h, i)).T),
+                )
+            )
+        embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
+        # The transposed view goes to BLAS as-is (transpose flag), so a tied head costs no copy.
+        lm_head = embed.T if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, h)).T
+        return cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head)
+
+    # -- building blocks ------------------------------------------------------------------------
+    def _rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        var = np.mean(np.square(x), axis=-1, keepdims=True)
+        return x * (1.0 / np.sqrt(var + np.float32(self.config.rms_norm_eps))) * weight
+
+    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # Angles in float64: at positions in the thousands float32 would lose ~1e-3 rad.
+        angles = positions.astype(np.float64)[:, None] * self._inv_freq[None, :]
+        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+
+    @staticmethod
+    def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Rotate-half RoPE on ``x [T, heads, head_dim]`` (the Hugging Face layout)."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
+        """Causal GQA attention of ``q [n, heads, hd]`` (positions ``start_pos..``) over
+        ``k, v [end_pos, kv_heads, hd]``; returns ``[n, heads * hd]``."""
+        cfg = self.config
+        n, end = q.shape[0], k.shape[0]
+        kv_heads, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        # Query heads that share a KV head are stacked as rows: [kv_heads, group * n, hd].
+        qg = (q * np.float32(hd**-0.5)).reshape(n, kv_heads, group, hd).transpose(1, 2, 0, 3).reshape(kv_heads, -1, hd)
+        scores = (qg @ k.transpose(1, 2, 0)).reshape(kv_heads, group, n, end)
+        if n > 1:  # a single new token may see every cached position
+            future = np.arange(end)[None, :] > (start_pos + np.arange(n))[:, None]
+            scores[..., future] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = scores.reshape(kv_heads, group * n, end) @ v.transpose(1, 0, 2)
+        return out.reshape(kv_heads, group, n, hd).transpose(2, 0, 1, 3).reshape(n, -1)
+
+    # -- the forward step -----------------------------------------------------------------------
+    def _plan(self, batch: ForwardBatch, cache: PagedKVCache) -> list[_ChunkPlan]:
+        cfg, bs = self.config, cache.block_size
+        if batch.block_size != bs:
+            raise BackendError(f"batch block_size {batch.block_size} does not match the cache's {bs}")
+        for src, dst in batch.block_copies:
+            if not (0 <= src < cache.num_blocks and 0 <= dst < cache.num_blocks):
+                raise RequestError(f"block copy {src} -> {dst} names a block outside 0..{cache.num_blocks - 1}")
+        plans, row = [], 0
+        for idx, chunk in enumerate(batch.chunks):
+            n, start, end = len(chunk.token_ids), chunk.start_pos, chunk.end_pos
+            table = np.asarray(chunk.block_table, dtype=np.int64)
+            if n == 0:
+                raise RequestError(f"chunk {idx} has no tokens")
+            if start < 0:
+                raise RequestError(f"chunk {idx} has negative start_pos {start}")
+            if end > cfg.max_position_embeddings:
+                raise RequestError(
+                    f"chunk {idx} reaches position {end}, beyond the model's context of {cfg.max_position_embeddings}"
+                )
+            if end > len(table) * bs:
+                raise RequestError(
+                    f"chunk {idx} reaches position {end} but its block table holds {len(table)} blocks "
+                    f"of {bs} ({len(table) * bs} slots)"
+                )
+            used = table[: -(-end // bs)]
+            if used.min() < 0 or used.max() >= cache.num_blocks:
+                raise RequestError(f"chunk {idx} names a block outside 0..{cache.num_blocks - 1}")
+            ids = np.asarray(chunk.token_ids)
+            if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+                raise RequestError(f"chunk {idx} has a token id outside 0..{cfg.vocab_size - 1}")
+            if chunk.adapter is not None and not callable(getattr(chunk.adapter, "delta", None)):
+                raise RequestError(
+                    f"chunk {idx}'s adapter {type(chunk.adapter).__name__} has no delta(layer, proj, x) method"
+                )
+            pos = np.arange(end)
+            slots = used[pos // bs] * bs + pos % bs
+            plans.append(_ChunkPlan(slice(row, row + n), start, slots[start:], slots, chunk.adapter))
+            row += n
+        return plans
+
+    @staticmethod
+    def _add_deltas(
+        plans: Sequence[_ChunkPlan], layer: int, y: np.ndarray, x: np.ndarray, projs: Sequence[tuple[str, int, int]]
+    ) -> None:
+        """Add each adapter's low-rank output for ``projs`` (name, column range in ``y``) to its rows."""
+        for plan in plans:
+            if plan.adapter is None:
+                continue
+            x_rows = x[plan.rows]
+            for proj, lo, hi in projs:
+                delta = plan.adapter.delta(layer, proj, x_rows)
+                if delta is None:
+                    continue
+                delta = np.asarray(delta, dtype=np.float32)
+                if delta.shape != (x_rows.shape[0], hi - lo):
+                    raise BackendError(
+                        f"adapter delta for layer {layer} {proj} has shape {delta.shape}, "
+                        f"expected {(x_rows.shape[0], hi - lo)}"
+                    )
+                y[plan.rows, lo:hi] += delta
+
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> ForwardOutput:
+        cfg = self.config
+        plans = self._plan(batch, cache)  # validates everything before the cache is touched
+        for src, dst in batch.block_copies:
+            for layer_k, layer_v in zip(cache.k, cache.v, strict=True):
+                layer_k[dst] = layer_k[src]
+                layer_v[dst] = layer_v[src]
+        if not batch.chunks:
+            return ForwardOutput(logits=np.zeros((0, cfg.vocab_size), np.float32))
+        with_adapters = [p for p in plans if p.adapter is not None]
+        tokens = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in batch.chunks])
+        positions = np.concatenate([np.arange(p.start_pos, p.start_pos + (p.rows.stop - p.rows.start)) for p in plans])
+        cos, sin = self._rope_tables(positions)
+        n_tok = len(tokens)
+        q_dim, kv_dim, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        qkv_cols = (
+            ("q_proj", 0, q_dim),
+            ("k_proj", q_dim, q_dim + kv_dim),
+            ("v_proj", q_dim + kv_dim, q_dim + 2 * kv_dim),
+        )
+        mlp_cols = (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
+        kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
+
+        x = self.embed[tokens]
+        attn = np.empty((n_tok, q_dim), np.float32)
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            qkv = h @ layer.qkv
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            if with_adapters:
+                self._add_deltas(with_adapters, li, qkv, h, qkv_cols)
+            q = self._rotate(qkv[:, :q_dim].reshape(n_tok, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._rotate(qkv[:, q_dim : q_dim + kv_dim].reshape(kv_shape), cos, sin)
+            v = qkv[:, q_dim + kv_dim :].reshape(kv_shape)
+            k_slots, v_slots = cache.k[li].reshape(kv_shape), cache.v[li].reshape(kv_shape)
+            for plan in plans:
+                k_slots[plan.write_slots] = k[plan.rows]
+                v_slots[plan.write_slots] = v[plan.rows]
+                k_seq, v_seq = k_slots[plan.read_slots], v_slots[plan.read_slots]
+                attn[plan.rows] = self._attend(q[plan.rows], k_seq, v_seq, plan.start_pos)
+            o = attn @ layer.o
+            if with_adapters:
+                self._add_deltas(with_adapters, li, o, attn, (("o_proj", 0, cfg.hidden_size),))
+            x += o
+
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate_up = h @ layer.gate_up
+            if with_adapters:
+                self._add_deltas(with_adapters, li, gate_up, h, mlp_cols)
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            # silu(g) = g * sigmoid(g), with sigmoid through tanh so large |g| cannot overflow exp.
+            act = gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
+            down = act @ layer.down
+            if with_adapters:
+                self._add_deltas(with_adapters, li, down, act, (("down_proj", 0, cfg.hidden_size),))
+            x += down
+
+        x = self._rms_norm(x, self.final_norm)
+        return self._outputs(batch.chunks, plans, x)
+
+    def _outputs(self, chunks: Sequence[SequenceChunk], plans: Sequence[_ChunkPlan], x: np.ndarray) -> ForwardOutput:
+        pairs = list(enumerate(zip(chunks, plans, strict=True)))
+        all_logits = {i: x[p.rows] @ self.lm_head for i, (c, p) in pairs if c.all_logits}
+        hidden = {i: x[p.rows].copy() for i, (c, p) in pairs if c.hidden_states}
+        last_rows = [p.rows.stop - 1 for i, p in enumerate(plans) if i not in all_logits]
+        logits = np.empty((len(plans), self.config.vocab_size), np.float32)
+        if last_rows:
+            logits[[i for i in range(len(plans)) if i not in all_logits]] = x[last_rows] @ self.lm_head
+        for i, rows in all_logits.items():
+            logits[i] = rows[-1]  # the same numbers the chunk's all_logits carry
+        return ForwardOutput(logits=logits, all_logits=all_logits, hidden_states=hidden)
