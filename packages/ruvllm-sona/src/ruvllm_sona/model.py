@@ -1,0 +1,381 @@
+"""SONA's own differentiable NumPy Llama: forward and hand-written backward with LoRA factors.
+
+Backends run the serving forward pass and apply adapters through ``adapter.delta``; they expose no
+intermediate activations (and skip prefix-cached positions entirely). To get exact gradients SONA
+recomputes what it needs from the checkpoint's weights: the residual stream entering the adapted
+layers (``prefix``), and a taped forward of the adapted ("tail") layers that ``backward`` turns into
+gradients of a weighted token log-likelihood w.r.t. the LoRA factors. Tests check it against the
+backend's logits and against float64 autograd.
+
+A LoRA entry on projection ``p`` of layer ``l`` adds ``scale * (x @ A.T) @ B.T`` to ``x @ W_p``
+(``A [r, in]``, ``B [out, r]``), the same convention as the adapter's ``delta``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ruvllm.checkpoint import Checkpoint
+from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
+
+from ruvllm_sona.errors import SonaError
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """One low-rank update: ``delta(x) = scale * (x @ A.T) @ B.T``."""
+
+    A: np.ndarray  # [r, in]
+    B: np.ndarray  # [out, r]
+    scale: float
+
+    def delta(self, x: np.ndarray) -> np.ndarray:
+        return (x @ self.A.T) @ (self.B.T * np.float32(self.scale))
+
+
+#: (layer, projection) -> factors. Missing keys mean "no update".
+LoraParams = Mapping[tuple[int, str], LoraFactors]
+#: (layer, projection) -> (dA, dB), float32.
+LoraGrads = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer; matrices ``[in, out]`` so a projection is ``x @ W``."""
+
+    attn_norm: np.ndarray
+    mlp_norm: np.ndarray
+    w: Mapping[str, np.ndarray]  # projection name -> [in, out]
+    bias: Mapping[str, np.ndarray]  # q/k/v biases (Qwen2), else empty
+
+
+@dataclass
+class LayerTape:
+    """What ``layer_forward`` keeps for ``layer_backward``."""
+
+    layer: int
+    r: np.ndarray  # input residual [n, d]
+    inv1: np.ndarray  # 1/rms of r [n, 1]
+    x: np.ndarray  # input_layernorm(r)
+    q: np.ndarray  # roped queries [n, H, hd]
+    k: np.ndarray  # roped keys [n, KV, hd]
+    v: np.ndarray  # values [n, KV, hd]
+    probs: np.ndarray  # attention probabilities [KV, G, n, n]
+    a: np.ndarray  # attention output [n, H*hd] (o_proj input)
+    h: np.ndarray  # residual after attention
+    inv2: np.ndarray
+    y: np.ndarray  # post_attention_layernorm(h)
+    gate: np.ndarray
+    up: np.ndarray
+    m: np.ndarray  # silu(gate) * up (down_proj input)
+
+
+@dataclass
+class TailTape:
+    layers: list[LayerTape] = field(default_factory=list)
+    r_out: np.ndarray | None = None  # residual after the last layer [n, d]
+    inv_f: np.ndarray | None = None
+    z: np.ndarray | None = None  # final-norm hidden states [n, d]
+
+
+def lora_factor_grads(f: LoraFactors, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dA, dB) of ``sum(dy * f.delta(x))``: the factors' gradient given the output gradient ``dy``."""
+    s = np.float32(f.scale)
+    return ((dy @ f.B) * s).T @ x, (dy.T @ (x @ f.A.T)) * s
+
+
+def _silu(g: np.ndarray) -> np.ndarray:
+    # sigmoid through tanh so large |g| cannot overflow exp
+    return g * (0.5 + 0.5 * np.tanh(0.5 * g))
+
+
+def _silu_grad(g: np.ndarray) -> np.ndarray:
+    s = 0.5 + 0.5 * np.tanh(0.5 * g)
+    return s * (1.0 + g * (1.0 - s))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    m = logits.max(axis=-1, keepdims=True)
+    shifted = logits - m
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+class LoraLlama:
+    """Float32 weights of a Llama-family checkpoint with a LoRA-aware forward and backward."""
+
+    def __init__(
+        self, config: ModelConfig, embed: np.ndarray, layers: Sequence[LayerWeights], final_norm: np.ndarray,
+        lm_head: np.ndarray,
+    ) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, d]
+        self.layers = list(layers)
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [d, vocab]
+        half = config.head_dim // 2
+        self._inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / config.head_dim))
+        self.eps = np.float32(config.rms_norm_eps)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint) -> LoraLlama:
+        cfg = checkpoint.config
+        if cfg.architecture not in LLAMA_FAMILY:
+            raise SonaError(f"SONA's gradient model runs the Llama family, not {cfg.architecture!r}")
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise SonaError(f"{cfg.num_heads} query heads do not group over {cfg.num_kv_heads} KV heads")
+        layers = []
+        for n in range(cfg.num_layers):
+            p = f"model.layers.{n}."
+            w = {
+                proj: np.ascontiguousarray(checkpoint.tensor(p + ("self_attn." if proj in _ATTN else "mlp.") + proj
+                                                             + ".weight").T)
+                for proj in PROJECTIONS
+            }
+            bias = {}
+            if cfg.attention_bias:
+                bias = {proj: checkpoint.tensor(p + f"self_attn.{proj}.bias") for proj in ("q_proj", "k_proj", "v_proj")}
+            layers.append(
+                LayerWeights(
+                    attn_norm=checkpoint.tensor(p + "input_layernorm.weight"),
+                    mlp_norm=checkpoint.tensor(p + "post_attention_layernorm.weight"),
+                    w=w,
+                    bias=bias,
+                )
+            )
+        embed = checkpoint.tensor("model.embed_tokens.weight")
+        lm_head = embed.T if cfg.tie_word_embeddings else checkpoint.tensor("lm_head.weight").T
+        return cls(cfg, embed, layers, checkpoint.tensor("model.norm.weight"), lm_head)
+
+    # -- building blocks ------------------------------------------------------------------------
+    def out_features(self, proj: str) -> int:
+        cfg = self.config
+        return {
+            "q_proj": cfg.num_heads * cfg.head_dim,
+            "k_proj": cfg.num_kv_heads * cfg.head_dim,
+            "v_proj": cfg.num_kv_heads * cfg.head_dim,
+            "o_proj": cfg.hidden_size,
+            "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size,
+            "down_proj": cfg.hidden_size,
+        }[proj]
+
+    def in_features(self, proj: str) -> int:
+        cfg = self.config
+        return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}.get(proj, cfg.hidden_size)
+
+    def rope(self, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin tables ``[n, 1, hd/2]`` for positions ``start .. start+n`` (angles in float64)."""
+        angles = np.arange(start, start + n, dtype=np.float64)[:, None] * self._inv_freq[None, :]
+        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+
+    @staticmethod
+    def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    @staticmethod
+    def unrotate(g: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """The transpose of ``rotate`` (rotation by minus the angle): maps gradients back."""
+        half = g.shape[-1] // 2
+        g1, g2 = g[..., :half], g[..., half:]
+        return np.concatenate([g1 * cos + g2 * sin, g2 * cos - g1 * sin], axis=-1)
+
+    def _norm(self, x: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        inv = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + self.eps)
+        return x * inv * weight, inv
+
+    @staticmethod
+    def _norm_backward(x: np.ndarray, inv: np.ndarray, weight: np.ndarray, dy: np.ndarray) -> np.ndarray:
+        t = dy * weight
+        d = x.shape[-1]
+        return inv * t - x * (inv**3) * (np.sum(x * t, axis=-1, keepdims=True) / d)
+
+    def _proj(self, li: int, proj: str, x: np.ndarray, lora: LoraParams) -> np.ndarray:
+        layer = self.layers[li]
+        y = x @ layer.w[proj]
+        if proj in layer.bias:
+            y = y + layer.bias[proj]
+        f = lora.get((li, proj))
+        if f is not None:
+            y = y + f.delta(x)
+        return y
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Causal GQA attention of a whole sequence: ``q [n, H, hd]``, ``k, v [n, KV, hd]`` ->
+        (output ``[n, H*hd]``, probabilities ``[KV, G, n, n]``)."""
+        cfg = self.config
+        n, kv, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // kv
+        qg = q.reshape(n, kv, g, hd).transpose(1, 2, 0, 3)  # [KV, G, n, hd]
+        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(hd**-0.5)  # [KV, G, n, n]
+        scores[..., np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = probs @ v.transpose(1, 0, 2)[:, None]  # [KV, G, n, hd]
+        return out.transpose(2, 0, 1, 3).reshape(n, -1), probs
+
+    # -- forward ----------------------------------------------------------------------------------
+    def layer_forward(
+        self, li: int, r: np.ndarray, lora: LoraParams, rope: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, LayerTape]:
+        cfg = self.config
+        n = r.shape[0]
+        layer = self.layers[li]
+        cos, sin = rope
+        x, inv1 = self._norm(r, layer.attn_norm)
+        q = self.rotate(self._proj(li, "q_proj", x, lora).reshape(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = self.rotate(self._proj(li, "k_proj", x, lora).reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self._proj(li, "v_proj", x, lora).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        a, probs = self.attention(q, k, v)
+        h = r + self._proj(li, "o_proj", a, lora)
+        y, inv2 = self._norm(h, layer.mlp_norm)
+        gate = self._proj(li, "gate_proj", y, lora)
+        up = self._proj(li, "up_proj", y, lora)
+        m = _silu(gate) * up
+        out = h + self._proj(li, "down_proj", m, lora)
+        return out, LayerTape(li, r, inv1, x, q, k, v, probs, a, h, inv2, y, gate, up, m)
+
+    def prefix(self, token_ids: Sequence[int], upto: int, lora: LoraParams | None = None) -> np.ndarray:
+        """Residual stream entering layer ``upto`` for every position, float32 ``[n, d]``."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise SonaError("a trajectory needs at least one token")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise SonaError(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        lora = lora or {}
+        rope = self.rope(len(ids))
+        r = self.embed[ids].astype(np.float32, copy=True)
+        for li in range(upto):
+            r, _ = self.layer_forward(li, r, lora, rope)
+        return r
+
+    def tail_forward(self, r: np.ndarray, first_layer: int, lora: LoraParams) -> TailTape:
+        """Layers ``first_layer ..`` and the final norm over the residual ``r`` entering them."""
+        rope = self.rope(r.shape[0])
+        tape = TailTape()
+        for li in range(first_layer, self.config.num_layers):
+            r, lt = self.layer_forward(li, r, lora, rope)
+            tape.layers.append(lt)
+        tape.r_out = r
+        tape.z, tape.inv_f = self._norm(r, self.final_norm)
+        return tape
+
+    def logits(self, z: np.ndarray) -> np.ndarray:
+        return z @ self.lm_head
+
+    def token_logprobs(self, tape: TailTape, rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """log p(targets[i] | row rows[i]) from a tail tape."""
+        lp = log_softmax(self.logits(tape.z[rows]))
+        return lp[np.arange(len(rows)), targets]
+
+    # -- backward ---------------------------------------------------------------------------------
+    def head_backward(
+        self, tape: TailTape, rows: np.ndarray, targets: np.ndarray, weights: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Gradient of ``sum_i weights[i] * log p(targets[i] | rows[i])`` w.r.t. the residual after
+        the last layer (``[n, d]``), and the log-probabilities themselves."""
+        logits = self.logits(tape.z[rows])
+        lp = log_softmax(logits)
+        p = np.exp(lp)
+        dlogits = -p * weights[:, None]
+        dlogits[np.arange(len(rows)), targets] += weights
+        dz = np.zeros_like(tape.z)
+        np.add.at(dz, rows, dlogits @ self.lm_head.T)
+        dr = self._norm_backward(tape.r_out, tape.inv_f, self.final_norm, dz)
+        return dr.astype(np.float32), lp[np.arange(len(rows)), targets]
+
+    def _proj_backward(
+        self, li: int, proj: str, x: np.ndarray, dy: np.ndarray, lora: LoraParams, grads: LoraGrads | None,
+        trainable: set[tuple[int, str]] | None,
+    ) -> np.ndarray:
+        """dx of ``y = x @ W (+ LoRA)`` given ``dy``; accumulates LoRA factor gradients."""
+        dx = dy @ self.layers[li].w[proj].T
+        f = lora.get((li, proj))
+        if f is not None:
+            s = np.float32(f.scale)
+            t = x @ f.A.T  # [n, r]
+            dt = (dy @ f.B) * s  # [n, r]
+            dx += dt @ f.A
+            if grads is not None and (trainable is None or (li, proj) in trainable):
+                dA, dB = dt.T @ x, (dy.T @ t) * s  # lora_factor_grads, sharing t and dt
+                if (li, proj) in grads:
+                    grads[(li, proj)][0][...] += dA
+                    grads[(li, proj)][1][...] += dB
+                else:
+                    grads[(li, proj)] = (dA, dB)
+        return dx
+
+    def attention_backward(
+        self, probs: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, da: np.ndarray,
+        need_q: bool = True, need_k: bool = True,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
+        """Gradients w.r.t. roped ``q [nq, H, hd]``, roped ``k`` and ``v [n, KV, hd]`` from the output
+        gradient ``da [nq, H*hd]``; ``probs [KV, G, nq, n]`` (``nq`` query rows, any subset).
+        ``need_q`` / ``need_k`` false skip those (None) where no gradient has to flow."""
+        cfg = self.config
+        kv, hd = cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // kv
+        nq = da.shape[0]
+        dout = da.reshape(nq, kv, g, hd).transpose(1, 2, 0, 3)  # [KV, G, nq, hd]
+        dv = (probs.transpose(0, 1, 3, 2) @ dout).sum(axis=1).transpose(1, 0, 2)  # [n, KV, hd]
+        if not (need_q or need_k):
+            return None, None, dv
+        dp = dout @ v.transpose(1, 2, 0)[:, None]  # [KV, G, nq, n]
+        ds = probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True)) * np.float32(hd**-0.5)
+        dq = dk = None
+        if need_q:
+            dq = (ds @ k.transpose(1, 0, 2)[:, None]).transpose(2, 0, 1, 3).reshape(nq, cfg.num_heads, hd)
+        if need_k:
+            qg = q.reshape(nq, kv, g, hd).transpose(1, 2, 0, 3)
+            dk = (ds.transpose(0, 1, 3, 2) @ qg).sum(axis=1).transpose(1, 0, 2)  # [n, KV, hd]
+        return dq, dk, dv
+
+    def mlp_backward(
+        self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, grads: LoraGrads | None = None,
+        trainable: set[tuple[int, str]] | None = None,
+    ) -> np.ndarray:
+        """Gradient w.r.t. ``h`` (the residual after attention) from the layer output's gradient."""
+        li = lt.layer
+        dm = self._proj_backward(li, "down_proj", lt.m, dout, lora, grads, trainable)
+        dgate = dm * lt.up * _silu_grad(lt.gate)
+        dup = dm * _silu(lt.gate)
+        dy = self._proj_backward(li, "gate_proj", lt.y, dgate, lora, grads, trainable)
+        dy += self._proj_backward(li, "up_proj", lt.y, dup, lora, grads, trainable)
+        return dout + self._norm_backward(lt.h, lt.inv2, self.layers[li].mlp_norm, dy)
+
+    def layer_backward(
+        self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, rope: tuple[np.ndarray, np.ndarray],
+        grads: LoraGrads, trainable: set[tuple[int, str]] | None = None,
+    ) -> np.ndarray:
+        """Gradient w.r.t. the layer's input residual; LoRA gradients accumulate into ``grads``."""
+        li, n = lt.layer, lt.r.shape[0]
+        cos, sin = rope
+        dh = self.mlp_backward(lt, dout, lora, grads, trainable)
+        da = self._proj_backward(li, "o_proj", lt.a, dh, lora, grads, trainable)
+        dq, dk, dv = self.attention_backward(lt.probs, lt.q, lt.k, lt.v, da)
+        assert dq is not None and dk is not None
+        dq = self.unrotate(dq, cos, sin).reshape(n, -1)
+        dk = self.unrotate(dk, cos, sin).reshape(n, -1)
+        dx = self._proj_backward(li, "q_proj", lt.x, dq, lora, grads, trainable)
+        dx += self._proj_backward(li, "k_proj", lt.x, dk, lora, grads, trainable)
+        dx += self._proj_backward(li, "v_proj", lt.x, dv.reshape(n, -1), lora, grads, trainable)
+        return dh + self._norm_backward(lt.r, lt.inv1, self.layers[li].attn_norm, dx)
+
+    def tail_backward(
+        self, tape: TailTape, dr_out: np.ndarray, lora: LoraParams, trainable: set[tuple[int, str]] | None = None
+    ) -> tuple[LoraGrads, np.ndarray]:
+        """LoRA gradients of the tail layers and the gradient w.r.t. the residual entering them."""
+        rope = self.rope(dr_out.shape[0])
+        grads: LoraGrads = {}
+        d = dr_out
+        for lt in reversed(tape.layers):
+            d = self.layer_backward(lt, d, lora, rope, grads, trainable)
+        return grads, d
