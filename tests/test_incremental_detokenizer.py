@@ -10,6 +10,8 @@ from ruvllm.errors import RequestError
 from ruvllm.tokenizer import IncrementalDetokenizer
 
 smollm2_tokenizer = _tokenizer_fixtures.smollm2_tokenizer
+sentencepiece_gguf = _tokenizer_fixtures.sentencepiece_gguf
+sentencepiece_tokenizer = _tokenizer_fixtures.sentencepiece_tokenizer
 
 STREAM_TEXT = "日本語のテキスト 🎉👍🏽 👨‍👩‍👧 café naïve — 中文字符 ❤️ done."
 
@@ -86,3 +88,25 @@ def test_invalid_id_is_rejected_and_the_stream_continues(smollm2_tokenizer):
         detok.push(smollm2_tokenizer.vocab_size)
     out += "".join(detok.push(i) for i in ids[1:]) + detok.flush()
     assert out == "Hello 世界"
+
+
+def test_sentencepiece_stream_keeps_spaces_and_bytes(sentencepiece_tokenizer):
+    """SentencePiece decoding drops the first token's leading space only at the very start; byte
+    tokens (<0xE4>...) form characters only together."""
+    tok = sentencepiece_tokenizer
+    text = "  two leading spaces, then 中文 and 🎉 bytes"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sentencepiece_random_ids_concatenate_to_decode(sentencepiece_tokenizer, seed):
+    rng = np.random.default_rng(seed)
+    ids = [int(i) for i in rng.integers(0, sentencepiece_tokenizer.vocab_size, size=int(rng.integers(1, 60)))]
+    pieces = _stream(sentencepiece_tokenizer, ids)
+    full = sentencepiece_tokenizer.decode(ids)
+    assert "".join(pieces) == full
+    if "\ufffd" not in full:
+        assert not any("\ufffd" in p for p in pieces)

@@ -30,6 +30,8 @@ from ruvllm.tokenizer import Tokenizer
 
 smollm2_tokenizer = _tokenizer_fixtures.smollm2_tokenizer
 hf_smollm2_tokenizer = _tokenizer_fixtures.hf_smollm2_tokenizer
+sentencepiece_gguf = _tokenizer_fixtures.sentencepiece_gguf
+sentencepiece_tokenizer = _tokenizer_fixtures.sentencepiece_tokenizer
 
 TEXTS = [
     "",
@@ -240,3 +242,60 @@ def test_from_hf_dir_without_tokenizer_json_is_a_format_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelFormatError, match=r"not a readable tokenizer\.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+# -- SentencePiece ("llama" tokenizer model) --------------------------------------------------------
+# The reference ids come from the sentencepiece library itself (stored with the vocabulary in
+# tests/data/sentencepiece_tiny.json); transformers' GGUF loader is a second reference.
+SPM_CASES = json.loads(_tokenizer_fixtures.SENTENCEPIECE_DATA.read_text(encoding="utf-8"))["cases"]
+
+
+@pytest.mark.parametrize("case", SPM_CASES, ids=[repr(c["text"]) for c in SPM_CASES])
+def test_sentencepiece_gguf_matches_sentencepiece(sentencepiece_tokenizer, case):
+    tok = sentencepiece_tokenizer
+    assert tok.encode(case["text"], add_special_tokens=False) == case["ids"]
+    assert tok.encode(case["text"]) == [1, *case["ids"]]  # a SentencePiece GGUF adds BOS unless it says not to
+    assert tok.decode(case["ids"]) == case["text"]
+
+
+def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf, sentencepiece_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(sentencepiece_gguf.parent), gguf_file=sentencepiece_gguf.name)
+    tok = sentencepiece_tokenizer
+    compared = 0
+    for case in SPM_CASES:
+        # transformers' Metaspace leaves out the "▁" prefix when the text already starts with a space;
+        # sentencepiece and llama.cpp add it (ids checked against sentencepiece above).
+        if not case["text"].startswith(" "):
+            assert tok.encode(case["text"]) == hf.encode(case["text"]), case["text"]
+            assert tok.decode(case["ids"]) == hf.decode(case["ids"])
+            compared += 1
+    assert compared >= len(SPM_CASES) - 3
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (len(hf), hf.bos_token_id, (hf.eos_token_id,))
+
+
+def test_sentencepiece_special_tokens_follow_llama_cpp(sentencepiece_tokenizer):
+    tok = sentencepiece_tokenizer
+    ids = tok.encode("<|im_start|>user Hello<|im_end|>")
+    # llama.cpp prefixes a space to each run of text that follows a special token.
+    assert [tok.id_to_token(i) for i in ids] == ["<s>", "<|im_start|>", "▁", "u", "s", "er", "▁Hello", "<|im_end|>"]
+
+
+def test_sentencepiece_flags_turn_off_bos_and_space_prefix(tmp_path):
+    from ruvllm.checkpoint import GGUFCheckpoint
+
+    path = _tokenizer_fixtures.write_sentencepiece_gguf(
+        tmp_path / "t.gguf", add_bos_token=False, add_space_prefix=False
+    )
+    tok = Tokenizer.from_gguf(GGUFCheckpoint(path))
+    ids = tok.encode("Hello world")
+    assert [tok.id_to_token(i) for i in ids] == ["H", "ello", "▁world"]
+    assert tok.decode(ids) == "Hello world"
+
+
+def test_sentencepiece_without_scores_is_a_format_error(sentencepiece_gguf):
+    from ruvllm.checkpoint import GGUFCheckpoint
+
+    broken = _Metadata(GGUFCheckpoint(sentencepiece_gguf), **{"tokenizer.ggml.scores": None})
+    with pytest.raises(ModelFormatError, match="score"):
+        Tokenizer.from_gguf(broken)

@@ -9,6 +9,7 @@ names), so ids match what llama.cpp and the model's own ``tokenizer.json`` produ
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from ruvllm.errors import ModelFormatError, RequestError
 
@@ -91,6 +92,7 @@ class Tokenizer:
         self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        self.byte_fallback_ids = _byte_fallback_ids(inner)
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -296,6 +298,10 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(all_ids)``; ``flush`` returns whatever is still held (a truncated character
     then decodes to U+FFFD, as ``decode`` does).
 
+    SentencePiece byte-fallback tokens (``<0xE4>``) are held until a run of them ends, because the
+    decoder turns a whole run into U+FFFD when any byte of it is invalid, so a run's text is only
+    final once the run is.
+
     Each step decodes a short window that starts one emitted step back, so decoders that treat the
     first token of a sequence differently (SentencePiece's leading-space strip) see the same context
     in both decodes and the difference is exactly the new text.
@@ -323,8 +329,10 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
         text = decode(self._ids[self._prefix_offset :], self._skip_special)
-        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
-            return ""  # nothing new yet, or the last character is still incomplete
+        if len(text) <= len(prefix):
+            return ""  # nothing new yet
+        if not final and (text.endswith("\ufffd") or self._ids[-1] in self._tokenizer.byte_fallback_ids):
+            return ""  # the last character, or the byte run it belongs to, may still change
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return text[len(prefix) :]
 
@@ -385,14 +393,28 @@ def _sentencepiece_bpe(
             vocab, merges, unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True
         )
     )
-    inner.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    # Like llama.cpp (and sentencepiece on plain text): spaces become "▁" and every run of text gets a
+    # leading "▁", even one that already starts with a space or follows a special token. (transformers'
+    # Metaspace pre-tokenizer skips the prefix in both cases, which changes the ids of such text.)
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "\u2581")]
     if add_space_prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    inner.decoder = decoders.Sequence(steps)
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    inner.normalizer = normalizers.Sequence(steps)
+    decode_steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        decode_steps.append(decoders.Strip(content=" ", left=1, right=0))
+    inner.decoder = decoders.Sequence(decode_steps)
     return inner
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_fallback_ids(inner: tokenizers.Tokenizer) -> frozenset[int]:
+    model = inner.model
+    if not (isinstance(model, models.BPE) and model.byte_fallback):
+        return frozenset()
+    return frozenset(i for t, i in inner.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(t))
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
