@@ -9,6 +9,7 @@ import structlog
 from litestar import MediaType, Response
 from litestar.exceptions import HTTPException, ValidationException
 
+from ruvllm.engine import EngineDeadError
 from ruvllm.errors import RequestError, RuvllmError
 from ruvllm_server.schemas import ErrorBody, ErrorResponse, encode_json
 
@@ -102,6 +103,8 @@ def handle_exception(request: Request, exc: Exception) -> Response[bytes]:
         err = _from_http(exc)
     elif isinstance(exc, RequestError):
         err = bad_request(str(exc))
+    elif isinstance(exc, EngineDeadError):
+        err = APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     elif isinstance(exc, RuvllmError):
         # Raised on purpose by core or a backend, but not something the client did wrong.
         log.error("request failed", error=f"{type(exc).__name__}: {exc}")

@@ -14,6 +14,7 @@ import jinja2
 import msgspec
 import structlog
 
+from ruvllm.engine import EngineDeadError
 from ruvllm.engine.types import GenerationRequest, RequestOutput, TokenLogprob
 from ruvllm.errors import RequestError, RuvllmError
 from ruvllm.sampling import SamplingParams
@@ -277,13 +278,20 @@ class Run:
 
     async def _abort_unfinished(self) -> None:
         engine = self.state.engine
-        pending = [r.request_id for i, r in enumerate(self.requests) if i not in self.finished]
+        pending = [i for i in range(len(self.requests)) if i not in self.finished]
         if not pending or engine is None:
             return
         # Shielded: this runs while the surrounding scope is being cancelled (client disconnect).
         with anyio.CancelScope(shield=True):
-            for rid in pending:
-                await engine.abort(rid)
+            for i, r in enumerate(self.requests):
+                if i in self.finished:
+                    continue
+                try:
+                    final = await engine.abort(r.request_id)
+                except EngineDeadError:
+                    continue
+                if final is not None:
+                    self._note(i, final)
         log.info("aborted unfinished requests", count=len(pending))
 
     def usage(self) -> Usage:
@@ -353,6 +361,8 @@ def _error_event(exc: Exception) -> bytes:
         return sse(exc.body)
     if isinstance(exc, RequestError):
         return sse(ErrorResponse(ErrorBody(str(exc), "invalid_request_error")))
+    if isinstance(exc, EngineDeadError):
+        return sse(ErrorResponse(ErrorBody("the server is shutting down", "service_unavailable", code="shutting_down")))
     log.exception("generation failed mid-stream")
     return sse(ErrorResponse(ErrorBody("internal server error (logged)", "server_error", code="internal_error")))
 
