@@ -4,6 +4,10 @@ rendered the way Hugging Face transformers renders them, and streaming detokeniz
 The tokenization itself is done by the ``tokenizers`` library; this module only assembles the right
 model, pre-tokenizer and decoder from what a GGUF file says (llama.cpp's key names and pre-tokenizer
 names), so ids match what llama.cpp and the model's own ``tokenizer.json`` produce.
+
+A byte-level GGUF whose ``tokenizer.ggml.pre`` names a pre-tokenizer not in
+:data:`BPE_PRE_TOKENIZERS` still loads: it falls back to GPT-2's split and logs a warning, since
+slightly different ids for some texts (usually digits and whitespace runs) beat refusing the model.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class Tokenizer:
         self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        #: Ids of SentencePiece byte-fallback tokens (``<0xE4>``); empty for byte-level BPE.
         self.byte_fallback_ids = _byte_fallback_ids(inner)
 
     # -- construction -----------------------------------------------------------------------------
@@ -139,7 +144,7 @@ class Tokenizer:
 
         # Control tokens (chat markup, BOS/EOS) and user-defined ones are matched whole in the input, the
         # way llama.cpp does; ``normalized=False`` keeps them from being rewritten before matching.
-        typed = list(zip(tokens, token_types, strict=True))
+        typed = [(t, ty) for t, ty in zip(tokens, token_types, strict=True) if t]
         inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in typed if ty == _CONTROL])
         inner.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in typed if ty == _USER_DEFINED])
         add_bos = bool(checkpoint.meta("tokenizer.ggml.add_bos_token", add_bos_default))
@@ -255,8 +260,7 @@ class Tokenizer:
         list of ``{"type": "text", "text": ...}`` parts, joined with newlines. Extra keyword arguments
         (``tools``, ``documents``, template switches) are passed to the template."""
         template = self._template()
-        context: dict[str, Any] = {"tools": None, "documents": None, **kw}
-        context.update(self._special_token_strings())
+        context: dict[str, Any] = {"tools": None, "documents": None, **self._special_token_strings(), **kw}
         try:
             return template.render(
                 messages=_plain_messages(messages), add_generation_prompt=add_generation_prompt, **context
