@@ -11,13 +11,14 @@ import base64
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
+from litestar.params import Body, Parameter
 from litestar.response import Stream
 from litestar.types import Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -76,7 +77,9 @@ def _track_stream(request: Request, stream: AsyncIterator[bytes]) -> AsyncIterat
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion", tags=["openai"])
-async def chat_completions(request: Request, data: ChatCompletionRequest) -> ChatCompletion | Stream | Response[bytes]:
+async def chat_completions(
+    request: Request, data: Annotated[ChatCompletionRequest, Body()]
+) -> ChatCompletion | Stream | Response[bytes]:
     job = ChatJob(_state(request), data, _user(request))
     run = job.prepare()
     if data.stream:
@@ -86,7 +89,9 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Cha
 
 
 @post("/v1/completions", status_code=200, summary="Create a completion", tags=["openai"])
-async def completions(request: Request, data: CompletionRequest) -> Completion | Stream | Response[bytes]:
+async def completions(
+    request: Request, data: Annotated[CompletionRequest, Body()]
+) -> Completion | Stream | Response[bytes]:
     job = CompletionJob(_state(request), data, _user(request))
     run = job.prepare()
     if data.stream:
@@ -96,7 +101,7 @@ async def completions(request: Request, data: CompletionRequest) -> Completion |
 
 
 @post("/v1/embeddings", status_code=200, summary="Embeddings: mean-pooled final hidden states", tags=["openai"])
-async def embeddings(request: Request, data: EmbeddingRequest) -> EmbeddingList:
+async def embeddings(request: Request, data: Annotated[EmbeddingRequest, Body()]) -> EmbeddingList:
     state = _state(request)
     check_model(state, data.model)
     embedder = state.embedder
@@ -130,7 +135,7 @@ async def list_models(request: Request) -> ModelList:
 
 
 @get("/v1/models/{model_id:path}", summary="Retrieve a model", tags=["openai"])
-async def retrieve_model(request: Request, model_id: str) -> ModelCard:
+async def retrieve_model(request: Request, model_id: Annotated[str, Parameter()]) -> ModelCard:
     state = _state(request)
     model_id = model_id.lstrip("/")
     if model_id != state.model_name:
@@ -139,7 +144,7 @@ async def retrieve_model(request: Request, model_id: str) -> ModelCard:
 
 
 @post("/tokenize", status_code=200, summary="Token ids of a prompt or chat", tags=["tokenizer"])
-async def tokenize(request: Request, data: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(request: Request, data: Annotated[TokenizeRequest, Body()]) -> TokenizeResponse:
     state = _state(request)
     check_model(state, data.model)
     if (data.prompt is None) == (data.messages is None):
@@ -152,7 +157,7 @@ async def tokenize(request: Request, data: TokenizeRequest) -> TokenizeResponse:
 
 
 @post("/detokenize", status_code=200, summary="Text of token ids", tags=["tokenizer"])
-async def detokenize(request: Request, data: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(request: Request, data: Annotated[DetokenizeRequest, Body()]) -> DetokenizeResponse:
     state = _state(request)
     check_model(state, data.model)
     vocab = state.tokenizer.vocab_size
