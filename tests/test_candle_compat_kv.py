@@ -2,9 +2,10 @@
 which other sequences share the step, or on what a reused block held before; bad batches are refused
 before the cache is touched.
 
-Tolerances (SmolLM2, logits of magnitude ~20-30): chunking and batching change only float32 summation
-order inside BLAS, so logits agree to 2e-4 absolute (measured ~2e-5); reused blocks give results equal
-to a fresh cache within 1e-5 (measured: bitwise equal).
+Tolerances (SmolLM2, logits of magnitude ~35): chunking and batching change only the float32
+summation order inside BLAS, so logits agree to 3e-4 absolute (measured: at most 7e-5 for pieces and
+token-by-token prefill, 5e-5 for batching); a reused block gives the fresh cache's result within 1e-5
+(measured: bitwise equal, NaN/inf left in the block's unused slots included).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ruvllm.checkpoint import open_checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm_candle_compat import CandleCompatModel, PagedKVCache
 
-SPLIT_ABS_TOL = 2e-4
+SPLIT_ABS_TOL = 3e-4
 REUSE_ABS_TOL = 1e-5
 TEXT = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting each of the ninety-nine "

@@ -1,11 +1,13 @@
 """The candle-compat backend computes what independent implementations of the same weights compute.
 
 * SmolLM2 (the bundled Q4_1 GGUF) against Hugging Face transformers reading the same file: logits at
-  every prompt position of a ragged four-prompt batch agree to max abs diff < 1e-3 (measured ~1e-4
-  on logits of magnitude ~20-30), and 32-token greedy continuations are identical.
+  every prompt position of a ragged four-prompt batch agree to max abs diff < 1e-3 (measured: at most
+  1.3e-4 over all positions, 5e-5 at the last position, on logits of magnitude 27-37), and 32-token
+  greedy continuations are identical.
 * Tiny random-weight HF checkpoints (GQA ratios 1 and 3, qwen2 biases, tied and untied heads, head_dim
   not equal to hidden / heads) against a float64 full-attention forward written below: ragged batches
-  mixing prefill and decode across block boundaries agree to 2e-5 of the logit scale (measured ~1e-6).
+  mixing prefill and decode across block boundaries agree to 2e-5 of the logit scale (measured: below
+  1e-6).
 """
 
 from __future__ import annotations
