@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,7 +16,7 @@ import msgspec
 import structlog
 
 from ruvllm.engine import EngineDeadError
-from ruvllm.engine.types import GenerationRequest, RequestOutput, TokenLogprob
+from ruvllm.engine.types import ChoiceDelta, GenerationRequest, RequestMetrics, RequestOutput, TokenLogprob
 from ruvllm.errors import RequestError, RuvllmError
 from ruvllm.sampling import SamplingParams
 from ruvllm_server.errors import APIError, bad_request, model_not_found
@@ -286,12 +287,18 @@ class Run:
             for i, r in enumerate(self.requests):
                 if i in self.finished:
                     continue
-                try:
+                final = None
+                with contextlib.suppress(EngineDeadError):
                     final = await engine.abort(r.request_id)
-                except EngineDeadError:
-                    continue
-                if final is not None:
-                    self._note(i, final)
+                if final is None:
+                    # It had finished (or never started) in the engine; the client left before the
+                    # last output was read. Counted once all the same, as the client saw it.
+                    seen = self.last.get(i)
+                    metrics = (
+                        seen.metrics if seen is not None else RequestMetrics(prompt_tokens=len(r.prompt_token_ids))
+                    )
+                    final = RequestOutput(r.request_id, [ChoiceDelta(0, "", [], finish_reason="abort")], True, metrics)
+                self._note(i, final)
         log.info("aborted unfinished requests", count=len(pending))
 
     def usage(self) -> Usage:
