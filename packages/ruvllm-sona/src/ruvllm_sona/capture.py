@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ruvllm_sona.model import LoraFactors, LoraGrads, LoraLlama, lora_factor_grads
+from ruvllm_sona.ewc import Group, TrajectoryFisher, group_of
+from ruvllm_sona.model import LoraFactors, LoraGrads, LoraLlama, Taps, lora_factor_grads
 
 #: Projections the instant loop can update (those whose effect reaches the logits through one row).
 INSTANT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -67,7 +68,7 @@ class Capture:
     rows: np.ndarray  # [T] positions whose logits predict ``targets``
     targets: np.ndarray  # [T] completion token ids
     logprobs: np.ndarray  # [T] log p(target) at capture
-    #: Gradient of the mean completion log-likelihood w.r.t. every adapted factor (Fisher, boundaries).
+    #: Gradient of the mean completion log-likelihood w.r.t. every adapted factor.
     loglik_grad: LoraGrads
     instant: InstantCapture | None
 
@@ -84,11 +85,12 @@ def capture_trajectory(
     version: int,
     first_layer: int,
     instant_keys: Collection[tuple[int, str]],
-) -> Capture:
-    """Recompute a trajectory at the adapter ``entries`` (snapshot ``version``).
+) -> tuple[TrajectoryFisher, Capture]:
+    """Recompute a trajectory at the adapter ``entries`` (snapshot ``version``): its EWC++ Fisher
+    factors (consumed at once, not kept) and the capture.
 
     ``first_layer`` is the lowest adapted layer; ``instant_keys`` are the last layer's entries the
-    instant loop updates (empty: no instant capture).
+    instant loop updates (empty: no instant capture). Every adapted entry must be in ``entries``.
     """
     n = len(token_ids)
     if not 0 < num_prompt < n:
@@ -129,8 +131,15 @@ def capture_trajectory(
         )
     # Mean log-likelihood gradient of every adapted factor: the head gradient was taken with unit
     # weights, so scale the backward's input by 1/T.
-    grads, _ = model.tail_backward(tape, dr_out / np.float32(t_count), entries)
-    return Capture(
+    taps: Taps = {}
+    grads, _ = model.tail_backward(tape, dr_out / np.float32(t_count), entries, taps=taps)
+    sigma: dict[Group, np.ndarray] = {}
+    for key, (x, _) in taps.items():
+        g = group_of(key)
+        if g not in sigma:
+            sigma[g] = (x.T @ x) / np.float32(len(x))
+    fisher = TrajectoryFisher({key: np.sum(dy * dy, axis=0) for key, (_, dy) in taps.items()}, sigma)
+    return fisher, Capture(
         version=version,
         first_layer=first_layer,
         residual=r,

@@ -24,7 +24,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 class SonaAdapter:
     """An immutable set of LoRA factors for one scope at one version."""
 
-    __slots__ = ("scope", "version", "_entries", "_active", "_scaled_bt")
+    __slots__ = ("_active", "_entries", "_scaled_bt", "scope", "version")
 
     def __init__(self, scope: str, version: int, entries: Mapping[tuple[int, str], LoraFactors]) -> None:
         self.scope = scope

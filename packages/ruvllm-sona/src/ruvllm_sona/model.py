@@ -20,7 +20,6 @@ import numpy as np
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
-
 from ruvllm_sona.errors import SonaError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,6 +42,8 @@ class LoraFactors:
 LoraParams = Mapping[tuple[int, str], LoraFactors]
 #: (layer, projection) -> (dA, dB), float32.
 LoraGrads = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+#: (layer, projection) -> (input rows x, output gradient dy) seen by a backward pass.
+Taps = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class LoraLlama:
             }
             bias = {}
             if cfg.attention_bias:
-                bias = {proj: checkpoint.tensor(p + f"self_attn.{proj}.bias") for proj in ("q_proj", "k_proj", "v_proj")}
+                bias = {pr: checkpoint.tensor(p + f"self_attn.{pr}.bias") for pr in ("q_proj", "k_proj", "v_proj")}
             layers.append(
                 LayerWeights(
                     attn_norm=checkpoint.tensor(p + "input_layernorm.weight"),
@@ -294,12 +295,15 @@ class LoraLlama:
 
     def _proj_backward(
         self, li: int, proj: str, x: np.ndarray, dy: np.ndarray, lora: LoraParams, grads: LoraGrads | None,
-        trainable: set[tuple[int, str]] | None,
+        trainable: set[tuple[int, str]] | None, taps: Taps | None = None,
     ) -> np.ndarray:
-        """dx of ``y = x @ W (+ LoRA)`` given ``dy``; accumulates LoRA factor gradients."""
+        """dx of ``y = x @ W (+ LoRA)`` given ``dy``; accumulates LoRA factor gradients and records
+        ``(x, dy)`` of adapted projections in ``taps``."""
         dx = dy @ self.layers[li].w[proj].T
         f = lora.get((li, proj))
         if f is not None:
+            if taps is not None:
+                taps[(li, proj)] = (x, dy)
             s = np.float32(f.scale)
             t = x @ f.A.T  # [n, r]
             dt = (dy @ f.B) * s  # [n, r]
@@ -340,42 +344,43 @@ class LoraLlama:
 
     def mlp_backward(
         self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, grads: LoraGrads | None = None,
-        trainable: set[tuple[int, str]] | None = None,
+        trainable: set[tuple[int, str]] | None = None, taps: Taps | None = None,
     ) -> np.ndarray:
         """Gradient w.r.t. ``h`` (the residual after attention) from the layer output's gradient."""
         li = lt.layer
-        dm = self._proj_backward(li, "down_proj", lt.m, dout, lora, grads, trainable)
+        dm = self._proj_backward(li, "down_proj", lt.m, dout, lora, grads, trainable, taps)
         dgate = dm * lt.up * _silu_grad(lt.gate)
         dup = dm * _silu(lt.gate)
-        dy = self._proj_backward(li, "gate_proj", lt.y, dgate, lora, grads, trainable)
-        dy += self._proj_backward(li, "up_proj", lt.y, dup, lora, grads, trainable)
+        dy = self._proj_backward(li, "gate_proj", lt.y, dgate, lora, grads, trainable, taps)
+        dy += self._proj_backward(li, "up_proj", lt.y, dup, lora, grads, trainable, taps)
         return dout + self._norm_backward(lt.h, lt.inv2, self.layers[li].mlp_norm, dy)
 
     def layer_backward(
         self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, rope: tuple[np.ndarray, np.ndarray],
-        grads: LoraGrads, trainable: set[tuple[int, str]] | None = None,
+        grads: LoraGrads, trainable: set[tuple[int, str]] | None = None, taps: Taps | None = None,
     ) -> np.ndarray:
         """Gradient w.r.t. the layer's input residual; LoRA gradients accumulate into ``grads``."""
         li, n = lt.layer, lt.r.shape[0]
         cos, sin = rope
-        dh = self.mlp_backward(lt, dout, lora, grads, trainable)
-        da = self._proj_backward(li, "o_proj", lt.a, dh, lora, grads, trainable)
+        dh = self.mlp_backward(lt, dout, lora, grads, trainable, taps)
+        da = self._proj_backward(li, "o_proj", lt.a, dh, lora, grads, trainable, taps)
         dq, dk, dv = self.attention_backward(lt.probs, lt.q, lt.k, lt.v, da)
         assert dq is not None and dk is not None
         dq = self.unrotate(dq, cos, sin).reshape(n, -1)
         dk = self.unrotate(dk, cos, sin).reshape(n, -1)
-        dx = self._proj_backward(li, "q_proj", lt.x, dq, lora, grads, trainable)
-        dx += self._proj_backward(li, "k_proj", lt.x, dk, lora, grads, trainable)
-        dx += self._proj_backward(li, "v_proj", lt.x, dv.reshape(n, -1), lora, grads, trainable)
+        dx = self._proj_backward(li, "q_proj", lt.x, dq, lora, grads, trainable, taps)
+        dx += self._proj_backward(li, "k_proj", lt.x, dk, lora, grads, trainable, taps)
+        dx += self._proj_backward(li, "v_proj", lt.x, dv.reshape(n, -1), lora, grads, trainable, taps)
         return dh + self._norm_backward(lt.r, lt.inv1, self.layers[li].attn_norm, dx)
 
     def tail_backward(
-        self, tape: TailTape, dr_out: np.ndarray, lora: LoraParams, trainable: set[tuple[int, str]] | None = None
+        self, tape: TailTape, dr_out: np.ndarray, lora: LoraParams, trainable: set[tuple[int, str]] | None = None,
+        taps: Taps | None = None,
     ) -> tuple[LoraGrads, np.ndarray]:
         """LoRA gradients of the tail layers and the gradient w.r.t. the residual entering them."""
         rope = self.rope(dr_out.shape[0])
         grads: LoraGrads = {}
         d = dr_out
         for lt in reversed(tape.layers):
-            d = self.layer_backward(lt, d, lora, rope, grads, trainable)
+            d = self.layer_backward(lt, d, lora, rope, grads, trainable, taps)
         return grads, d

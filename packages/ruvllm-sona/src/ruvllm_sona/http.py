@@ -1,0 +1,85 @@
+"""HTTP endpoints for the server to mount: ``POST /v1/feedback`` and ``GET /v1/sona/stats``.
+
+    from ruvllm_sona.http import sona_router
+    app = Litestar(route_handlers=[..., sona_router()])
+
+``sona_router()`` serves whatever :func:`ruvllm_sona.plugin.attach` attached (503 while nothing is);
+pass a :class:`~ruvllm_sona.sona.Sona` to bind one explicitly. Errors use OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ruvllm_sona.errors import FeedbackError, SonaError, UnknownResponseError
+
+if TYPE_CHECKING:
+    from litestar import Router
+
+    from ruvllm_sona.sona import Sona
+
+
+class FeedbackBody(msgspec.Struct, forbid_unknown_fields=True):
+    #: The ``id`` of a chat completion / completion response (or an engine request id).
+    response_id: str
+    #: How good the response was, in [0, 1].
+    score: float
+    #: The completion the model should have given (text), optional.
+    correction: str | None = None
+
+
+class FeedbackResult(msgspec.Struct):
+    response_id: str
+    scope: str
+    #: ``applied`` (the instant step ran) or ``queued`` (it runs after the background recompute).
+    status: str
+    advantage: float
+    adapter_version: int
+
+
+class _NotAttached(SonaError):
+    """No SONA learner is attached in this process."""
+
+
+def _error(status: int, kind: str, message: str, param: str | None = None) -> Any:
+    from litestar import MediaType, Response
+
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return Response(msgspec.json.encode(body), status_code=status, media_type=MediaType.JSON)
+
+
+def sona_router(sona: Sona | None = None, *, path: str = "/v1") -> Router:
+    """A Litestar router with the feedback and stats endpoints under ``path``."""
+    from litestar import Request, Router, get, post
+
+    from ruvllm_sona import plugin
+
+    def current() -> Sona:
+        s = sona if sona is not None else plugin.active()
+        if s is None:
+            raise _NotAttached("SONA is not attached to the served model")
+        return s
+
+    @post("/feedback", status_code=200)
+    async def feedback(data: FeedbackBody) -> FeedbackResult:
+        # The instant step is sub-millisecond NumPy; corrections only queue work for the
+        # background thread, so this does not need a worker thread of its own.
+        r = current().feedback(data.response_id, data.score, data.correction)
+        return FeedbackResult(r.response_id, r.scope, r.status, r.advantage, r.adapter_version)
+
+    @get("/sona/stats")
+    async def stats() -> dict[str, Any]:
+        return current().stats()
+
+    def handle(_: Request, exc: Exception) -> Any:
+        if isinstance(exc, _NotAttached):
+            return _error(503, "service_unavailable", str(exc))
+        if isinstance(exc, UnknownResponseError):
+            return _error(404, "not_found_error", str(exc), "response_id")
+        if isinstance(exc, FeedbackError):
+            return _error(400, "invalid_request_error", str(exc))
+        return _error(400, "invalid_request_error", str(exc))
+
+    return Router(path=path, route_handlers=[feedback, stats], exception_handlers={SonaError: handle})

@@ -1,0 +1,845 @@
+"""SONA: per-scope MicroLoRA adapters that learn from feedback on three time scales.
+
+* pre_inference picks the request's scope and attaches that scope's current adapter snapshot.
+* post_inference keeps the finished trajectory (prompt + completion + snapshot) for a while.
+* The background loop (a thread, every ``background_interval`` s) recomputes trajectories
+  (``capture``), feeds the EWC++ Fisher estimate and task-boundary detector, fills and clusters the
+  ReasoningBank, routes new scopes to similar scopes' adapters, merges scope adapters, applies
+  feedback that waited for a capture, and starts deep runs.
+* ``feedback`` applies the instant loop at once when the trajectory is captured: the exact gradient
+  of the advantage-weighted (or corrected) log-likelihood w.r.t. the last layer's attention factors,
+  minus the EWC++ pull, one clipped step, a new snapshot.
+* The deep loop (its own thread) fine-tunes every adapted factor over the scope's stored samples
+  with Adam and the EWC++ penalty, then swaps the result in under the scope's lock.
+
+Snapshots are immutable; publishing replaces a reference under a lock, so a request keeps the
+adapter it started with whatever happens while it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import structlog
+
+from ruvllm.hookspecs import hookimpl
+from ruvllm_sona.bank import ReasoningBank
+from ruvllm_sona.capture import INSTANT_PROJECTIONS, Capture, capture_trajectory, instant_gradient
+from ruvllm_sona.config import SonaConfig
+from ruvllm_sona.errors import FeedbackError, SonaError, SonaStateError, UnknownResponseError
+from ruvllm_sona.ewc import EwcPlusPlus
+from ruvllm_sona.lora import SonaAdapter
+from ruvllm_sona.model import LoraFactors, LoraLlama
+from ruvllm_sona.params import Key, Params, copy_params, flat
+
+if TYPE_CHECKING:
+    from ruvllm.checkpoint import Checkpoint
+    from ruvllm.inference import InferenceRequest, InferenceResult
+    from ruvllm.runtime import LoadedModel
+    from ruvllm.tokenizer import Tokenizer
+
+log = structlog.get_logger("ruvllm.sona")
+
+STATE_FORMAT = "ruvllm-sona/1"
+GLOBAL_SCOPE = "global"
+#: Key under which pre_inference leaves the snapshot in ``InferenceRequest.metadata``.
+ADAPTER_METADATA_KEY = "sona.adapter"
+
+
+@dataclass
+class Trajectory:
+    request_id: str
+    scope: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    adapter: SonaAdapter
+    created: float
+    correction_of: str | None = None
+    capture: Capture | None = None
+    capture_error: str | None = None
+    #: Per-token weight the instant loop applies once the capture exists (None: nothing pending).
+    pending_weight: float | None = None
+
+
+@dataclass
+class Sample:
+    """A stored deep-loop sample: tokens, per-token weight, the base residual once known."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    weight: float
+    residual: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class FeedbackReceipt:
+    response_id: str
+    scope: str
+    #: ``applied``: the instant step ran; ``queued``: it runs once the trajectory is recomputed.
+    status: str
+    advantage: float
+    adapter_version: int
+
+
+@dataclass(frozen=True)
+class DeepRunReport:
+    scope: str
+    samples: int
+    steps: int
+    seconds: float
+    #: Mean weighted negative log-likelihood per token over the first and the last epoch.
+    first_epoch_loss: float
+    last_epoch_loss: float
+    adapter_version: int
+
+
+class Slot:
+    """One scope's learner state. ``lock`` guards everything here."""
+
+    def __init__(self, scope: str, params: Params, scale: float, ewc: EwcPlusPlus, baseline: float) -> None:
+        self.scope = scope
+        self.lock = threading.Lock()
+        self.params = params
+        self.scale = scale
+        self.ewc = ewc
+        self.baseline = baseline
+        self.version = 0
+        self.feedback_count = 0
+        self.instant_updates = 0
+        self.deep_runs = 0
+        self.pending_quality = 0.0
+        self.routed_from: str | None = None
+        self.snapshot = self._make_snapshot()
+
+    def _make_snapshot(self) -> SonaAdapter:
+        return SonaAdapter(
+            self.scope, self.version, {k: LoraFactors(a, b, self.scale) for k, (a, b) in self.params.items()}
+        )
+
+    def publish(self) -> SonaAdapter:
+        """Snapshot the current parameters as a new version (call with ``lock`` held)."""
+        self.version += 1
+        self.snapshot = self._make_snapshot()
+        return self.snapshot
+
+
+def _percentiles(values: Iterable[float]) -> dict[str, float | None]:
+    v = np.asarray(list(values), dtype=np.float64)
+    if not len(v):
+        return {"count": 0, "p50_ms": None, "p99_ms": None}
+    return {"count": len(v), "p50_ms": round(float(np.percentile(v, 50)) * 1e3, 4),
+            "p99_ms": round(float(np.percentile(v, 99)) * 1e3, 4)}
+
+
+class Sona:
+    """The SONA learner for one loaded model. Register it (or the ``ruvllm_sona.plugin`` module after
+    :func:`ruvllm_sona.plugin.attach`) with the model's plugin host so the engine calls its hooks."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        config: SonaConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        state_dir: str | Path | None = None,
+        start: bool = True,
+        net: LoraLlama | None = None,
+    ) -> None:
+        self.config = config = config or SonaConfig()
+        mc = checkpoint.config
+        config.validate(mc)
+        self.model_config = mc
+        self.net = net if net is not None else LoraLlama.from_checkpoint(checkpoint)
+        self._tokenizer = tokenizer
+        self._checkpoint = checkpoint
+        layers = config.adapted_layers(mc)
+        self.keys: list[Key] = [(li, p) for li in layers for p in config.projections]
+        self.first_layer = layers[0]
+        last = mc.num_layers - 1
+        self.instant_keys: list[Key] = [(last, p) for p in config.projections if p in INSTANT_PROJECTIONS and
+                                        last in layers]
+        if config.instant_lr > 0 and not self.instant_keys:
+            raise SonaError(
+                "bad SONA config: the instant loop adapts the last layer's q/k/v/o projections; include layer "
+                f"{last} and one of them, or set instant_lr=0"
+            )
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self._lock = threading.RLock()
+        self._slots: dict[str, Slot] = {}
+        self._trajectories: OrderedDict[str, Trajectory] = OrderedDict()
+        self._capture_queue: deque[str] = deque(maxlen=config.max_trajectories)
+        self._feedback_waiting: list[str] = []
+        self._route_queue: deque[tuple[str, list[int]]] = deque()
+        self._samples: dict[str, deque[Sample]] = {}
+        self._merged: Params | None = None
+        self._merge_dirty = False
+        self.bank = ReasoningBank(mc.hidden_size, max_entries=config.bank_max_entries,
+                                  num_patterns=config.bank_patterns, seed=config.seed)
+        self._counters = {"trajectories": 0, "captures": 0, "capture_errors": 0, "feedback": 0,
+                          "corrections": 0, "instant_updates": 0, "boundaries": 0, "merges": 0, "routed": 0,
+                          "deep_runs": 0, "cycles": 0}
+        self._instant_times: deque[float] = deque(maxlen=2000)
+        self._capture_times: deque[float] = deque(maxlen=500)
+        self._cycle_times: deque[float] = deque(maxlen=500)
+        self._last_deep: DeepRunReport | None = None
+        self._deep_thread: threading.Thread | None = None
+        self._deep_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._slot(GLOBAL_SCOPE)
+        if self.state_dir is not None and (self.state_dir / "manifest.json").is_file():
+            self.load(self.state_dir)
+        if start:
+            self.start()
+
+    @classmethod
+    def for_model(cls, model: LoadedModel, config: SonaConfig | None = None, **kw: Any) -> Sona:
+        return cls(model.checkpoint, config, tokenizer=model.tokenizer, **kw)
+
+    # -- threads ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background loop (idempotent)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._background, name="sona-background", daemon=True)
+                self._thread.start()
+
+    def close(self, save: bool = True) -> None:
+        """Stop the loops (waiting for a deep run in flight) and save state when a directory is set."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._deep_thread is not None:
+            self._deep_thread.join()
+        if save and self.state_dir is not None:
+            self.save(self.state_dir)
+
+    def _background(self) -> None:
+        while not self._stop.wait(self.config.background_interval):
+            try:
+                self.run_cycle()
+            except Exception as exc:  # the loop must survive a bad trajectory
+                log.warning("sona background cycle failed", error=repr(exc))
+
+    # -- scopes -----------------------------------------------------------------------------------
+    def scope_of(self, request: InferenceRequest) -> str:
+        mode = self.config.scope
+        if mode == "user" and request.user:
+            return f"user:{request.user}"
+        if mode == "api_key":
+            key = request.metadata.get("api_key_id")
+            if key:
+                return f"key:{key}"
+        return GLOBAL_SCOPE
+
+    def _fresh_params(self, scope: str) -> Params:
+        rng = np.random.default_rng([self.config.seed, zlib.crc32(scope.encode())])
+        out: Params = {}
+        for li, proj in self.keys:
+            fan_in = self.net.in_features(proj)
+            bound = 1.0 / math.sqrt(fan_in)
+            a = rng.uniform(-bound, bound, (self.config.rank, fan_in)).astype(np.float32)
+            out[(li, proj)] = (a, np.zeros((self.net.out_features(proj), self.config.rank), np.float32))
+        return out
+
+    def _new_ewc(self, params: Params) -> EwcPlusPlus:
+        c = self.config
+        return EwcPlusPlus(params, c.scale, lam=c.ewc_lambda, decay=c.ewc_decay, threshold=c.boundary_threshold,
+                           patience=c.boundary_patience, warmup=c.boundary_warmup)
+
+    def _slot(self, scope: str, prompt: Sequence[int] | None = None) -> Slot:
+        with self._lock:
+            slot = self._slots.get(scope)
+            if slot is not None:
+                return slot
+            params = copy_params(self._merged) if self._merged is not None else self._fresh_params(scope)
+            slot = Slot(scope, params, self.config.scale, self._new_ewc(params), self.config.initial_baseline)
+            self._slots[scope] = slot
+            self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
+            if scope != GLOBAL_SCOPE and prompt is not None:
+                self._route_queue.append((scope, list(prompt)))
+            return slot
+
+    def adapter(self, scope: str = GLOBAL_SCOPE) -> SonaAdapter:
+        """The current snapshot of ``scope`` (created empty if new)."""
+        slot = self._slot(scope)
+        with slot.lock:
+            return slot.snapshot
+
+    # -- hooks ------------------------------------------------------------------------------------
+    @hookimpl
+    def pre_inference(self, request: InferenceRequest) -> None:
+        scope = self.scope_of(request)
+        slot = self._slot(scope, request.prompt_token_ids)
+        with slot.lock:
+            snap = slot.snapshot
+        # An all-zero adapter changes nothing; leaving it off keeps the request prefix-cacheable.
+        request.adapter = None if snap.is_zero else snap
+        request.metadata[ADAPTER_METADATA_KEY] = snap
+        request.metadata["sona"] = {"scope": scope, "adapter_version": snap.version}
+
+    @hookimpl
+    def post_inference(self, request: InferenceRequest, result: InferenceResult) -> None:
+        snap = request.metadata.get(ADAPTER_METADATA_KEY)
+        if not isinstance(snap, SonaAdapter) or result.finish_reason == "abort" or not result.output_token_ids:
+            return
+        traj = Trajectory(request.request_id, snap.scope, [int(t) for t in request.prompt_token_ids],
+                          [int(t) for t in result.output_token_ids], snap, time.monotonic())
+        self.record(traj)
+
+    def record(self, traj: Trajectory) -> None:
+        """Hold a finished trajectory for feedback (post_inference does this for engine requests)."""
+        with self._lock:
+            self._trajectories[traj.request_id] = traj
+            self._trajectories.move_to_end(traj.request_id)
+            self._counters["trajectories"] += 1
+            while len(self._trajectories) > self.config.max_trajectories:
+                old, _ = self._trajectories.popitem(last=False)
+                if old in self._feedback_waiting:
+                    self._feedback_waiting.remove(old)
+            if self.config.capture == "eager":
+                self._capture_queue.append(traj.request_id)
+
+    # -- feedback ---------------------------------------------------------------------------------
+    def feedback(
+        self, response_id: str, score: float, correction: str | Sequence[int] | None = None
+    ) -> FeedbackReceipt:
+        """Rate a finished response (``score`` in [0, 1]) and optionally give the completion it
+        should have been. Applies the instant step now when the trajectory is already captured."""
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise FeedbackError(f"score must be a number in [0, 1], got {score!r}")
+        if not 0.0 <= score <= 1.0:
+            raise FeedbackError(f"score must be in [0, 1], got {score}")
+        with self._lock:
+            traj = self._trajectories.get(response_id)
+        if traj is None:
+            raise UnknownResponseError(f"no response {response_id!r} is held for feedback (unknown or expired)")
+        correction_ids = self._correction_ids(correction) if correction is not None else None
+        slot = self._slot(traj.scope)
+        with slot.lock:
+            advantage = float(score) - slot.baseline
+            d = self.config.baseline_decay
+            slot.baseline = d * slot.baseline + (1.0 - d) * float(score)
+            slot.feedback_count += 1
+            slot.pending_quality += max(advantage, 0.0) + (self.config.correction_weight if correction_ids else 0.0)
+            current = slot.snapshot
+        with self._lock:
+            self._counters["feedback"] += 1
+            self.bank.set_quality(response_id, float(score))
+            if correction_ids is not None:
+                self._counters["corrections"] += 1
+                rid = f"{response_id}#correction{self._counters['corrections']}"
+                fixed = Trajectory(rid, traj.scope, traj.prompt_ids, correction_ids, current, time.monotonic(),
+                                   correction_of=response_id, pending_weight=self.config.correction_weight)
+                self._trajectories[rid] = fixed
+                self._feedback_waiting.append(rid)
+                self._add_sample(fixed, self.config.correction_weight)
+                return FeedbackReceipt(response_id, traj.scope, "queued", advantage, current.version)
+            if advantage > 0:
+                self._add_sample(traj, advantage)
+            if traj.capture is None:
+                traj.pending_weight = advantage
+                if response_id not in self._feedback_waiting:
+                    self._feedback_waiting.append(response_id)
+                return FeedbackReceipt(response_id, traj.scope, "queued", advantage, current.version)
+        version = self._apply_instant(traj, advantage)
+        return FeedbackReceipt(response_id, traj.scope, "applied", advantage, version)
+
+    def _correction_ids(self, correction: str | Sequence[int]) -> list[int]:
+        if isinstance(correction, str):
+            if not correction.strip():
+                raise FeedbackError("correction must be non-empty text")
+            if self._tokenizer is None:
+                raise FeedbackError("this SONA instance has no tokenizer; send the correction as token ids")
+            ids = list(self._tokenizer.encode(correction, add_special_tokens=False))
+            eos = self.model_config.eos_token_ids or tuple(self._tokenizer.eos_token_ids)
+            if eos:  # the corrected answer ends where the model should stop
+                ids.append(int(eos[0]))
+        else:
+            ids = [int(t) for t in correction]
+        if not ids:
+            raise FeedbackError("correction encodes to no tokens")
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise FeedbackError(f"correction token ids must be in 0..{self.model_config.vocab_size - 1}")
+        return ids
+
+    def _add_sample(self, traj: Trajectory, weight: float) -> None:
+        cap = traj.capture
+        self._samples[traj.scope].append(Sample(
+            traj.request_id, traj.prompt_ids + traj.completion_ids, len(traj.prompt_ids), float(weight),
+            cap.residual if cap is not None else None,
+        ))
+
+    def _apply_instant(self, traj: Trajectory, weight: float) -> int:
+        """One instant step from a captured trajectory: ``weight`` per token (advantage or the
+        correction weight), averaged over the completion's tokens. Returns the new version."""
+        cap = traj.capture
+        slot = self._slot(traj.scope)
+        if cap is None or cap.instant is None or self.config.instant_lr == 0 or weight == 0:
+            with slot.lock:
+                return slot.version
+        t0 = time.perf_counter()
+        t_count = len(cap.rows)
+        grads = instant_gradient(self.net, cap.instant, np.full(t_count, weight / t_count, np.float32),
+                                 self.instant_keys)
+        lr = np.float32(self.config.instant_lr)
+        norm = float(np.linalg.norm(flat(grads, list(grads))))
+        clip = np.float32(min(1.0, self.config.instant_max_norm / norm) if norm > 0 else 1.0)
+        with slot.lock:
+            for k, (da, db) in grads.items():
+                a, b = slot.params[k]
+                a += lr * clip * da
+                b += lr * clip * db
+            slot.instant_updates += 1
+            version = slot.publish().version
+        self._instant_times.append(time.perf_counter() - t0)
+        with self._lock:
+            self._counters["instant_updates"] += 1
+            self._merge_dirty = True
+        return version
+
+    # -- background -------------------------------------------------------------------------------
+    def run_cycle(self) -> dict[str, Any]:
+        """One background cycle, synchronously (the background thread calls this every interval)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self._expire()
+            todo = [self._trajectories[r] for r in self._feedback_waiting
+                    if r in self._trajectories and self._trajectories[r].capture is None
+                    and self._trajectories[r].capture_error is None]
+            budget = self.config.captures_per_cycle
+            while len(todo) < budget and self._capture_queue:
+                t = self._trajectories.get(self._capture_queue.pop())  # newest first
+                if t is not None and t.capture is None and t.capture_error is None and t not in todo:
+                    todo.append(t)
+        captured = 0
+        for traj in todo:
+            captured += self._capture(traj)
+        applied = self._apply_waiting()
+        with self._lock:
+            if self.bank.added_since_clustering >= self.config.bank_recluster_every or (
+                    len(self.bank) and not self.bank.patterns):
+                self.bank.cluster()
+        routed = self._route_pending()
+        merged = self._maybe_merge()
+        started = self._maybe_start_deep()
+        worked = bool(captured or applied or routed or merged or started)
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._counters["cycles"] += 1
+            if worked:
+                self._cycle_times.append(elapsed)
+        return {"captured": captured, "applied": applied, "routed": routed, "merged": merged,
+                "deep_started": started, "seconds": elapsed}
+
+    def _expire(self) -> None:
+        horizon = time.monotonic() - self.config.trajectory_ttl
+        while self._trajectories:
+            rid, traj = next(iter(self._trajectories.items()))
+            if traj.created >= horizon:
+                break
+            self._trajectories.popitem(last=False)
+            if rid in self._feedback_waiting:
+                self._feedback_waiting.remove(rid)
+
+    def _capture(self, traj: Trajectory) -> int:
+        tokens = traj.prompt_ids + traj.completion_ids
+        snap = traj.adapter
+        t0 = time.perf_counter()
+        try:
+            if len(tokens) > self.model_config.max_position_embeddings:
+                raise SonaError(f"trajectory of {len(tokens)} tokens exceeds the model context")
+            fisher, cap = capture_trajectory(self.net, tokens, len(traj.prompt_ids), snap.entries, snap.version,
+                                             self.first_layer, self.instant_keys)
+            base = self.net.tail_forward(cap.residual[: len(traj.prompt_ids)], self.first_layer, {})
+            assert base.z is not None
+            embedding = base.z.mean(axis=0)
+        except Exception as exc:
+            traj.capture_error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._counters["capture_errors"] += 1
+            log.warning("sona capture failed", request_id=traj.request_id, error=traj.capture_error)
+            return 0
+        self._capture_times.append(time.perf_counter() - t0)
+        slot = self._slot(traj.scope)
+        with slot.lock:
+            boundary = slot.ewc.observe(fisher, slot.params) if slot.ewc.lam > 0 else False
+        with self._lock:
+            traj.capture = cap
+            self._counters["captures"] += 1
+            self._counters["boundaries"] += int(boundary)
+            for s in self._samples.get(traj.scope, ()):
+                if s.request_id == traj.request_id and s.residual is None:
+                    s.residual = cap.residual
+            if traj.correction_of is None:
+                self.bank.add(traj.request_id, traj.scope, embedding, traj.created)
+        return 1
+
+    def _apply_waiting(self) -> int:
+        with self._lock:
+            ready = [self._trajectories[r] for r in self._feedback_waiting
+                     if r in self._trajectories and (self._trajectories[r].capture is not None
+                                                     or self._trajectories[r].capture_error is not None)]
+            for t in ready:
+                self._feedback_waiting.remove(t.request_id)
+        applied = 0
+        for t in ready:
+            weight, t.pending_weight = t.pending_weight, None
+            if t.capture is not None and weight is not None:
+                self._apply_instant(t, weight)
+                applied += 1
+        return applied
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Mean-pooled final-norm hidden state of ``token_ids`` under the base model (the bank's key)."""
+        r = self.net.prefix(token_ids, self.first_layer)
+        tape = self.net.tail_forward(r, self.first_layer, {})
+        assert tape.z is not None
+        return tape.z.mean(axis=0)
+
+    def _route_pending(self) -> int:
+        routed = 0
+        while True:
+            with self._lock:
+                if not self._route_queue or not self.bank.patterns:
+                    return routed
+                scope, prompt = self._route_queue.popleft()
+                slot = self._slots.get(scope)
+            if slot is None or slot.feedback_count:
+                continue
+            match = self.bank.route(self.embed(prompt), self.config.route_threshold, self.config.route_min_quality)
+            if match is None or match.pattern.scope in (None, scope):
+                continue
+            source = self._slot(str(match.pattern.scope))
+            with source.lock:
+                params, ewc = copy_params(source.params), copy.deepcopy(source.ewc)
+            with slot.lock:
+                if slot.feedback_count:
+                    continue
+                slot.params, slot.ewc = params, ewc
+                slot.routed_from = source.scope
+                slot.publish()
+            with self._lock:
+                self._counters["routed"] += 1
+            routed += 1
+
+    def _maybe_merge(self) -> bool:
+        """Fold every non-global scope's adapter into one rank-``rank`` adapter (feedback-weighted
+        mean of their weight updates, truncated SVD) that new scopes start from."""
+        with self._lock:
+            if not self._merge_dirty or self.config.scope == "global":
+                return False
+            self._merge_dirty = False
+            slots = [s for s in self._slots.values() if s.scope != GLOBAL_SCOPE]
+        parts = []
+        for s in slots:
+            with s.lock:
+                if s.feedback_count:
+                    parts.append((float(s.feedback_count), copy_params(s.params)))
+        if not parts:
+            return False
+        total = sum(w for w, _ in parts)
+        merged: Params = {}
+        for k in self.keys:
+            b_cat = np.concatenate([p[k][1] * np.float32(w / total) for w, p in parts], axis=1)
+            a_cat = np.concatenate([p[k][0] for _, p in parts], axis=0)
+            merged[k] = low_rank_product(b_cat, a_cat, self.config.rank)
+        with self._lock:
+            self._merged = merged
+            self._counters["merges"] += 1
+        return True
+
+    # -- deep loop --------------------------------------------------------------------------------
+    def _maybe_start_deep(self) -> bool:
+        trigger = self.config.deep_trigger
+        if trigger <= 0 or (self._deep_thread is not None and self._deep_thread.is_alive()):
+            return False
+        with self._lock:
+            ready = [s for s in self._slots.values() if s.pending_quality >= trigger and self._samples[s.scope]]
+        if not ready:
+            return False
+        self.deep_train(max(ready, key=lambda s: s.pending_quality).scope)
+        return True
+
+    def deep_train(self, scope: str = GLOBAL_SCOPE, wait: bool = False, *, ewc: bool = True) -> DeepRunReport | None:
+        """Start a deep run for ``scope`` in its own thread; with ``wait`` return its report.
+        ``ewc=False`` trains without the EWC++ penalty (for comparisons)."""
+        with self._lock:
+            if self._deep_thread is not None and self._deep_thread.is_alive():
+                if not wait:
+                    return None
+                running = self._deep_thread
+            else:
+                running = None
+            if scope not in self._slots:
+                raise SonaError(f"no adapter scope {scope!r}")
+            if not self._samples[scope]:
+                raise SonaError(f"scope {scope!r} has no stored samples (positive or corrected feedback) to train on")
+        if running is not None:
+            running.join()
+            return self.deep_train(scope, wait, ewc=ewc)
+        result: list[DeepRunReport] = []
+
+        def run() -> None:
+            try:
+                result.append(self._deep_run(scope, ewc))
+            except Exception as exc:  # reported in stats; serving goes on
+                self._deep_error = f"{type(exc).__name__}: {exc}"
+                log.warning("sona deep run failed", scope=scope, error=self._deep_error)
+
+        thread = threading.Thread(target=run, name=f"sona-deep-{scope}", daemon=True)
+        with self._lock:
+            self._deep_thread = thread
+        thread.start()
+        if not wait:
+            return None
+        thread.join()
+        if not result:
+            raise SonaError(f"deep run failed: {self._deep_error}")
+        return result[0]
+
+    def _deep_run(self, scope: str, use_ewc: bool = True) -> DeepRunReport:
+        c = self.config
+        t_start = time.perf_counter()
+        slot = self._slot(scope)
+        with self._lock:
+            samples = list(self._samples[scope])
+        for s in samples:
+            if s.residual is None:
+                s.residual = self.net.prefix(s.token_ids, self.first_layer)
+        with slot.lock:
+            start = copy_params(slot.params)
+            ewc = copy.deepcopy(slot.ewc) if use_ewc and slot.ewc.active else None
+            slot.pending_quality = 0.0
+        params = copy_params(start)
+        m1 = {k: (np.zeros_like(a), np.zeros_like(b)) for k, (a, b) in params.items()}
+        m2 = {k: (np.zeros_like(a), np.zeros_like(b)) for k, (a, b) in params.items()}
+        beta1, beta2, eps = 0.9, 0.999, 1e-8
+        rng = np.random.default_rng([c.seed, self._counters["deep_runs"]])
+        step = 0
+        epoch_losses: list[float] = []
+        for _ in range(c.deep_epochs):
+            total, tokens = 0.0, 0.0
+            for i in rng.permutation(len(samples)):
+                s = samples[i]
+                assert s.residual is not None
+                entries = {k: LoraFactors(a, b, slot.scale) for k, (a, b) in params.items()}
+                tape = self.net.tail_forward(s.residual, self.first_layer, entries)
+                rows = np.arange(s.num_prompt - 1, len(s.token_ids) - 1)
+                targets = np.asarray(s.token_ids[s.num_prompt:], dtype=np.int64)
+                w = np.full(len(rows), s.weight / len(rows), np.float32)
+                dr, lp = self.net.head_backward(tape, rows, targets, w)
+                grads, _ = self.net.tail_backward(tape, dr, entries)
+                pull = ewc.penalty_grad(params, self.keys) if ewc is not None else None
+                total += float(-np.mean(lp)) * s.weight
+                tokens += s.weight
+                step += 1
+                for k in self.keys:
+                    for j in (0, 1):
+                        g = grads[k][j] if k in grads else np.zeros_like(params[k][j])
+                        if pull is not None:
+                            g = g - pull[k][j]
+                        mm, vv = m1[k][j], m2[k][j]
+                        mm *= beta1
+                        mm += (1 - beta1) * g
+                        vv *= beta2
+                        vv += (1 - beta2) * g * g
+                        mhat = mm / (1 - beta1**step)
+                        vhat = vv / (1 - beta2**step)
+                        params[k][j][...] += np.float32(c.deep_lr) * mhat / (np.sqrt(vhat) + eps)  # ascent
+            epoch_losses.append(total / max(tokens, 1e-12))
+        with slot.lock:
+            # Keep what the instant loop learnt while this run trained.
+            slot.params = {k: (params[k][0] + (slot.params[k][0] - start[k][0]),
+                               params[k][1] + (slot.params[k][1] - start[k][1])) for k in self.keys}
+            slot.deep_runs += 1
+            version = slot.publish().version
+        report = DeepRunReport(scope, len(samples), step, time.perf_counter() - t_start, epoch_losses[0],
+                               epoch_losses[-1], version)
+        with self._lock:
+            self._counters["deep_runs"] += 1
+            self._last_deep = report
+            self._merge_dirty = True
+        return report
+
+    def consolidate(self, scope: str = GLOBAL_SCOPE) -> None:
+        """Declare an EWC++ task boundary for ``scope`` now."""
+        slot = self._slot(scope)
+        with slot.lock:
+            slot.ewc.consolidate(slot.params)
+        with self._lock:
+            self._counters["boundaries"] += 1
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            slots = list(self._slots.values())
+            held = len(self._trajectories)
+            captured = sum(1 for t in self._trajectories.values() if t.capture is not None)
+            waiting = len(self._feedback_waiting)
+            counters = dict(self._counters)
+            bank = self.bank.stats()
+            last_deep = self._last_deep
+        adapters = []
+        for s in slots:
+            with s.lock:
+                adapters.append({
+                    "scope": s.scope, "version": s.version, "active": not s.snapshot.is_zero,
+                    "feedback": s.feedback_count, "instant_updates": s.instant_updates, "deep_runs": s.deep_runs,
+                    "baseline": round(s.baseline, 4), "pending_quality": round(s.pending_quality, 4),
+                    "routed_from": s.routed_from, "ewc": s.ewc.stats(),
+                })
+        return {
+            "model": self.model_config.name,
+            "scope_mode": self.config.scope,
+            "adapted": [f"layers.{li}.{p}" for li, p in self.keys],
+            "instant_adapted": [f"layers.{li}.{p}" for li, p in self.instant_keys],
+            "rank": self.config.rank,
+            "counters": counters,
+            "trajectories": {"held": held, "captured": captured, "feedback_waiting": waiting},
+            "instant_update": _percentiles(self._instant_times),
+            "capture": _percentiles(self._capture_times),
+            "background_cycle": _percentiles(self._cycle_times),
+            "deep": {
+                "running": self._deep_thread is not None and self._deep_thread.is_alive(),
+                "last": None if last_deep is None else {
+                    "scope": last_deep.scope, "samples": last_deep.samples, "steps": last_deep.steps,
+                    "seconds": round(last_deep.seconds, 3),
+                    "first_epoch_loss": round(last_deep.first_epoch_loss, 4),
+                    "last_epoch_loss": round(last_deep.last_epoch_loss, 4),
+                    "adapter_version": last_deep.adapter_version,
+                },
+                "last_error": self._deep_error,
+            },
+            "bank": bank,
+            "adapters": adapters,
+        }
+
+    # -- persistence ------------------------------------------------------------------------------
+    def _fingerprint(self) -> dict[str, Any]:
+        mc = self.model_config
+        digest = hashlib.sha256(self.net.final_norm.tobytes() + self.net.embed[:8].tobytes()).hexdigest()
+        return {"name": mc.name, "hidden_size": mc.hidden_size, "num_layers": mc.num_layers,
+                "vocab_size": mc.vocab_size, "weights_sha256": digest}
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Write adapters (safetensors, one file per scope, with their EWC++ state), the bank
+        (safetensors + JSON) and ``manifest.json`` (written last) to ``directory``."""
+        from safetensors.numpy import save_file
+
+        target = Path(directory) if directory is not None else self.state_dir
+        if target is None:
+            raise SonaError("no state directory: pass one to save() or to Sona(state_dir=...)")
+        (target / "adapters").mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            slots = list(self._slots.values())
+            self.bank.save(target)
+        scopes = []
+        for i, s in enumerate(sorted(slots, key=lambda s: s.scope)):
+            with s.lock:
+                tensors = {}
+                for (li, proj), (a, b) in s.params.items():
+                    tensors[f"layers.{li}.{proj}.lora_A"] = np.ascontiguousarray(a)
+                    tensors[f"layers.{li}.{proj}.lora_B"] = np.ascontiguousarray(b)
+                tensors.update({k: np.ascontiguousarray(v) for k, v in s.ewc.state_arrays().items()})
+                entry = {"scope": s.scope, "file": f"adapters/{i:04d}.safetensors", "version": s.version,
+                         "baseline": s.baseline, "feedback_count": s.feedback_count,
+                         "instant_updates": s.instant_updates, "deep_runs": s.deep_runs,
+                         "ewc_consolidations": s.ewc.consolidations,
+                         "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from}
+            tmp = target / (entry["file"] + ".tmp")
+            save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "scope": s.scope,
+                                                    "scale": repr(s.scale), "rank": str(self.config.rank)})
+            os.replace(tmp, target / entry["file"])
+            scopes.append(entry)
+        manifest = {"format": STATE_FORMAT, "model": self._fingerprint(), "config": self.config.to_json(),
+                    "adapted": [[li, p] for li, p in self.keys], "scopes": scopes, "bank": ["bank.safetensors",
+                                                                                             "bank.json"]}
+        tmp = target / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, target / "manifest.json")
+        return target
+
+    def load(self, directory: str | Path) -> None:
+        """Replace this instance's adapters and bank by those saved in ``directory``."""
+        from safetensors.numpy import load_file
+
+        d = Path(directory)
+        try:
+            manifest = json.loads((d / "manifest.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise SonaStateError(f"{d}: no readable SONA manifest.json ({exc})") from exc
+        if manifest.get("format") != STATE_FORMAT:
+            raise SonaStateError(f"{d}: state format {manifest.get('format')!r} is not {STATE_FORMAT!r}")
+        if manifest.get("model") != self._fingerprint():
+            raise SonaStateError(f"{d}: state was saved for another model ({manifest.get('model', {}).get('name')!r})")
+        saved_keys = [(int(li), str(p)) for li, p in manifest.get("adapted", [])]
+        if saved_keys != self.keys:
+            raise SonaStateError(f"{d}: state adapts {saved_keys}, this configuration adapts {self.keys}")
+        slots = {}
+        for entry in manifest["scopes"]:
+            try:
+                arrays = load_file(str(d / entry["file"]))
+            except (OSError, ValueError) as exc:
+                raise SonaStateError(f"{d / entry['file']}: unreadable adapter ({exc})") from exc
+            try:
+                params = {(li, p): (arrays[f"layers.{li}.{p}.lora_A"].astype(np.float32),
+                                    arrays[f"layers.{li}.{p}.lora_B"].astype(np.float32)) for li, p in self.keys}
+            except KeyError as exc:
+                raise SonaStateError(f"{d / entry['file']}: tensor {exc} is missing") from exc
+            for (li, p), (a, b) in params.items():
+                want = ((self.config.rank, self.net.in_features(p)), (self.net.out_features(p), self.config.rank))
+                if (a.shape, b.shape) != want:
+                    raise SonaStateError(f"{d / entry['file']}: layers.{li}.{p} has shapes {a.shape}, {b.shape}; "
+                                         f"expected {want}")
+            slot = Slot(entry["scope"], params, self.config.scale, self._new_ewc(params), float(entry["baseline"]))
+            try:
+                slot.ewc.load_arrays(arrays, int(entry["ewc_consolidations"]), int(entry["ewc_consolidated_samples"]))
+            except KeyError as exc:
+                raise SonaStateError(f"{d / entry['file']}: EWC++ state {exc} is missing") from exc
+            slot.version = int(entry["version"])
+            slot.feedback_count = int(entry["feedback_count"])
+            slot.instant_updates = int(entry["instant_updates"])
+            slot.deep_runs = int(entry["deep_runs"])
+            slot.routed_from = entry.get("routed_from")
+            slot.snapshot = slot._make_snapshot()
+            slots[slot.scope] = slot
+        bank = ReasoningBank(self.model_config.hidden_size, max_entries=self.config.bank_max_entries,
+                             num_patterns=self.config.bank_patterns, seed=self.config.seed)
+        bank.load(d)
+        with self._lock:
+            self._slots = slots
+            for scope in slots:
+                self._samples.setdefault(scope, deque(maxlen=self.config.deep_max_samples))
+            self.bank = bank
+        self._slot(GLOBAL_SCOPE)
+
+
+def low_rank_product(b: np.ndarray, a: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Factors ``(A [rank, in], B [out, rank])`` of the best rank-``rank`` approximation of ``b @ a``
+    (``b [out, k]``, ``a [k, in]``), through QR of both factors and an SVD of the small core."""
+    qb, rb = np.linalg.qr(b.astype(np.float64))
+    qa, ra = np.linalg.qr(a.T.astype(np.float64))
+    u, s, vt = np.linalg.svd(rb @ ra.T)
+    r = min(rank, len(s))
+    root = np.sqrt(s[:r])
+    b_new = np.zeros((b.shape[0], rank))
+    a_new = np.zeros((rank, a.shape[1]))
+    b_new[:, :r] = (qb @ u[:, :r]) * root
+    a_new[:r] = (root[:, None] * vt[:r]) @ qa.T
+    return a_new.astype(np.float32), b_new.astype(np.float32)
