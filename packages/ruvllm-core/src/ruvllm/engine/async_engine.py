@@ -124,15 +124,16 @@ class AsyncEngine:
                 except Exception as exc:
                     self._fail_all(exc)
                     continue
+                # Stats first: a caller woken by its final output must not read older figures.
+                self._stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out.request_id, out, out.finished)
-                self._stats = self.engine.stats()
         finally:
-            for rid in list(self.engine._requests):
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._deliver(rid, out, True)
+            finals = [self.engine.abort(rid) for rid in self.engine.unfinished_request_ids()]
             self._stats = self.engine.stats()
+            for out in finals:
+                if out is not None:
+                    self._deliver(out.request_id, out, True)
             with self._start_lock:
                 self._closed = True
             self._fail_commands(EngineDeadError("the engine has been shut down"))
@@ -146,10 +147,13 @@ class AsyncEngine:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(self._command(kind, args))
+                result = self._command(kind, args)
             except BaseException as exc:
+                self._stats = self.engine.stats()
                 fut.set_exception(exc)
-            self._stats = self.engine.stats()
+            else:
+                self._stats = self.engine.stats()
+                fut.set_result(result)
 
     def _command(self, kind: str, args: tuple[Any, ...]) -> Any:
         if kind == "add":
@@ -163,13 +167,14 @@ class AsyncEngine:
             (rid,) = args
             out = self.engine.abort(rid)
             if out is not None:
+                self._stats = self.engine.stats()
                 self._deliver(rid, out, True)
             return out
         if kind == "stop":
             (drain,) = args
             self._stopping = bool(drain)
             if not drain:
-                for rid in list(self.engine._requests):
+                for rid in self.engine.unfinished_request_ids():
                     self._command("abort", (rid,))
             return None
         raise ValueError(f"unknown engine command {kind!r}")
@@ -187,11 +192,11 @@ class AsyncEngine:
 
     def _fail_all(self, exc: Exception) -> None:
         log.error("engine step failed", error=repr(exc))
-        for rid in list(self.engine._requests):
+        for rid in self.engine.unfinished_request_ids():
             self.engine.abort(rid)
+        self._stats = self.engine.stats()
         for rid in list(self._streams):
             self._deliver(rid, exc, True)
-        self._stats = self.engine.stats()
 
     def _fail_commands(self, exc: Exception) -> None:
         while True:

@@ -141,6 +141,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def stats(self) -> EngineStats:
         """Engine-wide figures; ``running``/``waiting`` count sequences (choices)."""
         return EngineStats(

@@ -1,0 +1,566 @@
+"""The serving engine on SmolLM2 (candle-compat backend): continuous batching, prefix caching,
+preemption, n > 1 with copy-on-write, sampling parameters, hooks, metrics and the async API.
+
+References are computed without the engine: greedy "alone" outputs come from the backend's forward
+step driven one sequence at a time, and logits for the sampling checks from one all-logits prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import numpy as np
+import pytest
+
+from ruvllm import hookimpl
+from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.engine import AsyncEngine, EngineConfig, GenerationRequest, LLMEngine, RequestOutput
+from ruvllm.errors import RequestError
+from ruvllm.sampling import SamplingParams, log_softmax
+
+SUBJECTS = [
+    "The capital of France",
+    "My favourite colour",
+    "Water boils at",
+    "The quick brown fox",
+    "Once upon a time",
+    "Python is a programming language",
+    "The moon orbits",
+    "In 1492 Columbus",
+    "The best way to learn",
+    "Cats and dogs",
+    "A healthy breakfast",
+    "The theory of relativity",
+    "Mount Everest is",
+    "The stock market",
+    "Rain falls when",
+    "Music makes",
+]
+ENDINGS = ["", " is", " was said to be", " and, according to many people who studied it for years,"]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    from ruvllm.runtime import load_model
+
+    return load_model(str(smollm2_path), backend="candle-compat")
+
+
+@pytest.fixture(scope="module")
+def eos(llm) -> tuple[int, ...]:
+    return tuple(set(llm.config.eos_token_ids) | set(llm.tokenizer.eos_token_ids))
+
+
+class ReferenceRunner:
+    """Greedy decoding and logits straight from the backend's forward step, one sequence alone."""
+
+    BLOCK = 16
+
+    def __init__(self, llm, eos: tuple[int, ...]) -> None:
+        self.llm, self.eos = llm, eos
+        self.cache = llm.allocate_cache(64, self.BLOCK)  # 1024 slots; reads never go past a chunk's end
+        self.table = np.arange(64, dtype=np.int32)
+
+    def _forward(self, ids: list[int], start: int, all_logits: bool = False):
+        chunk = SequenceChunk(np.asarray(ids, np.int32), start, self.table, all_logits=all_logits)
+        return self.llm.forward(ForwardBatch([chunk], self.BLOCK), self.cache)
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        logits = self._forward(prompt, 0).logits[0]
+        out: list[int] = []
+        while True:
+            out.append(int(np.argmax(logits)))
+            if out[-1] in self.eos or len(out) == max_tokens:
+                return out
+            logits = self._forward([out[-1]], len(prompt) + len(out) - 1).logits[0]
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """float64 logits ``[len(ids), vocab]``: row i predicts token i + 1."""
+        return self._forward(ids, 0, all_logits=True).all_logits[0].astype(np.float64)
+
+
+@pytest.fixture(scope="module")
+def ref(llm, eos) -> ReferenceRunner:
+    return ReferenceRunner(llm, eos)
+
+
+class Workload:
+    """64 different prompts (5..25 tokens) with max_tokens 8..12, and their greedy outputs alone."""
+
+    def __init__(self, llm, ref: ReferenceRunner) -> None:
+        self.ref = ref
+        tok = llm.tokenizer
+        self.items = [(tok.encode(SUBJECTS[i % 16] + ENDINGS[i // 16]), 8 + i % 5) for i in range(64)]
+        assert len({tuple(p) for p, _ in self.items}) == 64
+        self._alone: dict[int, list[int]] = {}
+
+    def alone(self, i: int) -> list[int]:
+        """Request ``i`` decoded greedily on its own, one forward step per token (memoized)."""
+        if i not in self._alone:
+            self._alone[i] = self.ref.greedy(*self.items[i])
+        return self._alone[i]
+
+    def assert_greedy_alone(self, i: int, tokens: list[int]) -> None:
+        """``tokens`` are what request ``i`` gives alone: every token is the argmax of the logits
+        one forward pass over the prompt and the tokens before it yields, and generation ended at
+        eos or at max_tokens. (Cheaper than a decode loop: one forward step per request.)"""
+        prompt, max_tokens = self.items[i]
+        rows = self.ref.logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+        assert [int(np.argmax(r)) for r in rows] == tokens, f"request {i}"
+        assert not any(t in self.ref.eos for t in tokens[:-1])
+        assert tokens[-1] in self.ref.eos or len(tokens) == max_tokens
+
+
+@pytest.fixture(scope="module")
+def workload(llm, ref) -> Workload:
+    return Workload(llm, ref)
+
+
+def tokens_of(outputs: list[RequestOutput], index: int = 0) -> list[int]:
+    return [t for o in outputs for d in o.deltas if d.index == index for t in d.token_ids]
+
+
+def text_of(outputs: list[RequestOutput], index: int = 0) -> str:
+    return "".join(d.text for o in outputs for d in o.deltas if d.index == index)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+class ForwardCounter:
+    """A plugin wrapping the backend's forward hook: counts the tokens every step carries."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.adapters: list[object] = []
+
+    @hookimpl(wrapper=True)
+    def forward(self, model, batch, cache):
+        self.tokens += sum(len(c.token_ids) for c in batch.chunks)
+        self.adapters.extend(c.adapter for c in batch.chunks)
+        return (yield)
+
+
+@pytest.fixture
+def counter(llm):
+    c = ForwardCounter()
+    llm.host.register(c)
+    yield c
+    llm.host.pm.unregister(c)
+
+
+# -- continuous batching ----------------------------------------------------------------------
+
+
+def test_64_concurrent_requests_match_each_request_run_alone(llm, workload, eos):
+    engine = LLMEngine(llm, EngineConfig(num_blocks=256, max_num_seqs=64))
+    requests = [GenerationRequest(p, greedy(k)) for p, k in workload.items]
+    results = engine.generate(requests)
+    for i, outputs in enumerate(results):
+        tokens = tokens_of(outputs)
+        workload.assert_greedy_alone(i, tokens)
+        if i % 4 == 0:  # a quarter also against a literal one-token-per-step decode alone
+            assert tokens == workload.alone(i)
+        assert outputs[-1].finished and sum(o.finished for o in outputs) == 1
+        reason = outputs[-1].deltas[-1].finish_reason
+        assert reason == ("stop" if tokens[-1] in eos else "length")
+        assert text_of(outputs) == llm.tokenizer.decode([t for t in tokens if t not in eos])
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0
+    assert stats.blocks_used == 0 and engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished()
+
+
+def test_async_engine_with_a_quarter_cancelled_mid_stream_frees_every_block(llm, workload):
+    engine = AsyncEngine(llm, EngineConfig(num_blocks=256, max_num_seqs=64))
+    picked = random.Random(0).sample(range(64), 16)
+    closed, cancelled = set(picked[:8]), set(picked[8:])  # leave the loop / cancel the task
+
+    async def consume(i: int, started: asyncio.Event) -> list[RequestOutput]:
+        prompt, max_tokens = workload.items[i]
+        outputs = []
+        request = GenerationRequest(prompt, greedy(max_tokens), request_id=f"r{i}")
+        async with contextlib.aclosing(engine.generate(request)) as stream:
+            async for out in stream:
+                outputs.append(out)
+                if len(outputs) == 2:
+                    started.set()
+                    if i in closed:
+                        break
+        return outputs
+
+    async def main():
+        started = [asyncio.Event() for _ in range(64)]
+        tasks = [asyncio.create_task(consume(i, started[i])) for i in range(64)]
+        for i in cancelled:
+            await started[i].wait()
+            tasks[i].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        stats = engine.stats()
+        await engine.shutdown()
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    for i, outputs in enumerate(results):
+        if i in cancelled:
+            assert isinstance(outputs, asyncio.CancelledError)
+        elif i in closed:
+            assert len(tokens_of(outputs)) == 2 and not outputs[-1].finished
+        else:
+            workload.assert_greedy_alone(i, tokens_of(outputs))
+    assert stats.blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+    assert engine.engine.block_manager.num_used_blocks == 0
+
+
+def test_async_abort_ends_the_stream_and_frees_blocks_at_once(llm, workload):
+    engine = AsyncEngine(llm, EngineConfig(num_blocks=64))
+    prompt = workload.items[0][0]
+
+    async def main():
+        outputs = []
+        gen = engine.generate(GenerationRequest(prompt, greedy(200, ignore_eos=True), request_id="x"))
+        outputs.append(await gen.__anext__())
+        final = await engine.abort("x")
+        used_after_abort = engine.engine.block_manager.num_used_blocks
+        outputs.extend([o async for o in gen])
+        await engine.shutdown()
+        return outputs, final, used_after_abort
+
+    outputs, final, used = asyncio.run(main())
+    assert used == 0
+    assert final is not None and final.finished
+    assert outputs[-1].finished and outputs[-1].deltas[-1].finish_reason == "abort"
+
+
+def test_stream_yields_deltas_and_metrics(llm, workload):
+    (prompt, k), expected = workload.items[5], workload.alone(5)
+    engine = LLMEngine(llm, EngineConfig(num_blocks=32, max_num_seqs=1))
+    outputs = list(engine.stream(GenerationRequest(prompt, greedy(k))))
+    assert tokens_of(outputs) == expected
+    assert [len(o.deltas[0].token_ids) for o in outputs] == [1] * len(expected)
+    m = outputs[-1].metrics
+    assert m.prompt_tokens == len(prompt) and m.completion_tokens == len(expected)
+    assert 0 <= m.queue_time <= m.ttft <= m.e2e
+    assert len(m.inter_token_latencies) == len(expected) - 1 and min(m.inter_token_latencies) > 0
+    assert outputs[0].metrics.completion_tokens == 1  # each output carries the figures of its time
+
+
+def test_closing_a_stream_early_aborts_its_request(llm, workload):
+    engine = LLMEngine(llm, EngineConfig(num_blocks=32))
+    stream = engine.stream(GenerationRequest(workload.items[0][0], greedy(50, ignore_eos=True)))
+    next(stream)
+    assert engine.stats().blocks_used > 0
+    stream.close()
+    assert engine.stats().blocks_used == 0 and not engine.has_unfinished()
+
+
+# -- prefix caching ---------------------------------------------------------------------------
+
+PREFIX_TOKENS = 512
+
+
+def test_shared_prefix_is_computed_once(llm, ref, counter):
+    tok = llm.tokenizer
+    passage = " ".join(f"Item {i}: the {w} costs {i * 3} coins." for i, w in enumerate(["apple", "pear", "plum"] * 60))
+    prefix = tok.encode(passage)[:PREFIX_TOKENS]
+    assert len(prefix) == PREFIX_TOKENS
+    first = prefix + tok.encode(" Question one: what costs 9 coins?", add_special_tokens=False)
+    second = prefix + tok.encode(" Question two:", add_special_tokens=False)
+    engine = LLMEngine(llm, EngineConfig(num_blocks=128, block_size=16))
+
+    out_first = engine.generate([GenerationRequest(first, greedy(2, ignore_eos=True))])[0]
+    assert counter.tokens == len(first) + 1  # the prompt, then one decode step
+    counter.tokens = 0
+    out_second = engine.generate([GenerationRequest(second, greedy(3, ignore_eos=True))])[0]
+    # Only the tokens after the shared 512 (32 full blocks) plus 2 decode steps went through forward.
+    assert counter.tokens == (len(second) - PREFIX_TOKENS) + 2
+    assert out_second[-1].metrics.cached_tokens == PREFIX_TOKENS
+    assert out_first[-1].metrics.cached_tokens == 0
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens == PREFIX_TOKENS
+    assert stats.prefix_cache_queried_tokens == len(first) + len(second)
+    # The reused keys/values give what a cold run alone gives.
+    assert tokens_of(out_second) == ref.greedy(second, 3)
+
+
+def test_prefix_hits_need_identical_full_blocks(llm, counter):
+    tok = llm.tokenizer
+    base = tok.encode("Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho")
+    assert len(base) >= 20
+    other = list(base)
+    other[3] = (other[3] + 1) % llm.config.vocab_size  # differs inside the first block
+    engine = LLMEngine(llm, EngineConfig(num_blocks=32, block_size=16))
+    engine.generate([GenerationRequest(base, greedy(1))])
+    counter.tokens = 0
+    out = engine.generate([GenerationRequest(other, greedy(1))])[0]
+    assert counter.tokens == len(other)
+    assert out[-1].metrics.cached_tokens == 0
+
+
+# -- preemption and chunked prefill -------------------------------------------------------------
+
+
+def test_too_few_blocks_preempt_but_every_request_completes_correctly(llm, workload):
+    picked = range(48, 56)  # the longest prompts (16..25 tokens)
+    # Block size 4: 14 blocks hold 56 tokens, far less than the ~8 x 30 the requests need together;
+    # a 24-token budget also splits the longer prompts into chunks.
+    config = EngineConfig(num_blocks=14, block_size=4, max_num_batched_tokens=24)
+    engine = LLMEngine(llm, config)
+    results = engine.generate([GenerationRequest(p, greedy(k)) for p, k in (workload.items[i] for i in picked)])
+    for i, outputs in zip(picked, results, strict=True):
+        assert tokens_of(outputs) == workload.alone(i)
+    stats = engine.stats()
+    assert stats.preemptions > 0
+    assert stats.blocks_used == 0
+
+
+def test_priority_policy_serves_the_important_request_first(llm, workload):
+    engine = LLMEngine(llm, EngineConfig(num_blocks=32, max_num_seqs=1, policy="priority"))
+    p1, p2 = workload.items[0][0], workload.items[1][0]
+    low = GenerationRequest(p1, greedy(3), priority=5, request_id="low")
+    high = GenerationRequest(p2, greedy(3), priority=0, request_id="high")
+    engine.add_request(low)
+    engine.add_request(high)
+    order = [o.request_id for o in iter_until_done(engine) if o.finished]
+    assert order == ["high", "low"]
+
+
+def iter_until_done(engine: LLMEngine):
+    while engine.has_unfinished():
+        yield from engine.step()
+
+
+# -- n > 1: shared prompt, copy-on-write --------------------------------------------------------
+
+
+def test_n_choices_share_the_prompt_and_copy_on_write(llm, workload, counter):
+    (prompt, k), expected = workload.items[20], workload.alone(20)
+    assert len(prompt) % 16 != 0  # the last prompt block is partial, so choices must copy it
+    engine = LLMEngine(llm, EngineConfig(num_blocks=32))
+    outputs = engine.generate([GenerationRequest(prompt, greedy(k, n=3))])[0]
+    for i in range(3):
+        assert tokens_of(outputs, i) == expected
+    decode_steps = len(expected) - 1
+    assert counter.tokens == len(prompt) + 3 * decode_steps  # the prompt went through forward once
+    assert engine.stats().blocks_used == 0
+
+    seeded = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=8, n=2, seed=3, ignore_eos=True))])
+    a, b = tokens_of(seeded[0], 0), tokens_of(seeded[0], 1)
+    assert a != b  # each choice has its own random stream
+    again = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=8, n=2, seed=3, ignore_eos=True))])
+    assert (tokens_of(again[0], 0), tokens_of(again[0], 1)) == (a, b)
+
+
+# -- sampling parameters through the engine ---------------------------------------------------
+
+
+def run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return engine.generate([GenerationRequest(prompt, params)])[0]
+
+
+@pytest.fixture(scope="module")
+def engine(llm) -> LLMEngine:
+    return LLMEngine(llm, EngineConfig(num_blocks=64))
+
+
+def test_top_k_1_equals_greedy_and_sampling_differs_without_it(engine, workload):
+    (prompt, k), expected = workload.items[3], workload.alone(3)
+    assert tokens_of(run(engine, prompt, SamplingParams(max_tokens=k, temperature=1.0, top_k=1))) == expected
+    free = [tokens_of(run(engine, prompt, SamplingParams(max_tokens=k, temperature=1.5, seed=s))) for s in range(3)]
+    assert any(f != expected for f in free)
+
+
+def test_logit_bias_forces_a_token(engine, llm, workload):
+    banana = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    out = run(engine, workload.items[0][0], greedy(4, logit_bias={banana: 100.0}))
+    assert tokens_of(out) == [banana] * 4
+
+
+def test_seed_repeats_and_different_seeds_differ(engine, workload):
+    prompt = workload.items[7][0]
+    params = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    a = tokens_of(run(engine, prompt, SamplingParams(seed=11, **params)))
+    assert a == tokens_of(run(engine, prompt, SamplingParams(seed=11, **params)))
+    assert a != tokens_of(run(engine, prompt, SamplingParams(seed=12, **params)))
+
+
+def test_stop_string_spanning_two_tokens_is_cut_exactly(engine, llm, workload):
+    tok = llm.tokenizer
+    prompt = workload.items[0][0]
+    reference = tokens_of(run(engine, prompt, greedy(12, ignore_eos=True)))
+    pieces = [tok.decode(reference[: i + 1]) for i in range(len(reference))]
+    full = pieces[-1]
+    # A stop string made of the last character of one token and the first of the next.
+    for i in range(2, len(reference) - 1):
+        left, right = pieces[i], pieces[i + 1]
+        if len(right) > len(left) and len(left) > len(pieces[i - 1]):
+            stop = left[-1] + right[len(left)]
+            if full.find(stop) == len(left) - 1:
+                break
+    else:
+        pytest.fail("no token boundary with a usable stop string in the reference output")
+    outputs = run(engine, prompt, greedy(12, ignore_eos=True, stop=[stop]))
+    assert text_of(outputs) == full[: len(left) - 1]
+    last = outputs[-1].deltas[-1]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    assert tokens_of(outputs) == reference[: i + 2]  # generation ended at the token completing it
+    # No delta ever showed text beyond the cut (the first character was held back).
+    seen = ""
+    for o in outputs:
+        seen += o.deltas[0].text
+        assert full[: len(left) - 1].startswith(seen)
+
+
+def test_min_tokens_suppresses_eos(engine, llm, eos):
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    plain = tokens_of(run(engine, prompt, greedy(16)))
+    assert plain[-1] in eos and len(plain) < 8, "precondition: the model answers briefly"
+    need = len(plain) + 3
+    forced = tokens_of(run(engine, prompt, greedy(16, min_tokens=need)))
+    assert len(forced) >= need
+    assert not any(t in eos for t in forced[:need])
+    assert forced[: len(plain) - 1] == plain[:-1]  # same choices up to where eos was banned
+
+
+def _penalized(raw: np.ndarray, prompt: list[int], produced: list[int], p: SamplingParams) -> np.ndarray:
+    """The OpenAI / CTRL definitions, written out independently of ruvllm.sampling."""
+    x = raw.copy()
+    for t in set(prompt) | set(produced):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(produced):
+        x[t] -= p.presence_penalty + p.frequency_penalty * produced.count(t)
+    return x
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"repetition_penalty": 1.8}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}],
+    ids=["repetition", "presence", "frequency"],
+)
+def test_penalties_change_the_choice_as_defined(engine, llm, ref, penalty):
+    prompt = llm.tokenizer.encode("Once upon a time")
+    params = greedy(12, ignore_eos=True, **penalty)
+    out = tokens_of(run(engine, prompt, params))
+    logits = ref.logits(prompt + out)[len(prompt) - 1 :]
+    changed = 0
+    for j, token in enumerate(out):
+        adjusted = _penalized(logits[j], prompt, out[:j], params)
+        # Chosen token is the argmax of the penalized logits (ties within float32 noise allowed).
+        assert adjusted[token] >= adjusted.max() - 1e-3
+        changed += int(np.argmax(logits[j])) != token
+    assert changed > 0  # the penalty made a difference somewhere
+
+
+@pytest.mark.parametrize(
+    ("filt", "temperature"),
+    [({"min_p": 0.2}, 2.0), ({"top_p": 0.5}, 1.5), ({"top_k": 3}, 2.0)],
+    ids=["min_p", "top_p", "top_k"],
+)
+def test_filters_only_ever_pick_allowed_tokens(engine, llm, ref, filt, temperature):
+    prompt = llm.tokenizer.encode("My favourite colour")
+    for seed in range(3):
+        params = SamplingParams(max_tokens=8, temperature=temperature, seed=seed, ignore_eos=True, **filt)
+        out = tokens_of(run(engine, prompt, params))
+        logits = ref.logits(prompt + out)[len(prompt) - 1 :]
+        for j, token in enumerate(out):
+            z = logits[j] / temperature
+            probs = np.exp(z - z.max())
+            probs /= probs.sum()
+            order = np.argsort(-probs)
+            if "min_p" in filt:
+                allowed = set(np.flatnonzero(probs >= filt["min_p"] * probs.max() * (1 - 1e-4)).tolist())
+            elif "top_p" in filt:
+                k = int(np.searchsorted(np.cumsum(probs[order]), filt["top_p"] * (1 + 1e-4))) + 1
+                allowed = set(order[:k].tolist())
+            else:
+                allowed = set(order[: filt["top_k"]].tolist())
+            assert token in allowed, (seed, j)
+
+
+def test_logprobs_equal_log_softmax_of_the_logits(engine, ref, workload):
+    prompt = workload.items[9][0]
+    outputs = run(engine, prompt, greedy(4, logprobs=5, ignore_eos=True))
+    entries = [lp for o in outputs for d in o.deltas for lp in d.logprobs]
+    tokens = tokens_of(outputs)
+    assert len(entries) == len(tokens) == 4
+    reference = ref.logits(prompt + tokens)[len(prompt) - 1 :]
+    for j, entry in enumerate(entries):
+        lsm = log_softmax(reference[j])
+        assert entry.token_id == tokens[j]
+        # float32 logits from differently shaped forward steps: agree to 1e-3.
+        assert entry.logprob == pytest.approx(lsm[tokens[j]], abs=1e-3)
+        assert [t for t, _, _ in entry.top] == np.argsort(-lsm)[:5].tolist()
+        np.testing.assert_allclose([lp for _, _, lp in entry.top], np.sort(lsm)[::-1][:5], atol=1e-3)
+
+
+# -- requests, hooks -----------------------------------------------------------------------------
+
+
+def test_oversized_and_invalid_requests_are_refused_at_add_time(engine, llm):
+    ctx = engine.max_model_len
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request(GenerationRequest([1] * ctx, greedy(1)))
+    with pytest.raises(RequestError, match="max_tokens"):
+        engine.add_request(GenerationRequest([1] * 10, greedy(ctx - 5)))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request(GenerationRequest([], greedy(1)))
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add_request(GenerationRequest([llm.config.vocab_size], greedy(1)))
+    with pytest.raises(RequestError, match="temperature"):
+        engine.add_request(GenerationRequest([1, 2], SamplingParams(temperature=-1)))
+    small = LLMEngine(llm, EngineConfig(num_blocks=2, block_size=16))
+    with pytest.raises(RequestError, match="KV blocks"):
+        small.add_request(GenerationRequest([1] * 20, greedy(20)))
+    engine.add_request(GenerationRequest([1, 2], greedy(1), request_id="dup"))
+    with pytest.raises(RequestError, match="already"):
+        engine.add_request(GenerationRequest([1, 2], greedy(1), request_id="dup"))
+    engine.abort("dup")
+    assert not engine.has_unfinished() and engine.stats().blocks_used == 0
+
+
+class AdapterPlugin:
+    """pre_inference attaches an adapter; post_inference records what finished."""
+
+    class Adapter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def delta(self, layer, proj, x):
+            self.calls += 1
+            return None  # observe only: the forward pass stays the base model's
+
+    def __init__(self) -> None:
+        self.adapter = self.Adapter()
+        self.results = []
+
+    @hookimpl
+    def pre_inference(self, request):
+        if request.user == "with-adapter":
+            request.adapter = self.adapter
+            request.sampling.max_tokens = 3  # plugins may adjust sampling too
+
+    @hookimpl
+    def post_inference(self, request, result):
+        self.results.append((request.user, result))
+
+
+def test_plugin_hooks_set_the_adapter_and_see_the_result(llm, workload, counter):
+    plugin = AdapterPlugin()
+    prompt, expected = workload.items[2][0], workload.alone(2)
+    counter.adapters.clear()
+    llm.host.register(plugin)
+    try:
+        engine = LLMEngine(llm, EngineConfig(num_blocks=32))
+        out = engine.generate([GenerationRequest(prompt, greedy(8), user="with-adapter")])[0]
+    finally:
+        llm.host.pm.unregister(plugin)
+    assert tokens_of(out) == expected[:3]
+    assert counter.adapters and all(a is plugin.adapter for a in counter.adapters)
+    assert plugin.adapter.calls > 0
+    ((user, result),) = plugin.results
+    assert user == "with-adapter" and result.output_token_ids == expected[:3]
+    assert result.text == text_of(out) and result.finish_reason == "length"
+    assert result.prompt_tokens == len(prompt) and result.ttft > 0
