@@ -304,9 +304,9 @@ def test_prefix_hits_need_identical_full_blocks(llm, counter):
 
 
 def test_too_few_blocks_preempt_but_every_request_completes_correctly(llm, workload):
-    picked = range(48, 56)  # the longest prompts (16..25 tokens)
-    # Block size 4: 14 blocks hold 56 tokens, far less than the ~8 x 30 the requests need together;
-    # a 24-token budget also splits the longer prompts into chunks.
+    picked = range(48, 54)  # the longest prompts (15..17 tokens)
+    # Block size 4: 14 blocks hold 56 tokens, far less than the ~6 x 30 the requests need together;
+    # a 24-token budget also splits prompts into chunks when two are admitted in one step.
     config = EngineConfig(num_blocks=14, block_size=4, max_num_batched_tokens=24)
     engine = LLMEngine(llm, config)
     results = engine.generate([GenerationRequest(p, greedy(k)) for p, k in (workload.items[i] for i in picked)])
@@ -423,6 +423,21 @@ def test_min_tokens_suppresses_eos(engine, llm, eos):
     assert len(forced) >= need
     assert not any(t in eos for t in forced[:need])
     assert forced[: len(plain) - 1] == plain[:-1]  # same choices up to where eos was banned
+    # ignore_eos: eos is just another token, generation runs to max_tokens.
+    through = run(engine, prompt, greedy(len(plain) + 2, ignore_eos=True))
+    assert tokens_of(through)[: len(plain)] == plain and len(tokens_of(through)) == len(plain) + 2
+    assert through[-1].deltas[-1].finish_reason == "length"
+
+
+def test_stop_token_ids_end_generation_without_showing_the_token(engine, llm, workload):
+    prompt, expected = workload.items[4][0], workload.alone(4)
+    stop_token = expected[2]
+    assert stop_token not in expected[:2]
+    outputs = run(engine, prompt, greedy(12, stop_token_ids=[stop_token]))
+    assert tokens_of(outputs) == expected[:3]
+    last = outputs[-1].deltas[-1]
+    assert last.finish_reason == "stop" and last.stop_reason == stop_token
+    assert text_of(outputs) == llm.tokenizer.decode(expected[:2])
 
 
 def _penalized(raw: np.ndarray, prompt: list[int], produced: list[int], p: SamplingParams) -> np.ndarray:
@@ -461,7 +476,7 @@ def test_penalties_change_the_choice_as_defined(engine, llm, ref, penalty):
 )
 def test_filters_only_ever_pick_allowed_tokens(engine, llm, ref, filt, temperature):
     prompt = llm.tokenizer.encode("My favourite colour")
-    for seed in range(3):
+    for seed in range(2):
         params = SamplingParams(max_tokens=8, temperature=temperature, seed=seed, ignore_eos=True, **filt)
         out = tokens_of(run(engine, prompt, params))
         logits = ref.logits(prompt + out)[len(prompt) - 1 :]

@@ -8,11 +8,12 @@ import itertools
 import pytest
 
 from ruvllm.block_manager import BlockManager
+from ruvllm.engine.config import EngineConfig, EngineConfigError, default_num_blocks, kv_block_bytes
 from ruvllm.engine.scheduler import Scheduler, SchedulerOutput
 from ruvllm.engine.sequence import RequestState, Sequence
 from ruvllm.engine.types import GenerationRequest, RequestMetrics
-from ruvllm.errors import RequestError
 from ruvllm.inference import InferenceRequest
+from ruvllm.model_config import ModelConfig
 from ruvllm.sampling import Sampler, SamplingParams
 
 _order = itertools.count()
@@ -179,5 +180,35 @@ def test_blocks_all_return_after_every_sequence_is_removed():
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(RequestError, match="policy"):
+    with pytest.raises(EngineConfigError, match="policy"):
         Scheduler(BlockManager(4, 4), policy="random")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"block_size": 0},
+        {"num_blocks": 0},
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 0},
+        {"eviction": "mru"},
+        {"policy": "lifo"},
+        {"max_model_len": 1},
+    ],
+)
+def test_engine_config_values_are_checked(bad):
+    with pytest.raises(EngineConfigError):
+        EngineConfig(**bad).validate()
+
+
+def test_default_num_blocks_is_max_num_seqs_contexts_capped_by_the_memory_budget():
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.
+    cfg = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 8192)
+    per_block = kv_block_bytes(cfg, 16)
+    assert per_block == 2 * 30 * 3 * 64 * 16 * 4
+    # Budget large enough: 4 sequences of 2048 tokens = 4 * 128 blocks.
+    roomy = EngineConfig(max_num_seqs=4, kv_cache_memory_bytes=10**12)
+    assert default_num_blocks(cfg, roomy, max_model_len=2048) == 512
+    # Budget binding: 100 blocks' worth of bytes.
+    tight = EngineConfig(max_num_seqs=64, kv_cache_memory_bytes=100 * per_block + 5)
+    assert default_num_blocks(cfg, tight, max_model_len=8192) == 100

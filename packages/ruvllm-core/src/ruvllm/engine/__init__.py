@@ -5,7 +5,7 @@ for asyncio callers. Both take a :class:`~ruvllm.runtime.LoadedModel` and an :cl
 """
 
 from ruvllm.engine.async_engine import AsyncEngine, EngineDeadError
-from ruvllm.engine.config import EngineConfig, default_num_blocks
+from ruvllm.engine.config import EngineConfig, EngineConfigError, default_num_blocks
 from ruvllm.engine.llm_engine import LLMEngine
 from ruvllm.engine.types import (
     ChoiceDelta,
@@ -20,6 +20,7 @@ __all__ = [
     "AsyncEngine",
     "ChoiceDelta",
     "EngineConfig",
+    "EngineConfigError",
     "EngineDeadError",
     "EngineStats",
     "GenerationRequest",

@@ -6,10 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ruvllm.block_manager import EVICTION_POLICIES
-from ruvllm.errors import RequestError
+from ruvllm.errors import RuvllmError
 from ruvllm.model_config import ModelConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class EngineConfigError(RuvllmError):
+    """An engine setting is out of range or unknown."""
 
 
 @dataclass
@@ -36,7 +40,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
-            raise RequestError(msg)
+            raise EngineConfigError(msg)
 
         if self.block_size < 1:
             bad(f"block_size must be at least 1, got {self.block_size}")

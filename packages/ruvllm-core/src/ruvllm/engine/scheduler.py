@@ -17,9 +17,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from ruvllm.block_manager import BlockManager
-from ruvllm.engine.config import SCHEDULING_POLICIES
+from ruvllm.engine.config import SCHEDULING_POLICIES, EngineConfigError
 from ruvllm.engine.sequence import Sequence
-from ruvllm.errors import RequestError
 
 
 @dataclass
@@ -60,7 +59,7 @@ class Scheduler:
         policy: str = "fcfs",
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
-            raise RequestError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+            raise EngineConfigError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
