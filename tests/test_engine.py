@@ -167,7 +167,7 @@ def test_64_concurrent_requests_match_each_request_run_alone(llm, workload, eos)
         assert outputs[-1].finished and sum(o.finished for o in outputs) == 1
         reason = outputs[-1].deltas[-1].finish_reason
         assert reason == ("stop" if tokens[-1] in eos else "length")
-        assert text_of(outputs) == llm.tokenizer.decode([t for t in tokens if t not in eos])
+        assert text_of(outputs) == llm.tokenizer.decode(tokens, skip_special_tokens=True)
     stats = engine.stats()
     assert stats.running == 0 and stats.waiting == 0
     assert stats.blocks_used == 0 and engine.block_manager.num_used_blocks == 0
@@ -427,6 +427,11 @@ def test_min_tokens_suppresses_eos(engine, llm, eos):
     through = run(engine, prompt, greedy(len(plain) + 2, ignore_eos=True))
     assert tokens_of(through)[: len(plain)] == plain and len(tokens_of(through)) == len(plain) + 2
     assert through[-1].deltas[-1].finish_reason == "length"
+    # Its text leaves special tokens out unless asked to show them.
+    eos_text = llm.tokenizer.id_to_token(plain[-1])
+    assert eos_text not in text_of(through)
+    shown = run(engine, prompt, greedy(len(plain) + 2, ignore_eos=True, skip_special_tokens=False))
+    assert eos_text in text_of(shown)
 
 
 def test_stop_token_ids_end_generation_without_showing_the_token(engine, llm, workload):
@@ -437,7 +442,7 @@ def test_stop_token_ids_end_generation_without_showing_the_token(engine, llm, wo
     assert tokens_of(outputs) == expected[:3]
     last = outputs[-1].deltas[-1]
     assert last.finish_reason == "stop" and last.stop_reason == stop_token
-    assert text_of(outputs) == llm.tokenizer.decode(expected[:2])
+    assert text_of(outputs) == llm.tokenizer.decode(expected[:2], skip_special_tokens=True)
 
 
 def _penalized(raw: np.ndarray, prompt: list[int], produced: list[int], p: SamplingParams) -> np.ndarray:

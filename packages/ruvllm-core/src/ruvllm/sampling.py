@@ -27,6 +27,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen token only)
+    #: Leave special tokens (``<|im_start|>``...) out of the output text; token ids keep them.
+    skip_special_tokens: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> None:

@@ -282,7 +282,8 @@ class LLMEngine:
         from ruvllm.tokenizer import IncrementalDetokenizer
 
         sampler = Sampler(state.sampling, state.prompt_token_ids, self.eos_token_ids, choice_index=index)
-        return Sequence(state, index, sampler, IncrementalDetokenizer(self.tokenizer))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=state.sampling.skip_special_tokens)
+        return Sequence(state, index, sampler, detokenizer)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The prompt of an ``n > 1`` request is computed once; its choices then share its blocks."""
