@@ -68,6 +68,8 @@ class Trajectory:
     adapter: SonaAdapter
     created: float
     correction_of: str | None = None
+    #: The latest feedback score (the bank keeps it as the trajectory's quality).
+    score: float | None = None
     capture: Capture | None = None
     capture_error: str | None = None
     #: Per-token weight the instant loop applies once the capture exists (None: nothing pending).
@@ -340,6 +342,7 @@ class Sona:
             current = slot.snapshot
         with self._lock:
             self._counters["feedback"] += 1
+            traj.score = float(score)
             self.bank.set_quality(response_id, float(score))
             if correction_ids is not None:
                 self._counters["corrections"] += 1
@@ -487,7 +490,7 @@ class Sona:
                 if s.request_id == traj.request_id and s.residual is None:
                     s.residual = cap.residual
             if traj.correction_of is None:
-                self.bank.add(traj.request_id, traj.scope, embedding, traj.created)
+                self.bank.add(traj.request_id, traj.scope, embedding, traj.created, traj.score)
         return 1
 
     def _apply_waiting(self) -> int:
