@@ -22,6 +22,7 @@ from _candle_compat_fixtures import candle_model_at, chunk, greedy_decode, step,
 from _hf_reference import hf_encode, hf_greedy, hf_logits
 
 from ruvllm_candle_compat import PagedKVCache
+from ruvllm_candle_compat import model as candle_model
 
 PROMPTS = [
     "The capital of France is",
@@ -129,7 +130,12 @@ def assert_close_f64(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
     assert rel < F64_REL_TOL, f"{what}: max diff {rel:.2e} of the reference's scale"
 
 
-def test_paged_ragged_steps_match_float64_reference(tiny_ckpt: Path) -> None:
+@pytest.mark.parametrize("score_tile", [None, 40], ids=["one-tile", "query-tiles"])
+def test_paged_ragged_steps_match_float64_reference(
+    tiny_ckpt: Path, score_tile: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if score_tile is not None:  # forces attention over query tiles of a few rows, as for long prompts
+        monkeypatch.setattr(candle_model, "SCORE_TILE_FLOATS", score_tile)
     model = candle_model_at(str(tiny_ckpt))
     rng = np.random.default_rng(1)
     seqs = {s: rng.integers(0, model.config.vocab_size, n).tolist() for s, n in (("a", 9), ("b", 10), ("c", 5))}
