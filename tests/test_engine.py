@@ -16,7 +16,7 @@ import pytest
 
 from ruvllm import hookimpl
 from ruvllm.backend import ForwardBatch, SequenceChunk
-from ruvllm.engine import AsyncEngine, EngineConfig, GenerationRequest, LLMEngine, RequestOutput
+from ruvllm.engine import AsyncEngine, EngineConfig, EngineDeadError, GenerationRequest, LLMEngine, RequestOutput
 from ruvllm.errors import RequestError
 from ruvllm.sampling import SamplingParams, log_softmax
 
@@ -233,6 +233,32 @@ def test_async_abort_ends_the_stream_and_frees_blocks_at_once(llm, workload):
     assert used == 0
     assert final is not None and final.finished
     assert outputs[-1].finished and outputs[-1].deltas[-1].finish_reason == "abort"
+
+
+def test_async_shutdown_drains_running_requests_then_refuses_new_ones(llm, workload):
+    engine = AsyncEngine(llm, EngineConfig(num_blocks=32))
+
+    async def consume(i: int, started: asyncio.Event) -> list[RequestOutput]:
+        outputs = []
+        async for out in engine.generate(GenerationRequest(workload.items[i][0], greedy(4, ignore_eos=True))):
+            outputs.append(out)
+            started.set()
+        return outputs
+
+    async def main():
+        started = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.create_task(consume(i, started[i])) for i in range(2)]
+        for ev in started:
+            await ev.wait()
+        await engine.shutdown(drain=True)
+        results = await asyncio.gather(*tasks)
+        with pytest.raises(EngineDeadError):
+            await engine.generate(GenerationRequest([1, 2], greedy(1))).__anext__()
+        return results
+
+    for outputs in asyncio.run(main()):
+        assert len(tokens_of(outputs)) == 4 and outputs[-1].deltas[-1].finish_reason == "length"
+    assert engine.stats().blocks_used == 0
 
 
 def test_stream_yields_deltas_and_metrics(llm, workload):

@@ -131,9 +131,9 @@ class AsyncEngine:
         finally:
             finals = [self.engine.abort(rid) for rid in self.engine.unfinished_request_ids()]
             self._stats = self.engine.stats()
-            for out in finals:
-                if out is not None:
-                    self._deliver(out.request_id, out, True)
+            for final in finals:
+                if final is not None:
+                    self._deliver(final.request_id, final, True)
             with self._start_lock:
                 self._closed = True
             self._fail_commands(EngineDeadError("the engine has been shut down"))
