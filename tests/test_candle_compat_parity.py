@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _candle_compat_fixtures import candle_model_at, chunk, greedy_decode, step, write_tiny_hf_checkpoint
-from _hf_reference import hf_encode, hf_greedy, hf_logits
+from _hf_reference import hf_greedy, hf_logits
 
 from ruvllm_candle_compat import PagedKVCache
 from ruvllm_candle_compat import model as candle_model
@@ -34,8 +34,15 @@ HF_LOGITS_ABS_TOL = 1e-3
 
 
 # -- SmolLM2 against Hugging Face transformers ------------------------------------------------------
-def test_ragged_batch_logits_match_transformers(smollm2_path: Path) -> None:
-    prompts = [hf_encode(smollm2_path, p) for p in PROMPTS]
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_checkpoint) -> list[list[int]]:
+    # Both implementations get the same ids, so which tokenizer makes them does not matter here.
+    tokenizer = smollm2_checkpoint.tokenizer()
+    return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+def test_ragged_batch_logits_match_transformers(smollm2_path: Path, prompt_ids: list[list[int]]) -> None:
+    prompts = prompt_ids
     model = candle_model_at(str(smollm2_path))
     cache = PagedKVCache(model.config, num_blocks=32, block_size=16)
     # Each prompt gets its own non-adjacent blocks; all four run through one forward step.
@@ -50,9 +57,11 @@ def test_ragged_batch_logits_match_transformers(smollm2_path: Path) -> None:
         assert int(np.argmax(out.logits[i])) == int(np.argmax(ref[-1]))
 
 
-@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[1]], ids=["completion", "chat"])
-def test_greedy_decode_matches_transformers_generate(smollm2_path: Path, prompt: str) -> None:
-    ids = hf_encode(smollm2_path, prompt)
+@pytest.mark.parametrize("prompt", [0, 1], ids=["completion", "chat"])
+def test_greedy_decode_matches_transformers_generate(
+    smollm2_path: Path, prompt_ids: list[list[int]], prompt: int
+) -> None:
+    ids = prompt_ids[prompt]
     model = candle_model_at(str(smollm2_path))
     cache = PagedKVCache(model.config, num_blocks=8, block_size=16)
     ours = greedy_decode(model, cache, ids, [6, 2, 7, 0, 5], new_tokens=32)
