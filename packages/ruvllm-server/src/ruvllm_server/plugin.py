@@ -78,9 +78,9 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         # The server's access lines are INFO; RUVLLM_LOG still wins when set.
         os.environ.setdefault("RUVLLM_LOG", "INFO")
     configure_logging(verbose=getattr(args, "verbose", False), json=settings.log_json)
-    print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
     # Load before listening so a bad model reference fails with one line and a non-zero exit.
     model = load_model(settings)
+    print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
     uvicorn.run(
         create_app(settings, model),
         host=settings.host,
