@@ -10,6 +10,7 @@ token-by-token prefill, 5e-5 for batching); a reused block gives the fresh cache
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from _candle_compat_fixtures import (
 
 from ruvllm.backend import ForwardBatch, LoadOptions
 from ruvllm.checkpoint import open_checkpoint
-from ruvllm.errors import BackendError, RequestError
+from ruvllm.errors import BackendError, ModelFormatError, RequestError
 from ruvllm_candle_compat import CandleCompatModel, PagedKVCache
 
 SPLIT_ABS_TOL = 3e-4
@@ -155,7 +156,7 @@ def test_bad_chunks_are_refused_before_the_cache_changes(
     assert all(not k.any() for k in cache.k), "the valid chunk's keys were written before the batch was refused"
 
 
-def test_refuses_what_it_does_not_do(tiny_dir: Path, tiny: CandleCompatModel) -> None:
+def test_refuses_what_it_does_not_do(tiny_dir: Path, tiny: CandleCompatModel, tmp_path: Path) -> None:
     ckpt = open_checkpoint(tiny_dir)
     with pytest.raises(BackendError, match="use the jax backend for q8/q4"):
         CandleCompatModel.from_checkpoint(ckpt, LoadOptions(quantization="q8"))
@@ -165,6 +166,11 @@ def test_refuses_what_it_does_not_do(tiny_dir: Path, tiny: CandleCompatModel) ->
         tiny.forward(ForwardBatch([chunk([1], 0, [0])], 16), PagedKVCache(tiny.config, 2, 4))
     with pytest.raises(RequestError, match="block copy 0 -> 9"):
         tiny.forward(ForwardBatch([], 4, block_copies=[(0, 9)]), PagedKVCache(tiny.config, 2, 4))
+    lying = write_tiny_hf_checkpoint(tmp_path / "lying", seed=11)
+    cfg = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps(cfg | {"intermediate_size": 64}))
+    with pytest.raises(ModelFormatError, match=r"gate_proj.weight has shape \(72, 40\), the config implies \(64, 40\)"):
+        CandleCompatModel.from_checkpoint(open_checkpoint(lying), LoadOptions())
 
 
 def test_runs_through_the_plugin_hooks(tiny_dir: Path) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk
 from ruvllm.checkpoint import Checkpoint
-from ruvllm.errors import BackendError, RequestError, UnsupportedArchitectureError
+from ruvllm.errors import BackendError, ModelFormatError, RequestError, UnsupportedArchitectureError
 from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
 
 #: Most attention scores (floats) one tile holds: long prefills run in query tiles under this bound.
@@ -120,7 +120,7 @@ class CandleCompatModel:
         def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
             t = checkpoint.tensor(name)
             if t.shape != shape:
-                raise BackendError(f"tensor {name} has shape {t.shape}, the config implies {shape}")
+                raise ModelFormatError(f"tensor {name} has shape {t.shape}, the config implies {shape}")
             return t
 
         h, i = cfg.hidden_size, cfg.intermediate_size
