@@ -1,0 +1,242 @@
+"""Serving benchmark: throughput and TTFT / inter-token-latency percentiles at 1, 8, 32 and 64
+concurrent streams, for ``ruvllm serve`` (JAX backend when installed, else candle-compat) and, in
+the same run when ``llama-cpp-python[server]`` is installed, ``llama_cpp.server`` on the same GGUF
+with 2 threads.
+
+Each server runs as its own process on 127.0.0.1; the client streams OpenAI chat completions over
+raw SSE (httpx) and times every event. Run: ``python benchmarks/bench_server.py [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+TOPICS = ["a dragon", "the sea", "a robot", "a lost key", "winter", "a lighthouse", "a train", "a garden"]
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    itls: list[float]
+    e2e: float
+    tokens: int
+
+
+@dataclass
+class LevelResult:
+    server: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    completion_tokens: int
+    tokens_per_s: float
+    requests_per_s: float
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    itl_ms: dict[str, float] = field(default_factory=dict)
+    e2e_ms: dict[str, float] = field(default_factory=dict)
+    errors: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values) * 1000.0
+    return {f"p{q}": round(float(np.percentile(a, q)), 1) for q in (50, 90, 99)}
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+async def one_request(client: httpx.AsyncClient, model: str, i: int, max_tokens: int) -> RequestTiming:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    stamps: list[float] = []
+    usage_tokens = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if not stamps:
+        return RequestTiming(end - start, [], end - start, usage_tokens or 0)
+    itls = [b - a for a, b in itertools.pairwise(stamps)]
+    return RequestTiming(
+        stamps[0] - start, itls, end - start, usage_tokens if usage_tokens is not None else len(stamps)
+    )
+
+
+async def run_level(
+    base: str, model: str, name: str, concurrency: int, n_requests: int, max_tokens: int
+) -> LevelResult:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    sem = asyncio.Semaphore(concurrency)
+    timings: list[RequestTiming] = []
+    errors = 0
+
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=600) as client:
+
+        async def worker(i: int) -> None:
+            nonlocal errors
+            async with sem:
+                try:
+                    timings.append(await one_request(client, model, i, max_tokens))
+                except httpx.HTTPError as exc:
+                    errors += 1
+                    print(f"  request {i} failed: {exc!r}", file=sys.stderr)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker(i) for i in range(n_requests)])
+        wall = time.perf_counter() - t0
+    tokens = sum(t.tokens for t in timings)
+    return LevelResult(
+        server=name,
+        concurrency=concurrency,
+        requests=len(timings),
+        wall_s=round(wall, 2),
+        completion_tokens=tokens,
+        tokens_per_s=round(tokens / wall, 1),
+        requests_per_s=round(len(timings) / wall, 2),
+        ttft_ms=_percentiles([t.ttft for t in timings]),
+        itl_ms=_percentiles([gap for t in timings for gap in t.itls]),
+        e2e_ms=_percentiles([t.e2e for t in timings]),
+        errors=errors,
+    )
+
+
+def bench_server(
+    name: str, cmd: list[str], model: str, args: argparse.Namespace, env: dict[str, str]
+) -> list[LevelResult]:
+    port = _free_port()
+    cmd = [*cmd, "--port", str(port)]
+    log = Path(args.log_dir) / f"{name.replace(' ', '_')}.log"
+    print(f"\n== {name}: {' '.join(cmd)}", file=sys.stderr)
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        _wait_ready(proc, base + args.ready_path.get(name, "/v1/models"), args.startup_timeout, log)
+        asyncio.run(run_level(base, model, name, 1, 2, 8))  # warm-up (compilation, caches)
+        for c in args.levels:
+            n = max(c * args.requests_per_stream, 4)
+            res = asyncio.run(run_level(base, model, name, c, n, args.max_tokens))
+            print(f"  c={c:<3} {res.tokens_per_s:>8.1f} tok/s  TTFT p50 {res.ttft_ms.get('p50')} ms  "
+                  f"ITL p50 {res.itl_ms.get('p50')} ms  errors {res.errors}", file=sys.stderr)  # fmt: skip
+            results.append(res)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return results
+
+
+def pick_backend() -> str:
+    from ruvllm.plugins import load_plugins
+
+    backends = {n for n, b in load_plugins().backends.items() if b.available()}
+    return "jax" if "jax" in backends else "candle-compat"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
+    p.add_argument("--backend", default=None, help="ruvllm backend (default: jax if installed, else candle-compat)")
+    p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    import tempfile
+
+    from ruvllm.resolve import resolve
+
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_server_")
+    gguf = str(resolve("smollm2"))
+    backend = args.backend or pick_backend()
+    env = {**os.environ, "RUVLLM_LOG": "WARNING"}
+    ours = f"ruvllm ({backend})"
+    args.ready_path = {ours: "/ready"}
+    results: list[LevelResult] = []
+    results += bench_server(
+        ours,
+        [sys.executable, "-m", "ruvllm", "serve", gguf, "--served-model-name", "smollm2", "--backend", backend,
+         "--max-num-seqs", "64", "--num-kv-blocks", "2048"],
+        "smollm2", args, env,
+    )  # fmt: skip
+    if args.skip_llama_cpp:
+        pass
+    elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
+        print("\nllama-cpp-python[server] is not installed: skipping llama_cpp.server", file=sys.stderr)
+    else:
+        results += bench_server(
+            "llama.cpp (2 threads)",
+            [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "smollm2",
+             "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1"],
+            "smollm2", args, env,
+        )  # fmt: skip
+
+    print(f"\nmax_tokens={args.max_tokens}, greedy, chat prompts; machine: {os.cpu_count()} CPUs\n")
+    print("| server | streams | requests | tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | errors |")
+    print("|---|---:|---:|---:|---:|---|---|---:|")
+    for r in results:
+        ttft = "/".join(str(r.ttft_ms.get(k, "-")) for k in ("p50", "p90", "p99"))
+        itl = "/".join(str(r.itl_ms.get(k, "-")) for k in ("p50", "p90", "p99"))
+        print(f"| {r.server} | {r.concurrency} | {r.requests} | {r.tokens_per_s} | {r.requests_per_s} | {ttft} | {itl} "
+              f"| {r.errors} |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
