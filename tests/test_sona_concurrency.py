@@ -78,7 +78,8 @@ def test_in_flight_requests_keep_their_snapshot(smollm2_path):
             sona.feedback(r.request_id, 0.0, ANSWER)
 
         long_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        long = [GenerationRequest(chat_ids(tok, q), long_params, request_id=f"long{i}") for i, q in enumerate(QUESTIONS)]
+        long = [GenerationRequest(chat_ids(tok, q), long_params, request_id=f"long{i}")
+                for i, q in enumerate(QUESTIONS)]
         for r in long:
             engine.add_request(r)
         for _ in range(3):

@@ -200,7 +200,7 @@ class ReasoningBank:
         try:
             manifest = json.loads((directory / "bank.json").read_text())
             arrays = load_file(str(directory / "bank.safetensors"))
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # OSError, JSON errors, safetensors' own SafetensorError
             raise SonaStateError(f"{directory}: the ReasoningBank could not be read ({exc})") from exc
         if manifest.get("format") != BANK_FORMAT or manifest.get("dim") != self.dim:
             raise SonaStateError(

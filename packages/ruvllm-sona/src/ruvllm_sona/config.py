@@ -37,11 +37,12 @@ class SonaConfig:
     correction_weight: float = 1.0
     # -- EWC++ ----------------------------------------------------------------------------------
     #: Strength of the EWC++ pull (relative to the trajectory-mean log-likelihood's Fisher).
-    ewc_lambda: float = 1e5
+    ewc_lambda: float = 5e4
     ewc_decay: float = 0.9
     #: A task boundary: the mean of the last ``boundary_patience`` trajectories' gradient statistics
-    #: is on average more than this many squared standard errors from the current task's mean.
-    boundary_threshold: float = 2.0
+    #: lies further from the current task's mean than this many times the squared distance that
+    #: stationary traffic gives (see ewc.py).
+    boundary_threshold: float = 2.3
     boundary_patience: int = 2
     boundary_warmup: int = 6
     # -- background loop ------------------------------------------------------------------------

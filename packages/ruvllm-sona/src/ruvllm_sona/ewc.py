@@ -13,8 +13,9 @@ The penalty ``lambda/2 * tr(diag(f) D Sigma D^T)`` with ``D = dW - dW_anchor`` t
 ``r x r`` cores and one ``A @ Sigma`` per projection.
 
 Task boundaries: each trajectory contributes the vector of its ``log f`` (gradient statistics);
-when the mean of the last ``patience`` vectors sits, per coordinate, more than ``threshold`` standard
-errors (mean squared z over coordinates) from the current task's running mean, the traffic shifted:
+when the mean of the last ``patience`` vectors lies further from the current task's running mean
+than ``threshold`` times the squared distance expected without a shift (pooled variance), the
+traffic shifted:
 the task's statistics fold into the consolidated ones (``F <- decay F + (1 - decay) F_task``) and the
 anchor moves to the adapter as it was before the shifted trajectories arrived.
 """
@@ -114,12 +115,13 @@ class EwcPlusPlus:
             return False
         if self._n >= self.warmup:
             assert self._mean is not None and self._m2 is not None
-            var = self._m2 / (self._n - 1)
+            # Squared distance of the window's mean from the task's mean, over the variance that
+            # distance has under no shift (pooled over coordinates: per-coordinate variances from a
+            # handful of trajectories are too noisy). About 1 for stationary traffic.
+            pooled_var = float(np.mean(self._m2)) / (self._n - 1)
             window_mean = np.mean([o.signature for o in self._window], axis=0)
-            # Mean squared standard error of the window mean; the floor keeps coordinates that never
-            # varied from dominating.
-            floor = 1e-6 + 1e-3 * float(np.mean(var))
-            shift = float(np.mean((window_mean - self._mean) ** 2 / ((var + floor) / len(self._window))))
+            expected = max(pooled_var, 1e-12) * (1.0 / len(self._window) + 1.0 / self._n)
+            shift = float(np.mean((window_mean - self._mean) ** 2)) / expected
             self.last_shift = shift
             if shift > self.threshold:
                 shifted = list(self._window)

@@ -780,8 +780,6 @@ class Sona:
 
     def load(self, directory: str | Path) -> None:
         """Replace this instance's adapters and bank by those saved in ``directory``."""
-        from safetensors.numpy import load_file
-
         d = Path(directory)
         try:
             manifest = json.loads((d / "manifest.json").read_text())
@@ -794,34 +792,10 @@ class Sona:
         saved_keys = [(int(li), str(p)) for li, p in manifest.get("adapted", [])]
         if saved_keys != self.keys:
             raise SonaStateError(f"{d}: state adapts {saved_keys}, this configuration adapts {self.keys}")
-        slots = {}
-        for entry in manifest["scopes"]:
-            try:
-                arrays = load_file(str(d / entry["file"]))
-            except (OSError, ValueError) as exc:
-                raise SonaStateError(f"{d / entry['file']}: unreadable adapter ({exc})") from exc
-            try:
-                params = {(li, p): (arrays[f"layers.{li}.{p}.lora_A"].astype(np.float32),
-                                    arrays[f"layers.{li}.{p}.lora_B"].astype(np.float32)) for li, p in self.keys}
-            except KeyError as exc:
-                raise SonaStateError(f"{d / entry['file']}: tensor {exc} is missing") from exc
-            for (li, p), (a, b) in params.items():
-                want = ((self.config.rank, self.net.in_features(p)), (self.net.out_features(p), self.config.rank))
-                if (a.shape, b.shape) != want:
-                    raise SonaStateError(f"{d / entry['file']}: layers.{li}.{p} has shapes {a.shape}, {b.shape}; "
-                                         f"expected {want}")
-            slot = Slot(entry["scope"], params, self.config.scale, self._new_ewc(params), float(entry["baseline"]))
-            try:
-                slot.ewc.load_arrays(arrays, int(entry["ewc_consolidations"]), int(entry["ewc_consolidated_samples"]))
-            except KeyError as exc:
-                raise SonaStateError(f"{d / entry['file']}: EWC++ state {exc} is missing") from exc
-            slot.version = int(entry["version"])
-            slot.feedback_count = int(entry["feedback_count"])
-            slot.instant_updates = int(entry["instant_updates"])
-            slot.deep_runs = int(entry["deep_runs"])
-            slot.routed_from = entry.get("routed_from")
-            slot.snapshot = slot._make_snapshot()
-            slots[slot.scope] = slot
+        try:
+            slots = {e["scope"]: self._load_slot(d, e) for e in manifest["scopes"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SonaStateError(f"{d}: manifest.json is malformed ({type(exc).__name__}: {exc})") from exc
         bank = ReasoningBank(self.model_config.hidden_size, max_entries=self.config.bank_max_entries,
                              num_patterns=self.config.bank_patterns, seed=self.config.seed)
         bank.load(d)
@@ -831,6 +805,37 @@ class Sona:
                 self._samples.setdefault(scope, deque(maxlen=self.config.deep_max_samples))
             self.bank = bank
         self._slot(GLOBAL_SCOPE)
+
+
+    def _load_slot(self, d: Path, entry: dict[str, Any]) -> Slot:
+        from safetensors.numpy import load_file
+
+        try:
+            arrays = load_file(str(d / entry["file"]))
+        except Exception as exc:  # safetensors raises its own SafetensorError for bad headers
+            raise SonaStateError(f"{d / entry['file']}: unreadable adapter ({exc})") from exc
+        try:
+            params = {(li, p): (arrays[f"layers.{li}.{p}.lora_A"].astype(np.float32),
+                                arrays[f"layers.{li}.{p}.lora_B"].astype(np.float32)) for li, p in self.keys}
+        except KeyError as exc:
+            raise SonaStateError(f"{d / entry['file']}: tensor {exc} is missing") from exc
+        for (li, p), (a, b) in params.items():
+            want = ((self.config.rank, self.net.in_features(p)), (self.net.out_features(p), self.config.rank))
+            if (a.shape, b.shape) != want:
+                raise SonaStateError(f"{d / entry['file']}: layers.{li}.{p} has shapes {a.shape}, {b.shape}; "
+                                     f"expected {want}")
+        slot = Slot(entry["scope"], params, self.config.scale, self._new_ewc(params), float(entry["baseline"]))
+        try:
+            slot.ewc.load_arrays(arrays, int(entry["ewc_consolidations"]), int(entry["ewc_consolidated_samples"]))
+        except KeyError as exc:
+            raise SonaStateError(f"{d / entry['file']}: EWC++ state {exc} is missing") from exc
+        slot.version = int(entry["version"])
+        slot.feedback_count = int(entry["feedback_count"])
+        slot.instant_updates = int(entry["instant_updates"])
+        slot.deep_runs = int(entry["deep_runs"])
+        slot.routed_from = entry.get("routed_from")
+        slot.snapshot = slot._make_snapshot()
+        return slot
 
 
 def low_rank_product(b: np.ndarray, a: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
