@@ -330,6 +330,17 @@ def test_disconnect_mid_stream_aborts_the_request(server) -> None:
         stats = server.state.engine.stats()
 
 
+def test_disconnect_before_non_streamed_answer_aborts(server) -> None:
+    before = _finished_aborts(server)
+    body = {"model": MODEL, "prompt": "A long story about a castle:", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 60
+    while _finished_aborts(server) < before + 1:
+        assert time.monotonic() < deadline, "the engine request was not aborted"
+        time.sleep(0.2)
+
+
 def test_metrics_scrape(server, client) -> None:
     client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0)
     text = httpx.get(server.url("/metrics")).text
