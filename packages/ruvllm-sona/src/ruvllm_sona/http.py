@@ -9,7 +9,7 @@ pass a :class:`~ruvllm_sona.sona.Sona` to bind one explicitly. Errors use OpenAI
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -53,6 +53,7 @@ def _error(status: int, kind: str, message: str, param: str | None = None) -> An
 def sona_router(sona: Sona | None = None, *, path: str = "/v1") -> Router:
     """A Litestar router with the feedback and stats endpoints under ``path``."""
     from litestar import Request, Router, get, post
+    from litestar.params import Body
 
     from ruvllm_sona import plugin
 
@@ -63,7 +64,7 @@ def sona_router(sona: Sona | None = None, *, path: str = "/v1") -> Router:
         return s
 
     @post("/feedback", status_code=200)
-    async def feedback(data: FeedbackBody) -> FeedbackResult:
+    async def feedback(data: Annotated[FeedbackBody, Body()]) -> FeedbackResult:
         # The instant step is sub-millisecond NumPy; corrections only queue work for the
         # background thread, so this does not need a worker thread of its own.
         r = current().feedback(data.response_id, data.score, data.correction)

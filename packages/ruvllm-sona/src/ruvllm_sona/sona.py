@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from ruvllm.errors import RuvllmError
 from ruvllm.hookspecs import hookimpl
 from ruvllm_sona.bank import ReasoningBank
 from ruvllm_sona.capture import INSTANT_PROJECTIONS, Capture, capture_trajectory, instant_gradient
@@ -210,7 +211,12 @@ class Sona:
 
     @classmethod
     def for_model(cls, model: LoadedModel, config: SonaConfig | None = None, **kw: Any) -> Sona:
-        return cls(model.checkpoint, config, tokenizer=model.tokenizer, **kw)
+        """SONA for a loaded model; without a tokenizer, corrections must come as token ids."""
+        try:
+            tokenizer = model.tokenizer
+        except RuvllmError:
+            tokenizer = None
+        return cls(model.checkpoint, config, tokenizer=tokenizer, **kw)
 
     # -- threads ----------------------------------------------------------------------------------
     def start(self) -> None:

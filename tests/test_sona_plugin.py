@@ -1,0 +1,55 @@
+"""SONA comes in through the ``ruvllm`` entry-point group like any third-party plugin; attach() wires
+it to a loaded model so the engine's requests get its adapters, and detach() unwires it."""
+
+from __future__ import annotations
+
+from _candle_compat_fixtures import write_tiny_hf_checkpoint
+
+from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+from ruvllm.plugins import load_plugins
+from ruvllm.runtime import load_model
+from ruvllm.sampling import SamplingParams
+from ruvllm_sona import SonaConfig, plugin
+
+
+def test_entry_point_is_found_with_its_hooks():
+    host = load_plugins()
+    record = {r.name: r for r in host.records}["sona"]
+    assert record.error is None
+    assert record.module == "ruvllm_sona.plugin"
+    assert {"pre_inference", "post_inference"} <= set(record.hooks)
+
+
+def test_attach_serves_adapters_to_engine_requests(tmp_path):
+    path = write_tiny_hf_checkpoint(tmp_path / "m", layers=2, hidden=48, vocab=97, max_positions=128)
+    _write_word_tokenizer(path, 97)
+    model = load_model(str(path), backend="candle-compat")
+    sona = plugin.attach(model, SonaConfig(background_interval=0.02), state_dir=tmp_path / "state")
+    try:
+        engine = LLMEngine(model, EngineConfig(num_blocks=16))
+        engine.generate([GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0),
+                                           request_id="q1")])
+        assert sona.stats()["counters"]["trajectories"] == 1
+        import time
+
+        deadline = time.monotonic() + 60
+        while sona.feedback("q1", 1.0).status != "applied":  # the background thread captures it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not sona.adapter().is_zero
+    finally:
+        plugin.detach()
+    assert plugin.active() is None
+    assert (tmp_path / "state" / "manifest.json").is_file()
+    # Detached: the hooks are inert again.
+    engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2, temperature=0.0), request_id="q2")])
+    assert sona.stats()["counters"]["trajectories"] == 1
+
+
+def _write_word_tokenizer(path, vocab: int) -> None:
+    """A word-level tokenizer.json ("w0" .. "w96") so the engine can run the tiny checkpoint."""
+    import tokenizers
+
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    inner.save(str(path / "tokenizer.json"))

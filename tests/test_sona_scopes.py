@@ -1,0 +1,160 @@
+"""Who gets which adapter: global, per user, per API key; new scopes routed by the ReasoningBank to
+a similar, well-rated scope's adapter or started from the merge of all scopes; bad feedback and bad
+configuration are refused with one-line errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from _sona_tiny import drain, random_tokens, serve, tiny_sona
+
+from ruvllm.errors import RuvllmError
+from ruvllm_sona import FeedbackError, SonaConfig, SonaError, UnknownResponseError
+from ruvllm_sona.bank import ReasoningBank
+from ruvllm_sona.sona import low_rank_product
+
+
+def test_scope_modes(tmp_path):
+    prompt, out = random_tokens(0, 8), random_tokens(1, 4)
+    by_user = tiny_sona(tmp_path / "a", SonaConfig(scope="user"))
+    assert serve(by_user, "r1", prompt, out, user="ada").metadata["sona"]["scope"] == "user:ada"
+    assert serve(by_user, "r2", prompt, out).metadata["sona"]["scope"] == "global"
+    by_key = tiny_sona(tmp_path / "b", SonaConfig(scope="api_key"))
+    assert serve(by_key, "r1", prompt, out, user="ada", metadata={"api_key_id": "k7"}).metadata["sona"]["scope"] \
+        == "key:k7"
+    shared = tiny_sona(tmp_path / "c")
+    assert serve(shared, "r1", prompt, out, user="ada").metadata["sona"]["scope"] == "global"
+
+
+def test_feedback_on_one_user_leaves_the_others_alone(tmp_path):
+    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="user"))
+    serve(sona, "ada-1", random_tokens(0, 10), random_tokens(1, 5), user="ada")
+    serve(sona, "bob-1", random_tokens(2, 10), random_tokens(3, 5), user="bob")
+    drain(sona)
+    receipt = sona.feedback("ada-1", 1.0)
+    assert receipt.status == "applied" and receipt.scope == "user:ada"
+    assert receipt.advantage == pytest.approx(0.5)
+    assert not sona.adapter("user:ada").is_zero
+    assert sona.adapter("user:bob").is_zero and sona.adapter("global").is_zero
+
+
+def test_feedback_before_capture_is_queued_then_applied(tmp_path):
+    sona = tiny_sona(tmp_path / "m", SonaConfig(capture="on_feedback"))
+    serve(sona, "r1", random_tokens(0, 10), random_tokens(1, 5))
+    receipt = sona.feedback("r1", 0.9)
+    assert receipt.status == "queued"
+    assert sona.adapter().is_zero
+    drain(sona)
+    assert not sona.adapter().is_zero
+    assert sona.stats()["trajectories"]["feedback_waiting"] == 0
+
+
+def test_new_scope_is_routed_to_a_similar_well_rated_scope(tmp_path):
+    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="user", bank_patterns=2, route_threshold=0.95,
+                                                route_min_quality=0.6))
+    topic = random_tokens(10, 12)
+    for i in range(4):
+        serve(sona, f"ada-{i}", topic, random_tokens(20 + i, 5), user="ada")
+        serve(sona, f"bob-{i}", random_tokens(30 + i, 12), random_tokens(40 + i, 5), user="bob")
+    drain(sona)
+    for i in range(4):
+        sona.feedback(f"ada-{i}", 1.0)
+        sona.feedback(f"bob-{i}", 0.3)
+    sona.bank.cluster()
+    serve(sona, "cy-1", topic, random_tokens(50, 5), user="cy")  # a new user asking what ada asks
+    sona.run_cycle()
+    cy, ada = sona._slot("user:cy"), sona._slot("user:ada")
+    assert cy.routed_from == "user:ada"
+    for key in sona.keys:
+        np.testing.assert_array_equal(cy.params[key][1], ada.params[key][1])
+    assert sona.stats()["counters"]["routed"] == 1
+
+
+def test_new_scopes_start_from_the_merged_adapter(tmp_path):
+    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="user", route_threshold=1.1))  # routing off
+    for user in ("ada", "bob"):
+        serve(sona, f"{user}-1", random_tokens(hash(user) % 100, 10), random_tokens(5, 5), user=user)
+    drain(sona)
+    sona.feedback("ada-1", 1.0)
+    sona.feedback("bob-1", 1.0)
+    sona.feedback("bob-1", 1.0)
+    assert sona.run_cycle()["merged"]
+    new = sona.adapter("user:dee")
+    ada, bob = sona.adapter("user:ada"), sona.adapter("user:bob")
+    for key in sona.keys:
+        # The feedback-weighted mean (1 : 2) of the users' dense updates, best rank-2 approximation.
+        dense = sum(w * f.scale * f.B.astype(np.float64) @ f.A for w, f in ((1 / 3, ada.entries[key]),
+                                                                          (2 / 3, bob.entries[key])))
+        u, sv, vt = np.linalg.svd(dense)
+        want = (u[:, :2] * sv[:2]) @ vt[:2]
+        got = new.entries[key].scale * new.entries[key].B.astype(np.float64) @ new.entries[key].A
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1e-6))
+
+
+def test_low_rank_product_is_exact_when_rank_allows():
+    rng = np.random.default_rng(0)
+    b, a = rng.standard_normal((7, 3)), rng.standard_normal((3, 9))
+    a2, b2 = low_rank_product(b.astype(np.float32), a.astype(np.float32), 3)
+    np.testing.assert_allclose(b2 @ a2, b @ a, rtol=1e-5, atol=1e-5)
+    a1, b1 = low_rank_product(b.astype(np.float32), a.astype(np.float32), 1)
+    u, s, vt = np.linalg.svd(b @ a)
+    np.testing.assert_allclose(b1 @ a1, s[0] * np.outer(u[:, 0], vt[0]), rtol=1e-4, atol=1e-5)
+
+
+def test_bank_clusters_search_and_route():
+    bank = ReasoningBank(4, num_patterns=2, max_entries=10)
+    centers = np.eye(4)[:2]
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        c = i % 2
+        bank.add(f"r{i}", "good" if c == 0 else "meh", centers[c] + 0.05 * rng.standard_normal(4), float(i),
+                 quality=0.9 if c == 0 else 0.2)
+    patterns = bank.cluster()
+    assert sorted(p.size for p in patterns) == [4, 4]
+    best = bank.search(centers[0], 2)
+    assert best[0].similarity > 0.95 > best[1].similarity
+    assert best[0].pattern.scope == "good" and best[0].pattern.mean_quality == pytest.approx(0.9)
+    assert bank.route(centers[0], 0.9, 0.6).pattern.scope == "good"
+    assert bank.route(centers[1], 0.9, 0.6) is None  # similar, but badly rated
+    for i in range(8, 14):  # the oldest are forgotten past max_entries
+        bank.add(f"r{i}", "good", centers[0], float(i))
+    assert len(bank) == 10 and bank.set_quality("r0", 1.0) is False
+
+
+@pytest.mark.parametrize("score", [-0.1, 1.5, math.nan, True, "0.5"])
+def test_bad_scores_are_refused(tmp_path, score):
+    sona = tiny_sona(tmp_path / "m")
+    serve(sona, "r1", random_tokens(0, 8), random_tokens(1, 4))
+    with pytest.raises(FeedbackError, match="score"):
+        sona.feedback("r1", score)
+
+
+def test_bad_feedback_targets_and_corrections_are_refused(tmp_path):
+    sona = tiny_sona(tmp_path / "m")
+    serve(sona, "r1", random_tokens(0, 8), random_tokens(1, 4))
+    with pytest.raises(UnknownResponseError, match="no response 'nope'"):
+        sona.feedback("nope", 0.5)
+    with pytest.raises(FeedbackError, match="tokenizer"):  # no tokenizer here: text needs one
+        sona.feedback("r1", 0.5, correction="text")
+    with pytest.raises(FeedbackError, match="token ids"):
+        sona.feedback("r1", 0.5, correction=[5, 1000])
+    with pytest.raises(FeedbackError, match="no tokens"):
+        sona.feedback("r1", 0.5, correction=[])
+    assert issubclass(FeedbackError, RuvllmError)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"scope": "team"}, "scope must be one of"),
+    ({"projections": ("qkv",)}, "unknown projection"),
+    ({"layers": (5,)}, "outside 0..1"),
+    ({"rank": 0}, "rank must be"),
+    ({"ewc_decay": 1.5}, "ewc_decay"),
+    ({"instant_lr": -1.0}, "instant_lr"),
+    ({"capture": "sometimes"}, "capture must be"),
+    ({"layers": (0,)}, "instant loop adapts the last layer"),
+])
+def test_bad_configs_are_refused(tmp_path, kw, message):
+    with pytest.raises(SonaError, match=message):
+        tiny_sona(tmp_path / "m", SonaConfig(**kw))
