@@ -134,7 +134,8 @@ def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
         else:
             client = scope.get("client")
             identity = client[0] if client else "anonymous"
-        if state.limiter is not None:
+        # Scrapes are not client traffic: they need the key but never spend its budget.
+        if state.limiter is not None and path != "/metrics":
             wait = state.limiter.acquire(identity)
             if wait > 0:
                 raise APIError(
