@@ -79,7 +79,7 @@ class RequestContextMiddleware:
             finally:
                 # Route templates, not raw paths, keep the label set bounded.
                 route = scope.get("path_template") or "unmatched"
-                method = scope["method"]
+                method = scope.get("method", "")
                 self.state.metrics.http_requests.labels(route, method, str(status or 500)).inc()
                 client = scope.get("client")
                 access_log.info(
@@ -146,7 +146,7 @@ def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
                 )
         if path.startswith(MODEL_PATH_PREFIXES) and not state.ready:
             raise APIError(503, state.not_ready_reason, code="not_ready", headers={"Retry-After": "5"})
-        if scope["method"] == "POST" and path in GENERATION_PATHS:
+        if scope.get("method") == "POST" and path in GENERATION_PATHS:
             try:
                 async with state.admission.slot():
                     await app(scope, receive, send)
