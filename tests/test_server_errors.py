@@ -3,6 +3,8 @@ matching exception type; nothing a client sends causes a 500."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -163,3 +165,31 @@ def test_embedding_errors(client, server) -> None:
 def test_no_5xx_recorded(server) -> None:
     text = httpx.get(server.url("/metrics")).text
     assert 'status="5' not in text
+
+
+def test_errors_from_the_engine_keep_their_type_while_watching_for_disconnects() -> None:
+    from ruvllm.errors import RequestError
+    from ruvllm_server.generation import cancel_on_disconnect
+
+    async def never_disconnects() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def rejected() -> None:
+        raise RequestError("the engine said no")
+
+    async def answered() -> str:
+        return "answer"
+
+    with pytest.raises(RequestError, match="the engine said no"):
+        asyncio.run(cancel_on_disconnect(never_disconnects, rejected))
+    assert asyncio.run(cancel_on_disconnect(never_disconnects, answered)) == "answer"
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def slow() -> str:
+        await asyncio.sleep(3600)
+        return "too late"
+
+    assert asyncio.run(cancel_on_disconnect(gone, slow)) is None

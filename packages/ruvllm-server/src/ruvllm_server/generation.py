@@ -311,6 +311,7 @@ class Run:
 async def cancel_on_disconnect(receive: Callable[[], Any], work: Callable[[], Any]) -> Any:
     """Run ``work()`` but cancel it if the client disconnects first (then returns None)."""
     result = None
+    error: Exception | None = None
 
     async with anyio.create_task_group() as tg:
 
@@ -323,8 +324,13 @@ async def cancel_on_disconnect(receive: Callable[[], Any], work: Callable[[], An
                     return
 
         tg.start_soon(watch)
-        result = await work()
+        try:
+            result = await work()
+        except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+            error = exc
         tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
     return result
 
 
