@@ -19,6 +19,7 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30
 
 
+@jax.jit
 def reference_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,

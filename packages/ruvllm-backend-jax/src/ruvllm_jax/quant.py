@@ -24,8 +24,8 @@ from ruvllm.errors import BackendError, UnsupportedQuantizationError
 
 #: ``LoadOptions.quantization`` values this backend understands.
 QUANTIZATIONS = ("none", "q8", "q4")
-#: Group size of RTN int4 (GGUF's Q4 block size, so both paths share one layout).
-Q4_GROUP = 32
+#: Group size of RTN int8 / int4 (GGUF's block size, so both paths share one layout).
+Q_GROUP = 32
 
 
 @jax.tree_util.register_dataclass
@@ -110,8 +110,9 @@ def weight_nbytes(tree: object) -> int:
 # -- quantizing at load (host side, NumPy) -----------------------------------------------------------
 
 
-def quantize_int8(w: np.ndarray, group_size: int | None = None) -> QuantArray:
-    """Round-to-nearest symmetric int8 of a float ``[out, in]`` matrix; per output channel when
+def quantize_int8(w: np.ndarray, group_size: int | None = Q_GROUP) -> QuantArray:
+    """Round-to-nearest symmetric int8 of a float ``[out, in]`` matrix, one float16 scale per group
+    of ``group_size`` inputs (GGUF Q8_0's layout), or one float32 scale per output channel when
     ``group_size`` is None."""
     out, cols = w.shape
     gs = cols if group_size is None else group_size
@@ -119,27 +120,26 @@ def quantize_int8(w: np.ndarray, group_size: int | None = None) -> QuantArray:
         raise BackendError(f"int8 quantization: {cols} input features are not a multiple of group size {gs}")
     g = w.astype(np.float32).reshape(out, cols // gs, gs)
     amax = np.abs(g).max(axis=-1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(g / scale[..., None]), -127, 127).astype(np.int8)
+    scale = (amax / 127.0).astype(np.float32 if group_size is None else np.float16)
+    inv = np.where(scale != 0, 1.0 / scale.astype(np.float32), 0.0)
+    q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int8)
     return QuantArray(q.reshape(out, cols), scale, None, bits=8, group_size=gs)
 
 
-def quantize_int4(w: np.ndarray, group_size: int = Q4_GROUP) -> QuantArray:
-    """Round-to-nearest symmetric int4 (levels -8..7, scale ``amax / 8`` like GGUF Q4_0), group-wise,
-    packed two per byte."""
+def quantize_int4(w: np.ndarray, group_size: int = Q_GROUP) -> QuantArray:
+    """Round-to-nearest asymmetric int4, group-wise (GGUF Q4_1's scheme): 16 levels from the group's
+    minimum to its maximum, float16 scale and minimum per group, two weights per byte."""
     out, cols = w.shape
     if cols % group_size or group_size % 2:
         raise BackendError(f"int4 quantization: {cols} input features are not a multiple of group size {group_size}")
     g = w.astype(np.float32).reshape(out, cols // group_size, group_size)
-    # The signed value of largest magnitude maps to -8, so the full range is used in both directions.
-    idx = np.abs(g).argmax(axis=-1)[..., None]
-    extreme = np.take_along_axis(g, idx, axis=-1)[..., 0]
-    scale = (extreme / -8.0).astype(np.float16)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    scale = ((hi - lo) / 15.0).astype(np.float16)
+    offset = lo.astype(np.float16)
     inv = np.where(scale != 0, 1.0 / scale.astype(np.float32), 0.0)
-    u = np.clip(np.rint(g * inv[..., None]) + 8, 0, 15).astype(np.uint8)
-    return QuantArray(
-        _pack_nibbles(u, group_size).reshape(out, cols // 2), scale, None, bits=4, group_size=group_size, zero_point=8
-    )
+    u = np.clip(np.rint((g - offset.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    packed = _pack_nibbles(u, group_size).reshape(out, cols // 2)
+    return QuantArray(packed, scale, offset, bits=4, group_size=group_size, zero_point=0)
 
 
 def _pack_nibbles(u: np.ndarray, group: int) -> np.ndarray:

@@ -1,0 +1,155 @@
+"""Paged attention: the jax.numpy reference against a float64 NumPy loop, and the Pallas kernels
+(decode, flash prefill) in interpret mode against the reference, over GQA ratios, ragged lengths,
+empty (padding) sequences and block boundaries; then the kernels inside the whole model.
+
+Tolerance: inputs are O(1) float32; 1e-5 absolute allows float32 summation-order differences
+(online vs two-pass softmax) and nothing else."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ruvllm_jax.attention import reference_paged_attention
+from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention
+
+ATOL = 1e-5
+
+
+def numpy_attention(q, k_cache, v_cache, layer, tables, q_pos, context):
+    """Float64, one query and one head at a time, straight from the definition in attention.py."""
+    s_n, q_n, h_n, d = q.shape
+    bs, kv_n = k_cache.shape[2], k_cache.shape[3]
+    group = h_n // kv_n
+    out = np.zeros(q.shape, np.float64)
+    for s in range(s_n):
+        for i in range(q_n):
+            n = min(int(q_pos[s, i]) + 1, int(context[s]))
+            if n <= 0:
+                continue
+            pos = np.arange(n)
+            blocks, offs = tables[s, pos // bs], pos % bs
+            keys = k_cache[layer, blocks, offs].astype(np.float64)
+            vals = v_cache[layer, blocks, offs].astype(np.float64)
+            for h in range(h_n):
+                sc = keys[:, h // group] @ q[s, i, h].astype(np.float64) / math.sqrt(d)
+                p = np.exp(sc - sc.max())
+                out[s, i, h] = (p / p.sum()) @ vals[:, h // group]
+    return out
+
+
+def _case(rng, *, seqs, q_len, heads, kv_heads, head_dim, block_size, num_blocks, layers=2):
+    k = rng.standard_normal((layers, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((layers, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    q = rng.standard_normal((seqs, q_len, heads, head_dim)).astype(np.float32)
+    width = num_blocks // seqs
+    tables = np.stack([rng.permutation(num_blocks)[:width] for _ in range(seqs)]).astype(np.int32)
+    return q, k, v, tables
+
+
+# (seqs, heads, kv_heads, head_dim, block_size, contexts): GQA 1, 3, 4, 8; contexts on and off block
+# boundaries, 1, and 0 (a padding row, which must come out as zeros).
+DECODE_CASES = [
+    (3, 4, 4, 16, 4, [1, 8, 13]),
+    (4, 9, 3, 64, 16, [0, 16, 17, 95]),
+    (2, 8, 2, 32, 8, [40, 7]),
+    (5, 8, 1, 16, 4, [4, 5, 3, 0, 19]),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"gqa{c[1] // c[2]}-bs{c[4]}")
+def test_decode_kernel_matches_reference(case):
+    seqs, heads, kv, hd, bs, contexts = case
+    rng = np.random.default_rng(len(contexts) * 7 + heads)
+    blocks_needed = max(-(-c // bs) for c in contexts) + 1
+    q, k, v, tables = _case(
+        rng,
+        seqs=seqs,
+        q_len=1,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=hd,
+        block_size=bs,
+        num_blocks=blocks_needed * seqs,
+    )
+    ctx = np.asarray(contexts, np.int32)
+    q_pos = (ctx - 1)[:, None]
+    want = numpy_attention(q, k, v, 1, tables, q_pos, ctx)
+    ref = np.asarray(reference_paged_attention(q, k, v, jnp.int32(1), tables, q_pos, ctx))
+    np.testing.assert_allclose(ref, want, atol=ATOL, rtol=0)
+    got = np.asarray(paged_decode_attention(q[:, 0], k, v, jnp.int32(1), tables, ctx, interpret=True))
+    np.testing.assert_allclose(got, ref[:, 0], atol=ATOL, rtol=0)
+    assert np.all(got[ctx == 0] == 0)
+
+
+# (heads, kv_heads, head_dim, block_size, q_len, starts, chunk lengths): chunks from scratch and
+# continuing earlier context, shorter than the padded q_len, crossing blocks.
+PREFILL_CASES = [
+    (4, 2, 16, 4, 8, [0, 3, 9], [8, 5, 1]),
+    (9, 3, 64, 16, 32, [0, 20], [32, 13]),
+    (8, 1, 32, 8, 16, [0, 0, 30], [11, 16, 2]),
+    (6, 6, 16, 4, 4, [7, 0], [4, 0]),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"gqa{c[0] // c[1]}-bs{c[3]}-q{c[4]}")
+def test_prefill_kernel_matches_reference(case):
+    heads, kv, hd, bs, q_len, starts, lens = case
+    rng = np.random.default_rng(q_len * 3 + heads)
+    seqs = len(starts)
+    ctx = np.asarray(starts, np.int32) + np.asarray(lens, np.int32)
+    blocks_needed = max(-(-int(c) // bs) for c in ctx) + 1
+    q, k, v, tables = _case(
+        rng,
+        seqs=seqs,
+        q_len=q_len,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=hd,
+        block_size=bs,
+        num_blocks=blocks_needed * seqs,
+    )
+    start = np.asarray(starts, np.int32)
+    q_pos = start[:, None] + np.arange(q_len, dtype=np.int32)[None, :]
+    want = numpy_attention(q, k, v, 0, tables, q_pos, ctx)
+    ref = np.asarray(reference_paged_attention(q, k, v, jnp.int32(0), tables, q_pos, ctx))
+    np.testing.assert_allclose(ref, want, atol=ATOL, rtol=0)
+    got = np.asarray(paged_prefill_attention(q, k, v, jnp.int32(0), tables, start, ctx, interpret=True))
+    real = q_pos < ctx[:, None]  # rows past a chunk's end are padding: the model drops them
+    np.testing.assert_allclose(got[real], ref[real], atol=ATOL, rtol=0)
+
+
+def test_kernels_inside_the_model_match_reference_attention(tmp_path):
+    """A whole model step with the kernels (interpreted) equals the jax.numpy attention path."""
+    from _gguf_files import write_tiny_llama_gguf
+    from _jax_fixtures import load_jax
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(write_tiny_llama_gguf(tmp_path / "tiny.gguf", hidden=64, layers=2))
+    ref_model = load_jax(ckpt)
+    kern_model = load_jax(ckpt, extra={"attention": "pallas_interpret"})
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 256, size=11).tolist(), rng.integers(0, 256, size=6).tolist()
+    tables = [np.array([6, 2, 9], np.int32), np.array([1, 4], np.int32)]
+    steps = [
+        [
+            SequenceChunk(np.asarray(a[:10], np.int32), 0, tables[0], all_logits=True),
+            SequenceChunk(np.asarray(b[:5], np.int32), 0, tables[1], all_logits=True),
+        ],
+        [
+            SequenceChunk(np.asarray(a[10:], np.int32), 10, tables[0]),  # decode
+            SequenceChunk(np.asarray(b[5:], np.int32), 5, tables[1]),
+        ],
+    ]
+    caches = [m.allocate_cache(10, 4) for m in (ref_model, kern_model)]
+    for chunks in steps:
+        want = ref_model.forward(ForwardBatch(chunks, 4), caches[0])
+        got = kern_model.forward(ForwardBatch(chunks, 4), caches[1])
+        np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
+        for i, rows in want.all_logits.items():
+            np.testing.assert_allclose(got.all_logits[i], rows, atol=1e-4, rtol=0)
