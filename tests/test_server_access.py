@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -9,6 +10,8 @@ import httpx
 import openai
 import pytest
 from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
+
+from ruvllm import hookimpl
 
 MODEL = "smollm2"
 KEYS = ["sk-test-one", "sk-test-two", "sk-test-three"]
@@ -57,6 +60,30 @@ def test_right_key_works_and_probes_are_open(guarded) -> None:
     assert r.choices[0].finish_reason in ("stop", "length")
     assert httpx.get(guarded.url("/health")).status_code == 200
     assert httpx.get(guarded.url("/ready")).status_code == 200
+
+
+class UserRecorder:
+    """A plugin that notes who each request is attributed to."""
+
+    def __init__(self) -> None:
+        self.users: list[str | None] = []
+
+    @hookimpl
+    def pre_inference(self, request) -> None:
+        self.users.append(request.user)
+
+
+def test_requests_are_attributed_to_the_key_or_the_given_user(guarded, smollm2_model) -> None:  # noqa: F811
+    recorder = UserRecorder()
+    smollm2_model.host.register(recorder, name="test-user-recorder")
+    try:
+        client = _client(guarded, KEYS[0])
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, user="alice")
+    finally:
+        smollm2_model.host.pm.unregister(recorder)
+    key_id = "key-" + hashlib.sha256(KEYS[0].encode()).hexdigest()[:12]
+    assert recorder.users == [key_id, "alice"]
 
 
 def test_cors_preflight_and_simple_request(guarded) -> None:

@@ -272,6 +272,26 @@ def test_tokenize_detokenize_round_trip(server, tokenizer) -> None:
     assert chat["tokens"] == tokenizer.encode_chat(QUESTION)
 
 
+def test_content_parts_render_like_a_plain_string(server) -> None:
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    as_parts = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": parts}]}).json()
+    plain = httpx.post(server.url("/tokenize"), json={"messages": QUESTION}).json()
+    assert as_parts["tokens"] == plain["tokens"]
+
+
+def test_logit_bias_and_top_k_reach_the_sampler(client, tokenizer) -> None:
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert r.choices[0].text == tokenizer.decode([forced])
+    greedy = client.completions.create(model=MODEL, prompt="Two plus two is", max_tokens=3, temperature=0)
+    top1 = client.completions.create(
+        model=MODEL, prompt="Two plus two is", max_tokens=3, temperature=1.5, seed=3, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].text == greedy.choices[0].text
+
+
 def test_request_id_echoed_or_generated(server) -> None:
     r = httpx.get(server.url("/v1/models"), headers={"X-Request-ID": "trace-abc.123"})
     assert r.headers["x-request-id"] == "trace-abc.123"
