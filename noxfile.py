@@ -26,6 +26,7 @@ TEST_DEPS = [
     "hypothesis>=6.100",
     "torch==2.13.0",  # the CPU build; HF transformers runs on it as the reference
     "transformers>=4.46",
+    "accelerate>=1.0",  # transformers needs it to load GGUF files
     "openai>=1.40",
     "httpx>=0.27",
 ]
@@ -44,7 +45,13 @@ def tests(session: nox.Session) -> None:
     session.install(*TEST_DEPS)
     session.install(*TEST_PLUGINS)
     args = session.posargs or ["tests", "-q", "-rs", "--durations=25"]
-    session.run("pytest", *args, env={"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"})
+    session.run("pytest", *args, env={
+            "JAX_PLATFORMS": "cpu",
+            "TOKENIZERS_PARALLELISM": "false",
+            # The suite runs servers, engine threads and XLA beside NumPy: one BLAS thread avoids
+            # OpenBLAS's collapse when two cores are oversubscribed.
+            "OPENBLAS_NUM_THREADS": "1",
+        },)
 
 
 @nox.session(python="3.11")
