@@ -37,24 +37,31 @@ INSTANT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 @dataclass(frozen=True)
 class InstantCapture:
+    """The last layer at the completion rows ``t`` (``T`` of them) of one trajectory. Gradients here
+    are of ``log p(y_t)`` alone (unit weight per row), so a weighted sum is a row scaling."""
+
     layer: int
     factors: Mapping[tuple[int, str], LoraFactors]  # the snapshot's factors of ``layer``
     rows: np.ndarray  # [T] completion rows (positions predicting the completion tokens)
     x: np.ndarray  # [n, d] input_layernorm output at every position
-    q_rows: np.ndarray  # [T, H, hd] roped queries at the completion rows
-    k: np.ndarray  # [n, KV, hd] roped keys
-    v: np.ndarray  # [n, KV, hd]
-    probs_rows: np.ndarray  # [KV, G, T, n]
+    x_rows: np.ndarray  # [T, d]
     a_rows: np.ndarray  # [T, H*hd] attention output (o_proj input)
     dh_rows: np.ndarray  # [T, d] dlogp_t / d(o_proj output at row t)
-    da_rows: np.ndarray  # [T, H*hd] dlogp_t / d(attention output at row t)
+    #: [KV, G*T, n] attention probabilities of the completion rows, query heads sharing a KV head
+    #: stacked as rows (group-major).
+    probs: np.ndarray
+    dout: np.ndarray  # [KV, G*T, hd] dlogp_t / d(attention output), same layout
+    dq_rows: np.ndarray  # [T, H*hd] dlogp_t / d(q_proj output at row t), RoPE undone
+    q_rows: np.ndarray  # [T, H, hd] roped queries (k_proj's gradient needs them)
+    k: np.ndarray  # [n, KV, hd] roped keys
+    v: np.ndarray  # [n, KV, hd]
     cos: np.ndarray  # rope tables of all positions [n, 1, hd/2]
     sin: np.ndarray
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.x, self.q_rows, self.k, self.v, self.probs_rows, self.a_rows,
-                                      self.dh_rows, self.da_rows))
+        return sum(a.nbytes for a in (self.x, self.x_rows, self.a_rows, self.dh_rows, self.probs, self.dout,
+                                      self.dq_rows, self.q_rows, self.k, self.v))
 
 
 @dataclass(frozen=True)
@@ -114,18 +121,26 @@ def capture_trajectory(
         if fo is not None:
             da_rows += ((dh_rows @ fo.B) * np.float32(fo.scale)) @ fo.A
         cos, sin = model.rope(n)
+        cfg = model.config
+        kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        probs = lt.probs[:, :, rows, :]  # [KV, G, T, n]
+        q_rows = lt.q[rows]
+        dq, _, _ = model.attention_backward(probs, q_rows, lt.k, lt.v, da_rows, need_q=True, need_k=False)
+        assert dq is not None
         instant = InstantCapture(
             layer=li,
             factors={key: f for key, f in entries.items() if key[0] == li},
             rows=rows,
             x=lt.x,
-            q_rows=lt.q[rows],
-            k=lt.k,
-            v=lt.v,
-            probs_rows=np.ascontiguousarray(lt.probs[:, :, rows, :]),
+            x_rows=np.ascontiguousarray(lt.x[rows]),
             a_rows=lt.a[rows],
             dh_rows=dh_rows,
-            da_rows=da_rows,
+            probs=np.ascontiguousarray(probs.reshape(kv, g * t_count, n)),
+            dout=np.ascontiguousarray(da_rows.reshape(t_count, kv, g, hd).transpose(1, 2, 0, 3).reshape(kv, -1, hd)),
+            dq_rows=model.unrotate(dq, cos[rows], sin[rows]).reshape(t_count, -1),
+            q_rows=q_rows,
+            k=lt.k,
+            v=lt.v,
             cos=cos,
             sin=sin,
         )
@@ -156,24 +171,38 @@ def instant_gradient(
     model: LoraLlama, ic: InstantCapture, weights: np.ndarray, keys: Collection[tuple[int, str]]
 ) -> LoraGrads:
     """Exact gradient of ``sum_t weights[t] * log p(y_t)`` w.r.t. the factors ``keys`` of the last
-    layer, at the snapshot ``ic`` was captured with."""
-    w = np.asarray(weights, dtype=np.float32)[:, None]
+    layer, at the snapshot ``ic`` was captured with.
+
+    Every per-row gradient in ``ic`` scales with its row's weight, and the factors enter through
+    ``x @ A.T`` and ``@ B``, so q and v need only rank-``r`` products here (for v the attention
+    probabilities are applied to ``x @ A.T`` instead of to ``dv``)."""
+    w = np.asarray(weights, dtype=np.float32)[:, None]  # [T, 1]
     li = ic.layer
-    rows = ic.rows
-    rows_n, n = len(rows), ic.x.shape[0]
     grads: LoraGrads = {}
     if (li, "o_proj") in keys:
         grads[(li, "o_proj")] = lora_factor_grads(ic.factors[(li, "o_proj")], ic.a_rows, ic.dh_rows * w)
-    want_q, want_k, want_v = ((li, p) in keys for p in ("q_proj", "k_proj", "v_proj"))
-    if not (want_q or want_k or want_v):
-        return grads
-    dq, dk, dv = model.attention_backward(ic.probs_rows, ic.q_rows, ic.k, ic.v, ic.da_rows * w, want_q, want_k)
-    if want_q and dq is not None:
-        dq = model.unrotate(dq, ic.cos[rows], ic.sin[rows]).reshape(rows_n, -1)
-        grads[(li, "q_proj")] = lora_factor_grads(ic.factors[(li, "q_proj")], ic.x[rows], dq)
-    if want_k and dk is not None:
+    if (li, "q_proj") in keys:
+        f = ic.factors[(li, "q_proj")]
+        s = np.float32(f.scale)
+        grads[(li, "q_proj")] = (((ic.dq_rows @ f.B) * (w * s)).T @ ic.x_rows,
+                                 ic.dq_rows.T @ ((ic.x_rows @ f.A.T) * (w * s)))
+    if (li, "v_proj") in keys:
+        f = ic.factors[(li, "v_proj")]
+        s = np.float32(f.scale)
+        kv, hd = ic.dout.shape[0], ic.dout.shape[2]
+        w_rows = np.tile(w[:, 0] * s, ic.dout.shape[1] // len(w))[None, :, None]  # rows are (group, t)
+        z = ic.probs @ (ic.x @ f.A.T)  # [KV, G*T, r]
+        grad_b = (ic.dout.transpose(0, 2, 1) @ (z * w_rows)).reshape(kv * hd, -1)
+        e = ic.dout @ f.B.reshape(kv, hd, -1)  # [KV, G*T, r]
+        grad_a = (ic.probs.transpose(0, 2, 1) @ (e * w_rows)).sum(axis=0).T @ ic.x
+        grads[(li, "v_proj")] = (grad_a, grad_b)
+    if (li, "k_proj") in keys:
+        n, t_count = ic.x.shape[0], len(ic.rows)
+        kv, rows_g = ic.probs.shape[0], ic.probs.shape[1]
+        probs = ic.probs.reshape(kv, rows_g // t_count, t_count, n)
+        da = ic.dout.reshape(kv, rows_g // t_count, t_count, -1).transpose(2, 0, 1, 3).reshape(t_count, -1) * w
+        _, dk, _ = model.attention_backward(probs, ic.q_rows, ic.k, ic.v, da, need_q=False, need_k=True)
+        assert dk is not None
         dk = model.unrotate(dk, ic.cos, ic.sin).reshape(n, -1)
         grads[(li, "k_proj")] = lora_factor_grads(ic.factors[(li, "k_proj")], ic.x, dk)
-    if want_v:
-        grads[(li, "v_proj")] = lora_factor_grads(ic.factors[(li, "v_proj")], ic.x, dv.reshape(n, -1))
     return grads

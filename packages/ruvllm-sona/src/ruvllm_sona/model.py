@@ -327,19 +327,22 @@ class LoraLlama:
         cfg = self.config
         kv, hd = cfg.num_kv_heads, cfg.head_dim
         g = cfg.num_heads // kv
-        nq = da.shape[0]
-        dout = da.reshape(nq, kv, g, hd).transpose(1, 2, 0, 3)  # [KV, G, nq, hd]
-        dv = (probs.transpose(0, 1, 3, 2) @ dout).sum(axis=1).transpose(1, 0, 2)  # [n, KV, hd]
+        nq, n = da.shape[0], v.shape[0]
+        # Query heads sharing a KV head are stacked as rows, so each product is one matmul per KV
+        # head and the sums over the group fall out of the matmul.
+        dout = da.reshape(nq, kv, g, hd).transpose(1, 2, 0, 3).reshape(kv, g * nq, hd)
+        p = probs.reshape(kv, g * nq, n)
+        dv = (p.transpose(0, 2, 1) @ dout).transpose(1, 0, 2)  # [n, KV, hd]
         if not (need_q or need_k):
             return None, None, dv
-        dp = dout @ v.transpose(1, 2, 0)[:, None]  # [KV, G, nq, n]
-        ds = probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True)) * np.float32(hd**-0.5)
+        dp = dout @ v.transpose(1, 2, 0)  # [KV, G*nq, n]
+        ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) * np.float32(hd**-0.5)
         dq = dk = None
         if need_q:
-            dq = (ds @ k.transpose(1, 0, 2)[:, None]).transpose(2, 0, 1, 3).reshape(nq, cfg.num_heads, hd)
+            dq = (ds @ k.transpose(1, 0, 2)).reshape(kv, g, nq, hd).transpose(2, 0, 1, 3).reshape(nq, cfg.num_heads, hd)
         if need_k:
-            qg = q.reshape(nq, kv, g, hd).transpose(1, 2, 0, 3)
-            dk = (ds.transpose(0, 1, 3, 2) @ qg).sum(axis=1).transpose(1, 0, 2)  # [n, KV, hd]
+            qg = q.reshape(nq, kv, g, hd).transpose(1, 2, 0, 3).reshape(kv, g * nq, hd)
+            dk = (ds.transpose(0, 2, 1) @ qg).transpose(1, 0, 2)  # [n, KV, hd]
         return dq, dk, dv
 
     def mlp_backward(

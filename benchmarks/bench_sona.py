@@ -1,0 +1,170 @@
+"""SONA benchmark on SmolLM2-135M (candle-compat backend): instant-update latency, capture and
+background-cycle time, a deep run, and the forward-pass overhead of adapters.
+
+* instant update: ``feedback(response_id, score)`` on captured trajectories, timed around the whole
+  call and around the update itself (exact gradient + step + new snapshot), for short and longer
+  trajectories;
+* capture: recomputing one finished response (the background loop's main cost) and one background
+  cycle that captures a batch;
+* deep run: fine-tuning over stored samples with EWC++;
+* forward overhead: the backend's prefill of 64 tokens and a decode step of 8 sequences with no
+  adapter, an all-zero adapter and a trained q/v adapter on the last two layers.
+
+Run: ``python benchmarks/bench_sona.py [--json out.json]`` (thread count from OPENBLAS_NUM_THREADS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.runtime import load_model
+from ruvllm_sona import Sona, SonaConfig
+from ruvllm_sona.sona import Trajectory
+
+SHORT_PROMPT = "What is the capital of Zorblandia?"
+SHORT_ANSWER = "The capital of Zorblandia is Quimtown, a small harbour city."
+LONG_PROMPT = ("Write a short paragraph about lighthouses: who kept them, why ships needed them and what "
+               "replaced them. Keep it friendly and simple for a young reader.")
+LONG_ANSWER = ("Long ago, lighthouse keepers lived beside the tall towers and kept the lamps burning all night. "
+               "Ships used the light to find their way past rocks and into safe harbours. Today most lights "
+               "work on their own, and satellites help sailors know exactly where they are.")
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    v = np.asarray(values) * 1e3
+    return {"p50_ms": round(float(np.percentile(v, 50)), 4), "p99_ms": round(float(np.percentile(v, 99)), 4),
+            "mean_ms": round(float(v.mean()), 4), "n": len(v)}
+
+
+def timed(fn: Any, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument("--updates", type=int, default=2000, help="instant updates per trajectory size")
+    args = ap.parse_args()
+
+    model = load_model("smollm2", backend="candle-compat")
+    tok = model.tokenizer
+    sona = Sona.for_model(model, SonaConfig(), start=False)
+    results: dict[str, Any] = {
+        "model": model.config.name, "backend": model.backend.name, "machine": platform.machine(),
+        "cpus": os.cpu_count(), "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+        "adapted": [f"layers.{li}.{p}" for li, p in sona.keys], "rank": sona.config.rank,
+    }
+
+    # -- capture and background cycle ------------------------------------------------------------
+    def trajectory(rid: str, prompt: str, answer: str) -> Trajectory:
+        ids = list(tok.encode_chat([{"role": "user", "content": prompt}]))
+        return Trajectory(rid, "global", ids, tok.encode(answer, add_special_tokens=False), sona.adapter(),
+                          time.monotonic())
+
+    sizes = {}
+    for name, (prompt, answer) in {"short": (SHORT_PROMPT, SHORT_ANSWER), "long": (LONG_PROMPT, LONG_ANSWER)}.items():
+        t = trajectory(name, prompt, answer)
+        sizes[name] = {"prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.completion_ids)}
+        sona.record(t)
+    for i in range(8):
+        sona.record(trajectory(f"batch{i}", SHORT_PROMPT, SHORT_ANSWER))
+    t0 = time.perf_counter()
+    cycle = sona.run_cycle()  # captures_per_cycle of them
+    results["background_cycle"] = {"captured": cycle["captured"], "seconds": round(time.perf_counter() - t0, 4)}
+    while sona.run_cycle()["captured"]:
+        pass
+    idle = timed(sona.run_cycle, 200)
+    results["background_cycle"]["idle"] = pct(idle)
+    results["capture"] = sona.stats()["capture"]
+    results["trajectory_sizes"] = sizes
+
+    # -- instant updates ---------------------------------------------------------------------------
+    results["instant_update"] = {}
+    for name in ("short", "long"):
+        sona._instant_times.clear()
+        scores = np.random.default_rng(0).uniform(0, 1, args.updates)
+        calls = [0.0] * args.updates
+        for i, s in enumerate(scores):
+            t0 = time.perf_counter()
+            receipt = sona.feedback(name, float(s))
+            calls[i] = time.perf_counter() - t0
+            assert receipt.status == "applied"
+        results["instant_update"][name] = {"update": sona.stats()["instant_update"], "feedback_call": pct(calls)}
+
+    # -- deep run --------------------------------------------------------------------------------
+    # A fresh learner, so the samples are just four corrected answers (the updates above stored
+    # hundreds of positively rated ones).
+    deep = Sona(model.checkpoint, SonaConfig(), tokenizer=tok, start=False, net=sona.net)
+    for i in range(4):
+        deep.record(trajectory(f"wrong{i}", SHORT_PROMPT, "The capital of Zorblandia is Nova Haven."))
+        deep.feedback(f"wrong{i}", 0.0, correction="The capital of Zorblandia is Quimtown.")
+    while deep.run_cycle()["captured"]:
+        pass
+    report = deep.deep_train(wait=True)
+    results["deep_run"] = {"samples": report.samples, "epochs": deep.config.deep_epochs, "steps": report.steps,
+                           "seconds": round(report.seconds, 3),
+                           "seconds_per_step": round(report.seconds / report.steps, 4)}
+
+    # -- forward overhead ------------------------------------------------------------------------
+    trained = sona.adapter()
+    zero = Sona(model.checkpoint, SonaConfig(), start=False, net=sona.net).adapter()
+    cache = model.allocate_cache(64, 16)
+    prompt = np.asarray((tok.encode(LONG_ANSWER) * 2)[:64], np.int32)
+
+    def prefill(adapter: Any) -> None:
+        model.forward(ForwardBatch([SequenceChunk(prompt, 0, np.arange(4, dtype=np.int32), adapter=adapter)], 16),
+                      cache)
+
+    def decode(adapter: Any) -> None:
+        chunks = [SequenceChunk(prompt[:1], 63, np.arange(4 * i, 4 * i + 4, dtype=np.int32), adapter=adapter)
+                  for i in range(8)]
+        model.forward(ForwardBatch(chunks, 16), cache)
+
+    for i in range(8):  # fill the caches the decode steps read
+        model.forward(ForwardBatch([SequenceChunk(prompt, 0, np.arange(4 * i, 4 * i + 4, dtype=np.int32))], 16),
+                      cache)
+    overhead: dict[str, Any] = {}
+    variants = (("none", None), ("zero_adapter", zero), ("trained_adapter", trained))
+    for name, fn, repeat in (("prefill_64", prefill, 20), ("decode_batch_8", decode, 40)):
+        times: dict[str, list[float]] = {label: [] for label, _ in variants}
+        for _, adapter in variants:  # warm-up
+            fn(adapter)
+        for _ in range(repeat):  # interleaved, so drift in machine load hits every variant alike
+            for label, adapter in variants:
+                times[label] += timed(lambda a=adapter, f=fn: f(a), 1)
+        row: dict[str, Any] = {label: pct(v) for label, v in times.items()}
+        base = row["none"]["p50_ms"]
+        row["trained_overhead_p50"] = f"{row['trained_adapter']['p50_ms'] / base - 1:+.1%}"
+        row["zero_overhead_p50"] = f"{row['zero_adapter']['p50_ms'] / base - 1:+.1%}"
+        overhead[name] = row
+    results["forward"] = overhead
+    sona.close(save=False)
+
+    print(json.dumps(results, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    print(f"\ninstant update p50 (short / long): {results['instant_update']['short']['update']['p50_ms']} / "
+          f"{results['instant_update']['long']['update']['p50_ms']} ms; p99: "
+          f"{results['instant_update']['short']['update']['p99_ms']} / "
+          f"{results['instant_update']['long']['update']['p99_ms']} ms")
+    print(f"capture p50: {results['capture']['p50_ms']} ms; deep step: {results['deep_run']['seconds_per_step']} s; "
+          f"median of idle cycles: {statistics.median(idle) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
