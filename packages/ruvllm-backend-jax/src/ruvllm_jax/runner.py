@@ -136,9 +136,8 @@ class JaxModel:
             raise BackendError(f"jax backend: the cache is a {type(cache).__name__}, not one this backend allocated")
         if batch.block_size != cache.block_size:
             raise BackendError(f"batch block size {batch.block_size} differs from the cache's {cache.block_size}")
-        copies = getattr(batch, "block_copies", None)
-        if copies:
-            self._copy_blocks(cache, copies)
+        if batch.block_copies:
+            self._copy_blocks(cache, batch.block_copies)
         chunks = batch.chunks
         if not chunks:
             return ForwardOutput(np.zeros((0, self.spec.vocab_size), np.float32))

@@ -1,0 +1,125 @@
+"""The JAX backend as a ruvllm plugin: found through its entry point as the default backend, driven
+by the engine, copy-on-write of cache blocks, bfloat16 compute, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _gguf_files import write_tiny_llama_gguf
+from _jax_fixtures import GreedyDecoder, jax_model_at, load_jax
+
+from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.checkpoint import open_checkpoint
+from ruvllm.errors import BackendError, RequestError, RuvllmError
+from ruvllm.plugins import load_plugins
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return open_checkpoint(write_tiny_llama_gguf(tmp_path_factory.mktemp("jax") / "tiny.gguf", hidden=64, layers=2))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    return load_jax(tiny)
+
+
+def test_registered_through_entry_point_as_default():
+    host = load_plugins(allowed="")
+    rec = {r.name: r for r in host.records}["jax"]
+    assert rec.error is None and rec.module == "ruvllm_jax.plugin"
+    assert {"register_backends", "load_model", "kv_cache", "forward"} <= set(rec.hooks)
+    info = host.backends["jax"]
+    assert info.priority == 100 and info.available()
+    assert host.choose_backend().name == "jax"
+
+
+def test_engine_on_jax_gives_the_direct_greedy_tokens(smollm2_path, smollm2_checkpoint):
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.runtime import LoadedModel
+    from ruvllm.sampling import SamplingParams
+
+    host = load_plugins(allowed="jax")
+    jax_model = jax_model_at(str(smollm2_path))
+    loaded = LoadedModel("smollm2", smollm2_checkpoint, host.backends["jax"], jax_model, host, jax_model.options)
+    tok = smollm2_checkpoint.tokenizer()
+    prompts = [tok.encode(p) for p in ("The capital of France is", "Water boils at", "1, 2, 3, 5, 8, 13,")]
+    engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=48))
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = engine.generate([GenerationRequest(p, sampling) for p in prompts])
+    got = [[t for o in req for d in o.deltas for t in d.token_ids] for req in outs]
+    assert got == GreedyDecoder(jax_model).run(prompts, 6)
+
+
+def test_block_copies_duplicate_cache_contents(tiny_model):
+    ids = np.arange(3, 13, dtype=np.int32)  # 10 tokens: blocks 0 (full, 4) 1 (full, 4) 2 (2 of 4)
+    cache = tiny_model.allocate_cache(8, 4)
+    tiny_model.forward(ForwardBatch([SequenceChunk(ids, 0, np.array([5, 1, 6], np.int32))], 4), cache)
+    nxt = np.array([42], np.int32)
+    # Copy the partly filled last block, then continue the copy and the original the same way.
+    batch = ForwardBatch(
+        [SequenceChunk(nxt, 10, np.array([5, 1, 6], np.int32)), SequenceChunk(nxt, 10, np.array([5, 1, 3], np.int32))],
+        4,
+        block_copies=[(6, 3)],
+    )
+    out = tiny_model.forward(batch, cache)
+    np.testing.assert_array_equal(out.logits[0], out.logits[1])
+    # Without the copy, block 3 holds nothing of this sequence and the result differs.
+    fresh = tiny_model.allocate_cache(8, 4)
+    tiny_model.forward(ForwardBatch([SequenceChunk(ids, 0, np.array([5, 1, 6], np.int32))], 4), fresh)
+    alone = tiny_model.forward(ForwardBatch([SequenceChunk(nxt, 10, np.array([5, 1, 3], np.int32))], 4), fresh)
+    assert not np.allclose(alone.logits[0], out.logits[1])
+
+
+def test_bfloat16_compute_stays_close_to_float32(tiny, tiny_model):
+    bf16 = load_jax(tiny, dtype="bfloat16")
+    ids = np.arange(20, 37, dtype=np.int32)
+    outs = []
+    for m in (tiny_model, bf16):
+        cache = m.allocate_cache(6, 4)
+        chunk = SequenceChunk(ids, 0, np.arange(5, dtype=np.int32), all_logits=True)
+        outs.append(m.forward(ForwardBatch([chunk], 4), cache).all_logits[0])
+    assert outs[1].dtype == np.float32
+    scale = np.abs(outs[0]).max()
+    # bfloat16 keeps 8 mantissa bits: a few percent of the logit range after two layers.
+    assert np.abs(outs[1] - outs[0]).max() <= 0.05 * scale
+    assert not np.array_equal(outs[0], outs[1])  # it really ran in bfloat16
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(quantization="q3"), "unknown quantization"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(extra={"tensor_parallel": 64}), "tensor_parallel=64 needs 64 devices"),
+        (dict(extra={"attention": "pallas"}), "needs a CUDA device"),
+        (dict(extra={"threads": 2}), "unknown option"),
+        (dict(quantization="q8", extra={"keep_gguf_blocks": True}), "keep_gguf_blocks"),
+    ],
+)
+def test_bad_load_options_raise_backend_error(tiny, options, message):
+    with pytest.raises(BackendError, match=message):
+        load_jax(tiny, **options)
+
+
+def test_bad_batches_raise_clear_errors(tiny_model):
+    cache = tiny_model.allocate_cache(4, 4)
+    table = np.array([0, 1], np.int32)
+
+    def run(*chunks, block_size=4):
+        return tiny_model.forward(ForwardBatch(list(chunks), block_size), cache)
+
+    with pytest.raises(RequestError, match="cannot hold positions up to 9"):
+        run(SequenceChunk(np.arange(9, dtype=np.int32), 0, table))
+    with pytest.raises(RequestError, match="token ids must be in"):
+        run(SequenceChunk(np.array([1, 9999], np.int32), 0, table))
+    with pytest.raises(RequestError, match=r"outside 0\.\.3"):
+        run(SequenceChunk(np.array([1], np.int32), 0, np.array([7], np.int32)))
+    with pytest.raises(RequestError, match="no tokens"):
+        run(SequenceChunk(np.zeros(0, np.int32), 0, table))
+    with pytest.raises(BackendError, match="block size 8 differs"):
+        run(SequenceChunk(np.array([1], np.int32), 0, table), block_size=8)
+    with pytest.raises(BackendError, match="adapters"):
+        run(SequenceChunk(np.array([1], np.int32), 0, table, adapter=object()))
+    with pytest.raises(RuvllmError):
+        tiny_model.allocate_cache(0, 4)
