@@ -14,7 +14,8 @@ from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
 from ruvllm import hookimpl
 
 MODEL = "smollm2"
-KEYS = ["sk-test-one", "sk-test-two", "sk-test-three"]
+#: One key per test that spends rate-limit tokens, so the tests do not drain each other's buckets.
+KEYS = ["sk-test-one", "sk-test-two", "sk-test-three", "sk-test-four"]
 ORIGIN = "https://app.example"
 
 
@@ -77,12 +78,12 @@ def test_requests_are_attributed_to_the_key_or_the_given_user(guarded, smollm2_m
     recorder = UserRecorder()
     smollm2_model.host.register(recorder, name="test-user-recorder")
     try:
-        client = _client(guarded, KEYS[0])
+        client = _client(guarded, KEYS[3])
         client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
         client.completions.create(model=MODEL, prompt="hi", max_tokens=1, user="alice")
     finally:
         smollm2_model.host.pm.unregister(recorder)
-    key_id = "key-" + hashlib.sha256(KEYS[0].encode()).hexdigest()[:12]
+    key_id = "key-" + hashlib.sha256(KEYS[3].encode()).hexdigest()[:12]
     assert recorder.users == [key_id, "alice"]
 
 

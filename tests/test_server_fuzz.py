@@ -162,7 +162,7 @@ def check(r: httpx.Response) -> None:
 
 
 SETTINGS = settings(
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     database=None,

@@ -88,6 +88,8 @@ def test_200_concurrent_streams_with_disconnects(server) -> None:
 
     assert httpx.get(server.url("/health")).status_code == 200
     after = httpx.post(
-        server.url("/v1/completions"), json={"model": MODEL, "prompt": "Still alive?", "max_tokens": 2}, timeout=60
+        server.url("/v1/completions"),
+        json={"model": MODEL, "prompt": "Still alive?", "max_tokens": 2, "ignore_eos": True},
+        timeout=60,
     )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
