@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import anyio
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
+from litestar.datastructures import State
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body, Parameter
@@ -256,17 +257,11 @@ def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
         exception_handlers={Exception: handle_exception},
         cors_config=cors,
         lifespan=[lifespan],
-        state=_app_state(state),
+        state=State({"ruvllm": state}),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="ruvllm", version=__version__, path="/schema"),
         debug=False,
     )
-
-
-def _app_state(state: ServerState) -> Any:
-    from litestar.datastructures import State
-
-    return State({"ruvllm": state})
 
 
 def app_factory() -> Litestar:

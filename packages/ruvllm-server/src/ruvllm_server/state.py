@@ -91,7 +91,7 @@ class ServerState:
         if s.max_context is not None and s.max_context > model_context:
             raise ServerConfigError(f"max_context {s.max_context} exceeds the model's context length {model_context}")
         engine = AsyncEngine(self.model, config)
-        await _maybe_await(engine.start())
+        engine.start()
         self.engine = engine
         stats = engine.stats()
         # A request must fit in the KV cache on its own, or the engine could never schedule it.
@@ -140,8 +140,3 @@ class ServerState:
         if self.load_error:
             return f"the model failed to load: {self.load_error}"
         return "the model is still loading"
-
-
-async def _maybe_await(value: object) -> None:
-    if asyncio.iscoroutine(value):
-        await value
