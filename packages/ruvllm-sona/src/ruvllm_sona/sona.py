@@ -203,6 +203,7 @@ class Sona:
         self._deep_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._cycle_lock = threading.Lock()
         self._slot(GLOBAL_SCOPE)
         if self.state_dir is not None and (self.state_dir / "manifest.json").is_file():
             self.load(self.state_dir)
@@ -279,7 +280,7 @@ class Sona:
             slot = Slot(scope, params, self.config.scale, self._new_ewc(params), self.config.initial_baseline)
             self._slots[scope] = slot
             self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
-            if scope != GLOBAL_SCOPE and prompt is not None:
+            if scope != GLOBAL_SCOPE and prompt:
                 self._route_queue.append((scope, list(prompt)))
             return slot
 
@@ -425,6 +426,10 @@ class Sona:
     # -- background -------------------------------------------------------------------------------
     def run_cycle(self) -> dict[str, Any]:
         """One background cycle, synchronously (the background thread calls this every interval)."""
+        with self._cycle_lock:  # one cycle at a time, whoever calls
+            return self._cycle()
+
+    def _cycle(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         with self._lock:
             self._expire()
