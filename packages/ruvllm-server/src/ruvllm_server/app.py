@@ -53,7 +53,7 @@ from ruvllm_server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from ruvllm_server.settings import ServerSettings, load_settings
+from ruvllm_server.settings import ServerConfigError, ServerSettings, load_settings
 from ruvllm_server.state import ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -218,6 +218,14 @@ def _closing_streams(app: Any) -> Any:
     return close_streams_after
 
 
+def _sona_router() -> Any:
+    try:
+        from ruvllm_sona.http import sona_router
+    except ImportError:
+        raise ServerConfigError("sona is on but ruvllm-sona is not installed: pip install ruvllm-sona") from None
+    return sona_router()
+
+
 def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
     """The ASGI app for ``settings``; ``model`` is an already loaded ``LoadedModel`` or None."""
     state = ServerState(settings, model)
@@ -239,20 +247,23 @@ def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
             expose_headers=["X-Request-ID", "Retry-After"],
             max_age=600,
         )
+    handlers: list[Any] = [
+        chat_completions,
+        completions,
+        embeddings,
+        list_models,
+        retrieve_model,
+        tokenize,
+        detokenize,
+        health,
+        ready,
+        metrics,
+    ]
+    if settings.sona:
+        handlers.append(_sona_router())
     return RuvllmApp(
         state,
-        route_handlers=[
-            chat_completions,
-            completions,
-            embeddings,
-            list_models,
-            retrieve_model,
-            tokenize,
-            detokenize,
-            health,
-            ready,
-            metrics,
-        ],
+        route_handlers=handlers,
         middleware=[DefineMiddleware(guard_middleware, state=state), _closing_streams],
         exception_handlers={Exception: handle_exception},
         cors_config=cors,

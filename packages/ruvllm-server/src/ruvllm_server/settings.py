@@ -57,6 +57,12 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     #: JSON log lines (default: when stderr is not a terminal).
     log_json: bool | None = None
+    #: Attach SONA (ruvllm-sona) to the model and serve /v1/feedback and /v1/sona/stats.
+    sona: bool = False
+    #: SONA's adapter scope: ``global``, ``user`` (the request's ``user``, else the API key id), ...
+    sona_scope: str | None = None
+    #: Where SONA keeps its state across restarts (none: in memory only).
+    sona_state_dir: str | None = None
 
     @property
     def model_name(self) -> str:

@@ -53,6 +53,7 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.sona_attached = False
         self._loader: asyncio.Task[None] | None = None
         self.metrics.watch(self.engine_stats, lambda: (self.admission.running, self.admission.queued))
 
@@ -90,6 +91,8 @@ class ServerState:
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
             raise ServerConfigError(f"max_context {s.max_context} exceeds the model's context length {model_context}")
+        if s.sona:
+            self._attach_sona()
         engine = AsyncEngine(self.model, config)
         engine.start()
         self.engine = engine
@@ -109,6 +112,18 @@ class ServerState:
             kv_blocks=stats.blocks_total,
         )
 
+    def _attach_sona(self) -> None:
+        try:
+            from ruvllm_sona.config import SonaConfig
+            from ruvllm_sona.plugin import attach
+        except ImportError:
+            raise ServerConfigError("sona is on but ruvllm-sona is not installed: pip install ruvllm-sona") from None
+        assert self.model is not None
+        config = SonaConfig(scope=self.settings.sona_scope) if self.settings.sona_scope else SonaConfig()
+        attach(self.model, config, state_dir=self.settings.sona_state_dir)
+        self.sona_attached = True
+        log.info("sona attached", scope=config.scope, state_dir=self.settings.sona_state_dir)
+
     async def stop(self) -> None:
         """Refuse new work, let running requests finish (up to ``drain_timeout``), stop the engine."""
         self.draining = True
@@ -122,6 +137,12 @@ class ServerState:
             except TimeoutError:
                 log.warning("drain timed out; aborting what is left", seconds=self.settings.drain_timeout)
                 await self.engine.shutdown(drain=False)
+        if self.sona_attached:
+            from ruvllm_sona.plugin import detach
+
+            # Saving state and joining SONA's threads blocks: keep the event loop free meanwhile.
+            await anyio.to_thread.run_sync(detach)
+            self.sona_attached = False
 
     # --- accessors ------------------------------------------------------------------------------
 
