@@ -22,7 +22,7 @@ ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def guarded(smollm2_model):  # noqa: F811
     with live_server(
-        smollm2_model, api_keys=KEYS, cors_origins=[ORIGIN], rate_limit=0.2, rate_limit_burst=3, num_kv_blocks=64
+        smollm2_model, api_keys=KEYS, cors_origins=[ORIGIN], rate_limit=0.05, rate_limit_burst=3, num_kv_blocks=64
     ) as srv:
         yield srv
 
@@ -118,7 +118,7 @@ def test_rate_limit_per_key(guarded) -> None:
     with pytest.raises(openai.RateLimitError) as info:
         client.models.list()
     retry_after = int(info.value.response.headers["retry-after"])
-    assert 1 <= retry_after <= 5
+    assert 1 <= retry_after <= 20  # one token per 20 s
     assert info.value.body["code"] == "rate_limit_exceeded"
     # Another key has its own bucket.
     _client(guarded, KEYS[1]).models.list()

@@ -160,13 +160,13 @@ def test_stop_string_ends_the_choice(client) -> None:
 def test_seed_reproducibility(client) -> None:
     def sample(seed: int) -> str:
         r = client.completions.create(
-            model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0, seed=seed
+            model=MODEL, prompt="My favourite animal is", max_tokens=4, temperature=1.5, seed=seed
         )
         return r.choices[0].text
 
     first = sample(1234)
     assert sample(1234) == first
-    assert any(sample(s) != first for s in (1, 2, 3))
+    assert any(sample(s) != first for s in range(1, 8))
 
 
 def test_chat_logprobs(client) -> None:
