@@ -104,7 +104,6 @@ def capture_trajectory(
         raise ValueError(f"a trajectory needs a prompt and a completion (prompt {num_prompt}, total {n})")
     r = model.prefix(token_ids, first_layer, entries)
     tape = model.tail_forward(r, first_layer, entries)
-    assert tape.z is not None
     rows = np.arange(num_prompt - 1, n - 1)
     targets = np.asarray(token_ids[num_prompt:], dtype=np.int64)
     t_count = len(rows)

@@ -209,7 +209,7 @@ class EwcPlusPlus:
 
     # -- persistence ------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
-        out = {}
+        out: dict[str, np.ndarray] = {}
         for (li, proj) in self.keys:
             out[f"ewc.f.layers.{li}.{proj}"] = self.consolidated.f[(li, proj)]
             out[f"ewc.anchor.layers.{li}.{proj}.lora_A"] = self.anchor[(li, proj)][0]

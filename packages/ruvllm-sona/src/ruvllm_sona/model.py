@@ -14,7 +14,7 @@ A LoRA entry on projection ``p`` of layer ``l`` adds ``scale * (x @ A.T) @ B.T``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,12 +77,12 @@ class LayerTape:
     m: np.ndarray  # silu(gate) * up (down_proj input)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TailTape:
-    layers: list[LayerTape] = field(default_factory=list)
-    r_out: np.ndarray | None = None  # residual after the last layer [n, d]
-    inv_f: np.ndarray | None = None
-    z: np.ndarray | None = None  # final-norm hidden states [n, d]
+    layers: list[LayerTape]
+    r_out: np.ndarray  # residual after the last layer [n, d]
+    inv_f: np.ndarray  # 1/rms of r_out [n, 1]
+    z: np.ndarray  # final-norm hidden states [n, d]
 
 
 def lora_factor_grads(f: LoraFactors, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,13 +261,12 @@ class LoraLlama:
     def tail_forward(self, r: np.ndarray, first_layer: int, lora: LoraParams) -> TailTape:
         """Layers ``first_layer ..`` and the final norm over the residual ``r`` entering them."""
         rope = self.rope(r.shape[0])
-        tape = TailTape()
+        layers = []
         for li in range(first_layer, self.config.num_layers):
             r, lt = self.layer_forward(li, r, lora, rope)
-            tape.layers.append(lt)
-        tape.r_out = r
-        tape.z, tape.inv_f = self._norm(r, self.final_norm)
-        return tape
+            layers.append(lt)
+        z, inv_f = self._norm(r, self.final_norm)
+        return TailTape(layers, r, inv_f, z)
 
     def logits(self, z: np.ndarray) -> np.ndarray:
         return z @ self.lm_head

@@ -481,7 +481,6 @@ class Sona:
             fisher, cap = capture_trajectory(self.net, tokens, len(traj.prompt_ids), snap.entries, snap.version,
                                              self.first_layer, self.instant_keys)
             base = self.net.tail_forward(cap.residual[: len(traj.prompt_ids)], self.first_layer, {})
-            assert base.z is not None
             embedding = base.z.mean(axis=0)
         except Exception as exc:
             traj.capture_error = f"{type(exc).__name__}: {exc}"
@@ -522,9 +521,7 @@ class Sona:
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """Mean-pooled final-norm hidden state of ``token_ids`` under the base model (the bank's key)."""
         r = self.net.prefix(token_ids, self.first_layer)
-        tape = self.net.tail_forward(r, self.first_layer, {})
-        assert tape.z is not None
-        return tape.z.mean(axis=0)
+        return self.net.tail_forward(r, self.first_layer, {}).z.mean(axis=0)
 
     def _route_pending(self) -> int:
         routed = 0
@@ -771,11 +768,12 @@ class Sona:
                     tensors[f"layers.{li}.{proj}.lora_A"] = np.ascontiguousarray(a)
                     tensors[f"layers.{li}.{proj}.lora_B"] = np.ascontiguousarray(b)
                 tensors.update({k: np.ascontiguousarray(v) for k, v in s.ewc.state_arrays().items()})
-                entry = {"scope": s.scope, "file": f"adapters/{i:04d}.safetensors", "version": s.version,
-                         "baseline": s.baseline, "feedback_count": s.feedback_count,
-                         "instant_updates": s.instant_updates, "deep_runs": s.deep_runs,
-                         "ewc_consolidations": s.ewc.consolidations,
-                         "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from}
+                entry: dict[str, Any] = {
+                    "scope": s.scope, "file": f"adapters/{i:04d}.safetensors", "version": s.version,
+                    "baseline": s.baseline, "feedback_count": s.feedback_count, "instant_updates": s.instant_updates,
+                    "deep_runs": s.deep_runs, "ewc_consolidations": s.ewc.consolidations,
+                    "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from,
+                }
             tmp = target / (entry["file"] + ".tmp")
             save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "scope": s.scope,
                                                     "scale": repr(s.scale), "rank": str(self.config.rank)})
