@@ -83,8 +83,35 @@ def linear(x: jax.Array, w: Weight) -> jax.Array:
             # One scale per output channel: scale the product instead of the weights.
             y = jnp.einsum("...i,oi->...o", x, w.quant.astype(x.dtype))
             return y * w.scale[..., 0].astype(x.dtype)
+        if w.bits == 4:
+            return _linear_int4(x, w)
         return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype))
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def _linear_int4(x: jax.Array, w: QuantArray) -> jax.Array:
+    """int4 matmul without interleaving nibbles: the low nibbles of a group hold its first half, the
+    high nibbles its second half, so ``x`` is split the same way and each half meets its nibbles."""
+    dt = x.dtype
+    out, half = w.quant.shape
+    gs = w.group_size
+    groups = half * 2 // gs
+    packed = w.quant.reshape(out, groups, gs // 2)
+    scale = w.scale.astype(dt)[..., None]
+    xg = x.reshape(*x.shape[:-1], groups, 2, gs // 2)
+
+    def nibbles(v: jax.Array) -> jax.Array:
+        v = v.astype(dt)
+        return ((v if w.zero_point == 0 else v - jnp.asarray(w.zero_point, dt)) * scale).reshape(out, half)
+
+    lead = x.shape[:-1]
+    x_lo, x_hi = xg[..., 0, :].reshape(*lead, half), xg[..., 1, :].reshape(*lead, half)
+    y = jnp.einsum("...i,oi->...o", x_lo, nibbles(packed & 0x0F))
+    y = y + jnp.einsum("...i,oi->...o", x_hi, nibbles(packed >> 4))
+    if w.offset is not None:
+        # The per-group minimum multiplies the sum of the group's inputs.
+        y = y + jnp.einsum("...g,og->...o", xg.sum(axis=(-2, -1)), w.offset.astype(dt))
+    return y
 
 
 def take_rows(w: Weight, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
