@@ -1,0 +1,322 @@
+"""Backend throughput on one model: prefill tok/s, single-stream decode tok/s and aggregate decode
+tok/s at several batch sizes, for ruvllm's backends and, when installed, llama.cpp (llama-cpp-python,
+same GGUF) and Hugging Face transformers (torch, CPU). Medians over iterations; a table on stdout
+and the raw figures as JSON.
+
+    python benchmarks/bench_backends.py --json bench.json
+    python benchmarks/bench_backends.py --only jax,jax-q8 --batches 1 8
+
+Every engine runs the same token ids. Warm-up passes (compilation, allocator growth) are run first
+and not timed. Nothing here is run by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
+    "from Mainz, combined movable metal type, oil-based ink and a wooden screw press into a system that could "
+    "produce books quickly and cheaply. Before his invention, books were copied by hand, usually by monks, and a "
+    "single volume could take months to finish. Within fifty years, printing shops had spread to more than two "
+    "hundred cities across Europe, and millions of books were in circulation. "
+) * 4
+
+
+@dataclass
+class Result:
+    engine: str
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    aggregate_tok_s: dict[int, float] = field(default_factory=dict)
+    notes: str = ""
+
+
+@dataclass
+class Workload:
+    prefill: list[int]  # one long prompt
+    prompts: list[list[int]]  # short prompts, one per sequence of the largest batch
+    decode_steps: int
+    iterations: int
+    batches: list[int]
+
+
+def median_seconds(fn: Callable[[], float], iterations: int) -> float:
+    """Median of ``iterations`` timings; ``fn`` returns the seconds of the part it timed."""
+    fn()  # warm-up, untimed
+    return statistics.median(fn() for _ in range(iterations))
+
+
+# -- ruvllm backends (through the plugin hooks, like the engine) -----------------------------------------
+
+
+def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload) -> Result:
+    from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
+    from ruvllm.runtime import load_model
+
+    model = load_model(str(path), backend=backend, options=LoadOptions(quantization=quantization))
+    bs = 16
+    per_seq = -(-(max(len(w.prefill), max(map(len, w.prompts)) + w.decode_steps) + 1) // bs)
+    cache = model.allocate_cache(per_seq * max(w.batches) + 1, bs)
+    tables = [np.arange(per_seq, dtype=np.int32) + i * per_seq for i in range(max(w.batches))]
+
+    def prefill() -> float:
+        chunk = SequenceChunk(np.asarray(w.prefill, np.int32), 0, tables[0])
+        t0 = time.perf_counter()
+        model.forward(ForwardBatch([chunk], bs), cache)
+        return time.perf_counter() - t0
+
+    def decode(batch: int) -> float:
+        """Prefill ``batch`` prompts (untimed), then the median time of one decode step of all."""
+        prompts = w.prompts[:batch]
+        chunks = [SequenceChunk(np.asarray(p, np.int32), 0, tables[i]) for i, p in enumerate(prompts)]
+        out = model.forward(ForwardBatch(chunks, bs), cache)
+        last = out.logits.argmax(-1)
+        times = []
+        for step in range(w.decode_steps):
+            chunks = [
+                SequenceChunk(np.asarray([last[i]], np.int32), len(p) + step, tables[i]) for i, p in enumerate(prompts)
+            ]
+            t0 = time.perf_counter()
+            out = model.forward(ForwardBatch(chunks, bs), cache)
+            times.append(time.perf_counter() - t0)
+            last = out.logits.argmax(-1)
+        return statistics.median(times)
+
+    name = backend if quantization == "none" else f"{backend}-{quantization}"
+    r = Result(name)
+    r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
+    for b in w.batches:
+        step = median_seconds(lambda b=b: decode(b), w.iterations)
+        r.aggregate_tok_s[b] = b / step
+        if b == 1:
+            r.decode_tok_s = 1 / step
+    weight_bytes = getattr(model.model, "weight_bytes", None)
+    if weight_bytes:
+        r.notes = f"weights {weight_bytes / 1e6:.0f} MB"
+    return r
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------------------
+
+
+def _quiet_llama_cpp() -> object:
+    import llama_cpp
+
+    return llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+
+
+_QUIET_LLAMA_LOG: object = None
+
+
+def bench_llama_cpp(path: Path, w: Workload, threads: int) -> Result:
+    import llama_cpp
+
+    global _QUIET_LLAMA_LOG
+    _QUIET_LLAMA_LOG = _QUIET_LLAMA_LOG or _quiet_llama_cpp()  # ctypes needs the callback kept alive
+
+    n_seq = max(w.batches)
+    n_ctx = max(len(w.prefill), n_seq * (max(map(len, w.prompts)) + w.decode_steps)) + 64
+    llama_cpp.llama_log_set(_QUIET_LLAMA_LOG, None)
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    # The high-level Llama class has one sequence; batched decoding needs a context of our own.
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, 512, 512
+    cparams.n_seq_max, cparams.kv_unified = n_seq, True
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context")
+    mem = llama_cpp.llama_get_memory(ctx)
+
+    def run(batch_tokens: list[tuple[int, int, int, bool]]) -> None:
+        """Decode (token, position, sequence, want_logits) entries in one llama_decode call."""
+        b = llama_cpp.llama_batch_init(len(batch_tokens), 0, 1)
+        try:
+            b.n_tokens = len(batch_tokens)
+            for i, (tok, pos, seq, logits) in enumerate(batch_tokens):
+                b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = logits
+            if llama_cpp.llama_decode(ctx, b) != 0:
+                raise RuntimeError("llama_decode failed")
+        finally:
+            llama_cpp.llama_batch_free(b)
+
+    def prefill() -> float:
+        llama_cpp.llama_memory_clear(mem, True)
+        t0 = time.perf_counter()
+        run([(t, i, 0, i == len(w.prefill) - 1) for i, t in enumerate(w.prefill)])
+        return time.perf_counter() - t0
+
+    def decode(batch: int) -> float:
+        llama_cpp.llama_memory_clear(mem, True)
+        prompts = w.prompts[:batch]
+        run([(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
+        times = []
+        for step in range(w.decode_steps):
+            toks = [(int(p[-1]), len(p) + step, s, True) for s, p in enumerate(prompts)]
+            t0 = time.perf_counter()
+            run(toks)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    r = Result("llama.cpp", notes=f"llama-cpp-python {llama_cpp.__version__}, n_threads={threads}")
+    r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
+    for b in w.batches:
+        step = median_seconds(lambda b=b: decode(b), w.iterations)
+        r.aggregate_tok_s[b] = b / step
+        if b == 1:
+            r.decode_tok_s = 1 / step
+    return r
+
+
+# -- Hugging Face transformers -------------------------------------------------------------------------------
+
+
+def bench_transformers(path: Path, w: Workload, threads: int) -> Result:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def prefill() -> float:
+        ids = torch.tensor([w.prefill])
+        t0 = time.perf_counter()
+        model(ids, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def decode(batch: int) -> float:
+        # Equal-length prompts: no padding, so every row does exactly the work of its own sequence.
+        n = min(len(p) for p in w.prompts[:batch])
+        ids = torch.tensor([p[:n] for p in w.prompts[:batch]])
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(w.decode_steps):
+            t0 = time.perf_counter()
+            out = model(nxt, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return statistics.median(times)
+
+    r = Result("transformers", notes=f"torch {torch.__version__} CPU float32, {threads} threads")
+    r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
+    for b in w.batches:
+        step = median_seconds(lambda b=b: decode(b), w.iterations)
+        r.aggregate_tok_s[b] = b / step
+        if b == 1:
+            r.decode_tok_s = 1 / step
+    return r
+
+
+# -- driver ------------------------------------------------------------------------------------------------------
+
+
+ENGINES = ["jax", "jax-q8", "jax-q4", "candle-compat", "llama.cpp", "transformers"]
+
+
+def table(results: list[Result], batches: list[int]) -> str:
+    ref = next((r for r in results if r.engine == "llama.cpp"), None)
+    head = ["engine", "prefill tok/s", "decode tok/s"] + [f"aggregate@{b} tok/s" for b in batches]
+    rows = [head]
+
+    def cell(v: float | None, base: float | None) -> str:
+        if v is None:
+            return "-"
+        return f"{v:,.1f}" + (f" ({v / base:.2f}x)" if base and ref is not None else "")
+
+    for r in results:
+        row = [
+            r.engine,
+            cell(r.prefill_tok_s, ref and ref.prefill_tok_s),
+            cell(r.decode_tok_s, ref and ref.decode_tok_s),
+        ]
+        row += [cell(r.aggregate_tok_s.get(b), ref and ref.aggregate_tok_s.get(b)) for b in batches]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (wd + 2) for wd in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="model reference (a GGUF file for llama.cpp/transformers)")
+    ap.add_argument("--only", default=",".join(ENGINES), help=f"comma list from {', '.join(ENGINES)}")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prefill-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args(argv)
+
+    from ruvllm.checkpoint import open_checkpoint
+    from ruvllm.resolve import resolve
+
+    path = resolve(args.model)
+    ids = open_checkpoint(path).tokenizer().encode(TEXT)
+    if len(ids) < args.prefill_tokens + max(args.batches):
+        raise SystemExit("the benchmark text is too short for these sizes")
+    w = Workload(
+        prefill=ids[: args.prefill_tokens],
+        prompts=[ids[i : i + args.prompt_tokens] for i in range(max(args.batches))],
+        decode_steps=args.decode_steps,
+        iterations=args.iterations,
+        batches=args.batches,
+    )
+    wanted = [e.strip() for e in args.only.split(",") if e.strip()]
+    results: list[Result] = []
+    for engine in wanted:
+        print(f"... {engine}", file=sys.stderr, flush=True)
+        try:
+            if engine.startswith("jax"):
+                quant = engine.split("-", 1)[1] if "-" in engine else "none"
+                results.append(bench_ruvllm(path, "jax", quant, w))
+            elif engine == "candle-compat":
+                results.append(bench_ruvllm(path, "candle-compat", "none", w))
+            elif engine == "llama.cpp":
+                results.append(bench_llama_cpp(path, w, args.threads))
+            elif engine == "transformers":
+                results.append(bench_transformers(path, w, args.threads))
+            else:
+                raise SystemExit(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        except ImportError as exc:
+            print(f"    skipped {engine}: {exc}", file=sys.stderr)
+    print(table(results, args.batches))
+    for r in results:
+        if r.notes:
+            print(f"  {r.engine}: {r.notes}")
+    if args.json:
+        meta = {
+            "model": str(path),
+            "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
+            "load_average": os.getloadavg(),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        }
+        args.json.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
