@@ -161,8 +161,10 @@ def bench_server(
     results = []
     try:
         _wait_ready(proc, base + args.ready_path.get(name, "/v1/models"), args.startup_timeout, log)
-        asyncio.run(run_level(base, model, name, 1, 2, 8))  # warm-up (compilation, caches)
         for c in args.levels:
+            # Warm-up at this concurrency first: JIT backends compile per batch shape, and that
+            # one-off cost is not what a running server pays.
+            asyncio.run(run_level(base, model, name, c, c, 4))
             n = max(c * args.requests_per_stream, 4)
             res = asyncio.run(run_level(base, model, name, c, n, args.max_tokens))
             print(f"  c={c:<3} {res.tokens_per_s:>8.1f} tok/s  TTFT p50 {res.ttft_ms.get('p50')} ms  "
