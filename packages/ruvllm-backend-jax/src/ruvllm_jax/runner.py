@@ -23,6 +23,9 @@ from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weight
 log = structlog.get_logger("ruvllm_jax")
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
+#: Block tables are padded to cover at least this many tokens, so that short contexts do not each
+#: compile their own step (attention over a few masked extra blocks costs little).
+MIN_TABLE_TOKENS = 128
 _KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks"}
 
 
@@ -216,7 +219,10 @@ class JaxModel:
             return out
 
         def width(idx: list[int]) -> int:
-            return bucket(max(-(-chunks[i].end_pos // bs) for i in idx)) if idx else 1
+            # At least MIN_TABLE_TOKENS of context: short sequences share one compiled shape.
+            if not idx:
+                return 1
+            return max(bucket(max(-(-chunks[i].end_pos // bs) for i in idx)), -(-MIN_TABLE_TOKENS // bs))
 
         sd = bucket(len(decode)) if decode else 0
         decode_token = np.full(sd, t, np.int32)
