@@ -183,8 +183,14 @@ def test_unsupported_or_missing_tokenizer_model_is_a_format_error(smollm2_checkp
 
 
 def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(smollm2_checkpoint):
-    with structlog.testing.capture_logs() as logs:
-        tok = Tokenizer.from_gguf(_Metadata(smollm2_checkpoint, **{"tokenizer.ggml.pre": "mystery-bpe"}))
+    # Earlier tests (CLI, server) may have configured structlog with a level filter; start clean.
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            tok = Tokenizer.from_gguf(_Metadata(smollm2_checkpoint, **{"tokenizer.ggml.pre": "mystery-bpe"}))
+    finally:
+        structlog.configure(**saved)
     assert any(e["log_level"] == "warning" and e.get("pre") == "mystery-bpe" for e in logs)
     pieces = [p for p, _ in tok.inner.pre_tokenizer.pre_tokenize_str("a  12 b")]
     assert pieces == ["a", "Ġ", "Ġ12", "Ġb"]  # plain GPT-2: digits stay together with their space
