@@ -148,6 +148,16 @@ async def run_level(
     )
 
 
+def _check_alive(proc: subprocess.Popen, name: str, log: Path, wait: float) -> None:
+    """Raise :class:`ServerCrashed` if the server process has died (waiting up to ``wait`` s)."""
+    try:
+        proc.wait(timeout=wait) if wait else None
+    except subprocess.TimeoutExpired:
+        return
+    if proc.poll() is not None:
+        raise ServerCrashed(f"{name} exited with status {proc.returncode} while serving (log: {log})")
+
+
 def bench_server(
     name: str, cmd: list[str], model: str, args: argparse.Namespace, env: dict[str, str]
 ) -> list[LevelResult]:
@@ -164,9 +174,11 @@ def bench_server(
         for c in args.levels:
             # Warm-up at this concurrency first: JIT backends compile per batch shape, and that
             # one-off cost is not what a running server pays.
-            asyncio.run(run_level(base, model, name, c, c, 4))
+            warm = asyncio.run(run_level(base, model, name, c, c, 4))
+            _check_alive(proc, name, log, wait=5.0 if warm.errors else 0.0)
             n = max(c * args.requests_per_stream, 4)
             res = asyncio.run(run_level(base, model, name, c, n, args.max_tokens))
+            _check_alive(proc, name, log, wait=5.0 if res.errors else 0.0)
             print(f"  c={c:<3} {res.tokens_per_s:>8.1f} tok/s  TTFT p50 {res.ttft_ms.get('p50')} ms  "
                   f"ITL p50 {res.itl_ms.get('p50')} ms  errors {res.errors}", file=sys.stderr)  # fmt: skip
             results.append(res)
@@ -177,6 +189,10 @@ def bench_server(
         except subprocess.TimeoutExpired:
             proc.kill()
     return results
+
+
+class ServerCrashed(RuntimeError):
+    """The server process died under the benchmark's requests."""
 
 
 def pick_backend() -> str:
@@ -209,6 +225,7 @@ def main() -> int:
     ours = f"ruvllm ({backend})"
     args.ready_path = {ours: "/ready"}
     results: list[LevelResult] = []
+    peer_failure = None
     results += bench_server(
         ours,
         [sys.executable, "-m", "ruvllm", "serve", gguf, "--served-model-name", "smollm2", "--backend", backend,
@@ -220,12 +237,17 @@ def main() -> int:
     elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
         print("\nllama-cpp-python[server] is not installed: skipping llama_cpp.server", file=sys.stderr)
     else:
-        results += bench_server(
-            "llama.cpp (2 threads)",
-            [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "smollm2",
-             "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1"],
-            "smollm2", args, env,
-        )  # fmt: skip
+        try:
+            results += bench_server(
+                "llama.cpp (2 threads)",
+                [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "smollm2",
+                 "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1"],
+                "smollm2", args, env,
+            )  # fmt: skip
+        except ServerCrashed as exc:
+            # The peer failing is reported, not fatal: our figures still stand on their own.
+            print(f"\nno llama.cpp figures: {exc}", file=sys.stderr)
+            peer_failure = str(exc)
 
     print(f"\nmax_tokens={args.max_tokens}, greedy, chat prompts; machine: {os.cpu_count()} CPUs\n")
     print("| server | streams | requests | tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | errors |")
@@ -235,8 +257,12 @@ def main() -> int:
         itl = "/".join(str(r.itl_ms.get(k, "-")) for k in ("p50", "p90", "p99"))
         print(f"| {r.server} | {r.concurrency} | {r.requests} | {r.tokens_per_s} | {r.requests_per_s} | {ttft} | {itl} "
               f"| {r.errors} |")  # fmt: skip
+    if peer_failure:
+        print(f"\nllama.cpp: {peer_failure}")
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+        Path(args.json).write_text(
+            json.dumps({"results": [asdict(r) for r in results], "peer_failure": peer_failure}, indent=2)
+        )
     return 1 if any(r.errors for r in results) else 0
 
 
