@@ -228,6 +228,39 @@ def bench_transformers(path: Path, w: Workload, threads: int) -> Result:
     return r
 
 
+def _in_child(engine: str, argv: list[str]) -> list[Result]:
+    """Run one engine in a child process: a native crash (llama.cpp built with CPU features the
+    machine advertises but cannot run, such as AMX under some hypervisors) then costs only its row."""
+    import subprocess
+    import tempfile
+
+    rest, skip = [], False
+    for a in argv:  # drop our own --only / --json, keep every workload option
+        if skip:
+            skip = False
+            continue
+        if a in ("--only", "--json"):
+            skip = True
+            continue
+        if a.startswith(("--only=", "--json=")):
+            continue
+        rest.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "child.json"
+        cmd = [sys.executable, __file__, *rest, "--only", engine, "--json", str(out), "--in-child"]
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        if proc.returncode != 0 or not out.exists():
+            print(
+                f"    {engine} failed (exit status {proc.returncode}); for llama.cpp on a CPU whose AMX units "
+                "the hypervisor does not enable, build it with CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
+                "-DGGML_AVX512=ON'",
+                file=sys.stderr,
+            )
+            return []
+        data = json.loads(out.read_text())["results"]
+    return [Result(**{**r, "aggregate_tok_s": {int(k): v for k, v in r["aggregate_tok_s"].items()}}) for r in data]
+
+
 # -- driver ------------------------------------------------------------------------------------------------------
 
 
@@ -269,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     from ruvllm.checkpoint import open_checkpoint
@@ -295,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(bench_ruvllm(path, "jax", quant, w))
             elif engine == "candle-compat":
                 results.append(bench_ruvllm(path, "candle-compat", "none", w))
-            elif engine == "llama.cpp":
+            elif engine == "llama.cpp" and args.in_child:
                 results.append(bench_llama_cpp(path, w, args.threads))
+            elif engine == "llama.cpp":
+                results.extend(_in_child("llama.cpp", argv if argv is not None else sys.argv[1:]))
             elif engine == "transformers":
                 results.append(bench_transformers(path, w, args.threads))
             else:
