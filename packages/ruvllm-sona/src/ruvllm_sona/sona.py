@@ -433,16 +433,16 @@ class Sona:
         t0 = time.perf_counter()
         with self._lock:
             self._expire()
-            todo = [self._trajectories[r] for r in self._feedback_waiting
+            to_capture = [self._trajectories[r] for r in self._feedback_waiting
                     if r in self._trajectories and self._trajectories[r].capture is None
                     and self._trajectories[r].capture_error is None]
             budget = self.config.captures_per_cycle
-            while len(todo) < budget and self._capture_queue:
+            while len(to_capture) < budget and self._capture_queue:
                 t = self._trajectories.get(self._capture_queue.pop())  # newest first
-                if t is not None and t.capture is None and t.capture_error is None and t not in todo:
-                    todo.append(t)
+                if t is not None and t.capture is None and t.capture_error is None and t not in to_capture:
+                    to_capture.append(t)
         captured = 0
-        for traj in todo:
+        for traj in to_capture:
             captured += self._capture(traj)
         applied = self._apply_waiting()
         with self._lock:
