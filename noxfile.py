@@ -88,9 +88,11 @@ def chat(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks with their peers (llama.cpp through llama-cpp-python, HF transformers) in one run."""
     install_project(session)
-    session.install(
-        "torch==2.13.0", "transformers>=4.46", "llama-cpp-python[server]>=0.3", "openai>=1.40", "httpx>=0.27"
-    )
+    session.install("torch==2.13.0", "transformers>=4.46", "accelerate>=1.0", "openai>=1.40", "httpx>=0.27")
+    # llama.cpp's native build picks AMX kernels on CPUs that advertise AMX even where a hypervisor
+    # does not make it usable (it segfaults in ggml_backend_amx_mul_mat): build for AVX2/AVX-512.
+    cmake = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+    session.install("llama-cpp-python[server]>=0.3", env={"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", cmake)})
     scripts = session.posargs or sorted(
         f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )
