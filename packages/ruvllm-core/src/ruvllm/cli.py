@@ -216,6 +216,31 @@ def cmd_download(args: argparse.Namespace, host: PluginHost) -> int:
     return 0
 
 
+def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
+    from ruvllm.bench_cli import BenchmarkSettings, ProgressBar, check_format, render, run_benchmark
+
+    settings = BenchmarkSettings(
+        prompt_length=args.prompt_length,
+        gen_length=args.gen_length,
+        batch=args.batch,
+        iterations=args.iterations,
+        warmup=args.warmup,
+    )
+    settings.validate()  # before the model load, so a typo fails fast
+    check_format(args.format)
+    total = (settings.warmup + settings.iterations) * (1 + settings.gen_length)
+    progress = ProgressBar(sys.stderr, total) if sys.stderr.isatty() else None
+    try:
+        if progress is not None:
+            progress.update(0, "loading model", force=True)
+        report = run_benchmark(_load(args, host), settings, progress)
+    finally:
+        if progress is not None:
+            progress.close()  # before any error line, which would otherwise land on the bar
+    sys.stdout.write(render(report, args.format))
+    return 0
+
+
 def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ruvllm", description="ruvllm: plugin-based LLM inference")
     parser.add_argument("--version", action="version", version=f"ruvllm {__version__}")
@@ -256,6 +281,16 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if cached")
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("benchmark", help="prefill latency, TTFT, decode tok/s and peak memory of a model on a backend")
+    _add_model_args(p)
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first (compilation, allocator growth)")
+    p.add_argument("--iterations", type=int, default=5, help="timed iterations; figures are median, min and max")
+    p.add_argument("--prompt-length", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--gen-length", type=int, default=32, help="decode steps after the first token")
+    p.add_argument("--batch", type=int, default=1, help="sequences run together")
+    p.add_argument("--format", default="table", help="table (default), json or csv")
+    p.set_defaults(func=cmd_benchmark)
 
     host.hook.register_commands(subparsers=sub)
     return parser
