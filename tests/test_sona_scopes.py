@@ -40,6 +40,25 @@ def test_feedback_on_one_user_leaves_the_others_alone(tmp_path):
     assert sona.adapter("user:bob").is_zero and sona.adapter("global").is_zero
 
 
+def test_a_key_rates_only_its_own_responses(tmp_path):
+    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="api_key"))
+    serve(sona, "a-1", random_tokens(0, 10), random_tokens(1, 5), metadata={"api_key_id": "key-a"})
+    serve(sona, "b-1", random_tokens(2, 10), random_tokens(3, 5), metadata={"api_key_id": "key-b"})
+    drain(sona)
+    with pytest.raises(UnknownResponseError, match="no response 'a-1'"):  # as if it did not exist
+        sona.feedback("a-1", 1.0, api_key_id="key-b")
+    assert sona.stats()["counters"]["feedback"] == 0 and sona.adapter("key:key-a").is_zero
+    receipt = sona.feedback("a-1", 1.0, api_key_id="key-a")
+    assert receipt.scope == "key:key-a" and receipt.status == "applied"
+    assert not sona.adapter("key:key-a").is_zero and sona.adapter("key:key-b").is_zero
+    # Without a caller (in-process use) the response's own scope still gets it.
+    assert sona.feedback("b-1", 1.0).scope == "key:key-b"
+    # Other scope modes do not scope by key, so the caller's key is not checked.
+    by_user = tiny_sona(tmp_path / "u", SonaConfig(scope="user"))
+    serve(by_user, "u-1", random_tokens(0, 10), random_tokens(1, 5), user="ada")
+    assert by_user.feedback("u-1", 0.5, api_key_id="key-b").scope == "user:ada"
+
+
 def test_feedback_before_capture_is_queued_then_applied(tmp_path):
     sona = tiny_sona(tmp_path / "m", SonaConfig(capture="on_feedback"))
     serve(sona, "r1", random_tokens(0, 10), random_tokens(1, 5))

@@ -223,7 +223,7 @@ def _sona_router() -> Any:
         from ruvllm_sona.http import sona_router
     except ImportError:
         raise ServerConfigError("sona is on but ruvllm-sona is not installed: pip install ruvllm-sona") from None
-    return sona_router()
+    return sona_router(api_key_id=_user)
 
 
 def create_app(settings: ServerSettings, model: Any = None) -> Litestar:

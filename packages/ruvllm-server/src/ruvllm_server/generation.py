@@ -207,6 +207,16 @@ def completion_prompts(state: ServerState, prompt: str | list[Any]) -> list[list
     return prompts
 
 
+def engine_request(
+    prompt: list[int], params: SamplingParams, request_id: str, user: str | None, api_key_id: str | None
+) -> GenerationRequest:
+    """The engine request of one prompt. ``user`` is the client's claim (OpenAI ``user``), the key id
+    its fallback; only ``metadata["api_key_id"]`` is authenticated, so plugins that scope state by
+    key (SONA's ``api_key`` scope) read that."""
+    metadata: dict[str, Any] = {"api_key_id": api_key_id} if api_key_id else {}
+    return GenerationRequest(prompt, params, request_id=request_id, user=user or api_key_id, metadata=metadata)
+
+
 # --- running requests -------------------------------------------------------------------------
 
 
@@ -387,7 +397,8 @@ def _error_event(exc: Exception) -> bytes:
 class ChatJob:
     state: ServerState
     req: ChatCompletionRequest
-    user: str | None
+    #: The authenticating API key's non-secret id (``middleware.key_id``); None without API keys.
+    api_key_id: str | None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -410,7 +421,7 @@ class ChatJob:
             prompt_len=len(prompt),
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
-        return Run(self.state, [GenerationRequest(prompt, params, request_id=self.id, user=req.user or self.user)])
+        return Run(self.state, [engine_request(prompt, params, self.id, req.user, self.api_key_id)])
 
     async def complete(self, run: Run) -> ChatCompletion:
         acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(run.requests[0].sampling.n)}
@@ -475,7 +486,8 @@ class ChatJob:
 class CompletionJob:
     state: ServerState
     req: CompletionRequest
-    user: str | None
+    #: The authenticating API key's non-secret id (``middleware.key_id``); None without API keys.
+    api_key_id: str | None
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     prompts_text: list[str] = field(default_factory=list)
@@ -504,7 +516,7 @@ class CompletionJob:
                 logprobs=req.logprobs,
             )
             rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
-            requests.append(GenerationRequest(ids, params, request_id=rid, user=req.user or self.user))
+            requests.append(engine_request(ids, params, rid, req.user, self.api_key_id))
         return Run(self.state, requests)
 
     def _index(self, run: Run, prompt_index: int, choice_index: int) -> int:

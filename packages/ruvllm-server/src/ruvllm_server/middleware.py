@@ -130,6 +130,8 @@ def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
             return
         if settings.api_keys:
             identity = _authenticate(scope, settings.api_keys)
+            # Only authenticated requests carry it: generation sends it on as the engine request's
+            # ``metadata["api_key_id"]`` (SONA's per-key scope) and the feedback route checks it.
             scope["state"]["ruvllm_user"] = identity
         else:
             client = scope.get("client")

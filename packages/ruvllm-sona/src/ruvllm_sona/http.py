@@ -4,11 +4,14 @@
     app = Litestar(route_handlers=[..., sona_router()])
 
 ``sona_router()`` serves whatever :func:`ruvllm_sona.plugin.attach` attached (503 while nothing is);
-pass a :class:`~ruvllm_sona.sona.Sona` to bind one explicitly. Errors use OpenAI's error shape.
+pass a :class:`~ruvllm_sona.sona.Sona` to bind one explicitly. ``api_key_id`` tells the feedback
+route who is calling (the server passes the authenticated key's id), so that under the ``api_key``
+scope a key can only rate its own responses. Errors use OpenAI's error shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -16,7 +19,7 @@ import msgspec
 from ruvllm_sona.errors import FeedbackError, SonaError, UnknownResponseError
 
 if TYPE_CHECKING:
-    from litestar import Router
+    from litestar import Request, Router
 
     from ruvllm_sona.sona import Sona
 
@@ -50,9 +53,12 @@ def _error(status: int, kind: str, message: str, param: str | None = None) -> An
     return Response(msgspec.json.encode(body), status_code=status, media_type=MediaType.JSON)
 
 
-def sona_router(sona: Sona | None = None, *, path: str = "/v1") -> Router:
-    """A Litestar router with the feedback and stats endpoints under ``path``."""
-    from litestar import Request, Router, get, post
+def sona_router(
+    sona: Sona | None = None, *, path: str = "/v1", api_key_id: Callable[[Request], str | None] | None = None
+) -> Router:
+    """A Litestar router with the feedback and stats endpoints under ``path``. ``api_key_id(request)``
+    gives the caller's authenticated API key id (None: unauthenticated)."""
+    from litestar import Router, get, post
     from litestar.params import Body
 
     from ruvllm_sona import plugin
@@ -64,10 +70,11 @@ def sona_router(sona: Sona | None = None, *, path: str = "/v1") -> Router:
         return s
 
     @post("/feedback", status_code=200)
-    async def feedback(data: Annotated[FeedbackBody, Body()]) -> FeedbackResult:
+    async def feedback(data: Annotated[FeedbackBody, Body()], request: Request) -> FeedbackResult:
+        caller = api_key_id(request) if api_key_id is not None else None
         # The instant step is sub-millisecond NumPy; corrections only queue work for the
         # background thread, so this does not need a worker thread of its own.
-        r = current().feedback(data.response_id, data.score, data.correction)
+        r = current().feedback(data.response_id, data.score, data.correction, api_key_id=caller)
         return FeedbackResult(r.response_id, r.scope, r.status, r.advantage, r.adapter_version)
 
     @get("/sona/stats")

@@ -60,6 +60,11 @@ GLOBAL_SCOPE = "global"
 ADAPTER_METADATA_KEY = "sona.adapter"
 
 
+def key_scope(api_key_id: str) -> str:
+    """The adapter scope of an API key id (``api_key`` scope mode)."""
+    return f"key:{api_key_id}"
+
+
 @dataclass
 class Trajectory:
     request_id: str
@@ -253,7 +258,7 @@ class Sona:
         if mode == "api_key":
             key = request.metadata.get("api_key_id")
             if key:
-                return f"key:{key}"
+                return key_scope(key)
         return GLOBAL_SCOPE
 
     def _fresh_params(self, scope: str) -> Params:
@@ -326,16 +331,24 @@ class Sona:
 
     # -- feedback ---------------------------------------------------------------------------------
     def feedback(
-        self, response_id: str, score: float, correction: str | Sequence[int] | None = None
+        self, response_id: str, score: float, correction: str | Sequence[int] | None = None, *,
+        api_key_id: str | None = None,
     ) -> FeedbackReceipt:
         """Rate a finished response (``score`` in [0, 1]) and optionally give the completion it
-        should have been. Applies the instant step now when the trajectory is already captured."""
+        should have been. Applies the instant step now when the trajectory is already captured.
+
+        The feedback goes to the scope the response was generated under. ``api_key_id`` is the
+        caller's authenticated key id: in ``api_key`` scope mode a response generated under another
+        key (or none) is refused as unknown, so one key can neither teach nor probe another's adapter."""
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise FeedbackError(f"score must be a number in [0, 1], got {score!r}")
         if not 0.0 <= score <= 1.0:
             raise FeedbackError(f"score must be in [0, 1], got {score}")
         with self._lock:
             traj = self._trajectories.get(response_id)
+        if (traj is not None and api_key_id is not None and self.config.scope == "api_key"
+                and traj.scope != key_scope(api_key_id)):
+            traj = None  # another key's response: answered exactly like an unknown one
         if traj is None:
             raise UnknownResponseError(f"no response {response_id!r} is held for feedback (unknown or expired)")
         correction_ids = self._correction_ids(correction) if correction is not None else None

@@ -85,6 +85,7 @@ class LLMEngine:
             sampling=copy.deepcopy(request.sampling),
             prompt=request.prompt,
             user=request.user,
+            metadata=dict(request.metadata),
         )
         # Plugins may adjust sampling or attach an adapter before anything is checked or scheduled.
         self.model.host.hook.pre_inference(request=inference)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from ruvllm.sampling import SamplingParams
 
@@ -20,6 +21,9 @@ class GenerationRequest:
     #: Lower runs first under the priority policy; ignored under FCFS.
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    #: Opaque values for plugins (e.g. the server's ``api_key_id``); the engine hands a shallow copy
+    #: to the hooks as ``InferenceRequest.metadata``.
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
