@@ -86,3 +86,47 @@ def test_snapshots_are_immutable_copies(smollm2):
     np.testing.assert_array_equal(adapter.delta(29, "v_proj", np.ones((1, 576), np.float32)), before)
     with pytest.raises(ValueError):
         adapter.entries[(29, "v_proj")].B[0, 0] = 1.0
+
+
+# -- the same on the JAX backend, which applies adapters through lora_params() in its compiled step --
+
+JAX_PROMPT = "Bit for bit, the adapter must not change a thing:"
+
+
+@pytest.fixture(scope="module")
+def jax_smollm2(smollm2_path):
+    pytest.importorskip("ruvllm_jax")
+    from _jax_fixtures import jax_model_at
+
+    return jax_model_at(str(smollm2_path))
+
+
+def test_all_zero_adapter_gives_bit_identical_logits_on_jax(smollm2, jax_smollm2):
+    model, net = smollm2
+    sona = Sona(model.checkpoint, SonaConfig(projections=("q_proj", "v_proj", "down_proj"), num_layers=4),
+                start=False, net=net)
+    adapter = sona.adapter()
+    assert adapter.is_zero and adapter.lora_params() == {}
+    ids = model.tokenizer.encode(JAX_PROMPT)
+    base_pre, base_dec = _prefill_and_decode(jax_smollm2, ids, 42, None)
+    buckets = jax_smollm2.compiled_buckets
+    with_pre, with_dec = _prefill_and_decode(jax_smollm2, ids, 42, adapter)
+    assert np.array_equal(base_pre, with_pre)
+    assert np.array_equal(base_dec, with_dec)
+    assert jax_smollm2.compiled_buckets == buckets  # the no-adapter steps themselves ran
+
+
+def test_non_zero_adapter_changes_jax_logits_as_it_changes_numpy_backend_logits(smollm2, jax_smollm2):
+    model, net = smollm2
+    adapter = SonaAdapter("global", 3, random_entries(net, [(29, "q_proj"), (29, "v_proj"), (28, "down_proj")],
+                                                      seed=2, size=0.1))
+    ids = model.tokenizer.encode(JAX_PROMPT)
+    np_base, np_with = _prefill_and_decode(model, ids, 42, None), _prefill_and_decode(model, ids, 42, adapter)
+    jax_base, jax_with = _prefill_and_decode(jax_smollm2, ids, 42, None), _prefill_and_decode(jax_smollm2, ids, 42,
+                                                                                              adapter)
+    for i in range(2):  # prefill (every position), then the decode step
+        change = np_with[i] - np_base[i]
+        assert np.abs(change).max() > 0.05
+        # SmolLM2's logits reach ~30: the backends agree to 1e-3 absolute (test_jax_smollm2_parity).
+        np.testing.assert_allclose(jax_with[i], np_with[i], rtol=0, atol=1e-3)
+        np.testing.assert_allclose(jax_with[i] - jax_base[i], change, rtol=0, atol=1e-3)

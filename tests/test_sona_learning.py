@@ -201,3 +201,35 @@ def test_bank_separates_the_taught_topic(taught):
     assert near_teach.pattern.index != near_general.pattern.index
     # The corrected topic was rated 0: its pattern's mean score says so.
     assert near_teach.pattern.mean_quality == pytest.approx(0.0)
+
+
+def test_taught_adapter_changes_jax_logits_as_it_changes_numpy_backend_logits(taught, smollm2_path):
+    """The JAX backend applies the learned snapshot (through ``lora_params()``) to the same effect: the
+    taught answer's log-likelihood on a held-apart prompt, teacher-forced, rises on both backends alike."""
+    pytest.importorskip("ruvllm_jax")
+    from _jax_fixtures import jax_model_at
+
+    jax_model, model, adapter = jax_model_at(str(smollm2_path)), taught["model"], taught["ewc_adapter"]
+    prompt = chat_ids(model.tokenizer, HELD_APART[1])
+    answer = model.tokenizer.encode(ANSWER, add_special_tokens=False)
+    ids = np.asarray(prompt + answer, np.int32)
+    rows, targets = np.arange(len(prompt) - 1, len(ids) - 1), np.asarray(answer)
+
+    def logits(backend, a):
+        cache = backend.allocate_cache(8, 16)
+        chunk = SequenceChunk(ids, 0, np.arange(8, dtype=np.int32), all_logits=True, adapter=a)
+        return backend.forward(ForwardBatch([chunk], 16), cache).all_logits[0].astype(np.float64)
+
+    def answer_loglik(z):
+        z = z[rows] - z[rows].max(-1, keepdims=True)
+        return float((z[np.arange(len(rows)), targets] - np.log(np.exp(z).sum(-1))).sum())
+
+    np_base, np_taught = logits(model, None), logits(model, adapter)
+    jax_base, jax_taught = logits(jax_model, None), logits(jax_model, adapter)
+    np.testing.assert_allclose(jax_taught, np_taught, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(jax_taught - jax_base, np_taught - np_base, rtol=0, atol=1e-3)
+    gain_np, gain_jax = answer_loglik(np_taught) - answer_loglik(np_base), answer_loglik(jax_taught) - answer_loglik(
+        jax_base)
+    print(f"\nheld-apart answer log-likelihood gain: numpy backend {gain_np:.3f} nats, jax {gain_jax:.3f} nats")
+    assert gain_jax > 12.0
+    assert gain_jax == pytest.approx(gain_np, abs=1e-2)

@@ -5,6 +5,14 @@ tokens laid out flat (``[T]``), writes their keys and values into the paged cach
 logits of the requested rows. It is jitted once per :class:`StepPlan` (the padded shapes) by
 :mod:`ruvllm_jax.runner`. Layers run under ``lax.scan`` over weights stacked on a leading layer axis,
 so compile time does not grow with depth.
+
+Per-sequence LoRA adapters (:class:`LoraPlan`): every adapter of a step owns a slot. Per projection
+in use, slot ``s`` brings ``A_s [layers, r, in]`` and ``B_s [layers, out, r]`` (scale folded into
+``B``, zeros where the adapter has no entry or a smaller rank); the step concatenates the slots into
+``A [layers, S * r, in]`` and ``B [layers, out, S * r]``, scanned with the layer weights, and adds
+``((x @ A.T) * mask) @ B.T`` to the projection's output, where ``mask`` keeps each token's own slot's
+``r`` columns (none for tokens without an adapter). Two small dense matmuls per projection, whatever
+the mix of adapters in the batch; a step without adapters has no LoRA operation at all.
 """
 
 from __future__ import annotations
@@ -15,9 +23,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ruvllm.backend import LORA_PROJECTIONS
 from ruvllm.model_config import ModelConfig
 from ruvllm_jax.attention import paged_attention
 from ruvllm_jax.quant import Weight, linear, take_rows
+
+#: Projections an adapter may adapt (core's list, in the order the factors are passed).
+PROJECTIONS = LORA_PROJECTIONS
+
+
+def bucket(n: int) -> int:
+    """Padded size for ``n`` (powers of two), so a few compiled shapes serve every batch."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,20 @@ class ModelSpec:
             tie_word_embeddings=cfg.tie_word_embeddings,
             dtype=dtype,
         )
+
+    def projection_shape(self, proj: str) -> tuple[int, int]:
+        """``(out, in)`` of projection ``proj`` (one of :data:`PROJECTIONS`)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }[proj]
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +126,21 @@ class KVState:
 
 
 @dataclass(frozen=True)
+class LoraPlan:
+    """The static shape of a step's adapters: slot count and rank (both buckets) and the
+    projections any of them adapts (in :data:`PROJECTIONS` order)."""
+
+    slots: int
+    rank: int
+    projections: tuple[str, ...]
+
+
+#: A step's adapter factors: projection -> one ``(A [layers, r, in], B [layers, out, r])`` per slot,
+#: float32, ``B`` already multiplied by the adapter's scale.
+LoraFactors = dict[str, tuple[tuple[jax.Array, jax.Array], ...]]
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """The static shape of one step (every size is a padded bucket) and what it returns."""
 
@@ -111,6 +157,8 @@ class StepPlan:
     #: ``reference`` (jax.numpy), ``pallas`` (CUDA kernels) or ``pallas_interpret`` (same kernels,
     #: interpreted: for testing them inside the model on CPU).
     attention: str = "reference"
+    #: None: no sequence of the step has an adapter, and the step contains no LoRA operation.
+    lora: LoraPlan | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -131,6 +179,7 @@ class StepInputs:
     prefill_start: jax.Array  # [Sp] position of each chunk's first token
     prefill_context: jax.Array  # [Sp]
     logit_rows: jax.Array  # [G] flat indices whose logits are returned
+    lora_slot: jax.Array | None = None  # [T] adapter slot of each token, -1 for none (steps with adapters)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -179,35 +228,73 @@ def _attend(q: jax.Array, kv: KVState, layer: jax.Array, inp: StepInputs, plan: 
     return out
 
 
+def _lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+    """``((x @ a.T) * mask) @ b.T`` in float32 at full precision: the factors are small, and a
+    reduced-precision pass (TF32, bfloat16) would blur an update that may be tiny next to ``W``."""
+    xa = jnp.einsum("ti,ki->tk", x.astype(jnp.float32), a, precision=lax.Precision.HIGHEST) * mask
+    return jnp.einsum("tk,ok->to", xa, b, precision=lax.Precision.HIGHEST)
+
+
 def forward_step(
-    weights: Weights, cache: KVState, inp: StepInputs, *, spec: ModelSpec, plan: StepPlan
+    weights: Weights,
+    cache: KVState,
+    inp: StepInputs,
+    lora: LoraFactors | None = None,
+    *,
+    spec: ModelSpec,
+    plan: StepPlan,
 ) -> tuple[jax.Array, jax.Array | None, KVState]:
     """One engine step: returns (logits ``[G, vocab]`` float32, final hidden ``[T, hidden]`` or None,
-    the updated cache)."""
+    the updated cache). ``lora`` holds the adapters' factors when ``plan.lora`` is set."""
     dtype = jnp.dtype(spec.dtype)
     t = plan.num_tokens
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     x = take_rows(weights.embed, inp.tokens, dtype)
     cos, sin = rope_tables(inp.positions, hd, spec.rope_theta)
 
-    def layer_step(carry, lw: LayerWeights):
+    lora_layers: dict[str, tuple[jax.Array, jax.Array]] | None = None
+    mask = jnp.zeros((0,), jnp.float32)
+    if plan.lora is not None:
+        assert lora is not None and inp.lora_slot is not None, "a plan with adapters needs their factors and slots"
+        r = plan.lora.rank
+        slot_of_column = jnp.arange(plan.lora.slots * r, dtype=jnp.int32) // r
+        mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)  # [T, S * r]
+        lora_layers = {
+            p: (jnp.concatenate([a for a, _ in slots], axis=1), jnp.concatenate([b for _, b in slots], axis=2))
+            for p, slots in lora.items()
+        }
+
+    def layer_step(carry, xs):
         x, k_cache, v_cache, layer = carry
+        lw, ll = xs
+
+        def adapt(y: jax.Array, y_in: jax.Array, proj: str) -> jax.Array:
+            # Python-level: projections no adapter touches (and steps without adapters) get no op.
+            if ll is None or proj not in ll:
+                return y
+            a, b = ll[proj]
+            return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, mask)).astype(y.dtype)
+
         h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
         q, k, v = linear(h, lw.q_proj), linear(h, lw.k_proj), linear(h, lw.v_proj)
         if spec.attention_bias:
             q, k, v = q + lw.q_bias.astype(dtype), k + lw.k_bias.astype(dtype), v + lw.v_bias.astype(dtype)
+        q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
         q = apply_rope(q.reshape(t, nh, hd), cos, sin)
         k = apply_rope(k.reshape(t, nkv, hd), cos, sin)
         v = v.reshape(t, nkv, hd)
         k_cache = k_cache.at[layer, inp.write_block, inp.write_offset].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[layer, inp.write_block, inp.write_offset].set(v.astype(v_cache.dtype), mode="drop")
-        a = _attend(q, KVState(k_cache, v_cache), layer, inp, plan)
-        x = x + linear(a.reshape(t, nh * hd), lw.o_proj)
+        a = _attend(q, KVState(k_cache, v_cache), layer, inp, plan).reshape(t, nh * hd)
+        x = x + adapt(linear(a, lw.o_proj), a, "o_proj")
         h = rms_norm(x, lw.post_attention_norm, spec.rms_norm_eps)
-        x = x + linear(jax.nn.silu(linear(h, lw.gate_proj)) * linear(h, lw.up_proj), lw.down_proj)
+        act = jax.nn.silu(adapt(linear(h, lw.gate_proj), h, "gate_proj")) * adapt(linear(h, lw.up_proj), h, "up_proj")
+        x = x + adapt(linear(act, lw.down_proj), act, "down_proj")
         return (x, k_cache, v_cache, layer + 1), None
 
-    (x, k_cache, v_cache, _), _ = lax.scan(layer_step, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), weights.layers)
+    (x, k_cache, v_cache, _), _ = lax.scan(
+        layer_step, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), (weights.layers, lora_layers)
+    )
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     logits = linear(x[inp.logit_rows], head).astype(jnp.float32)

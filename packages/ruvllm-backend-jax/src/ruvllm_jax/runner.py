@@ -16,7 +16,8 @@ from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChu
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm_jax.loading import DTYPES, WeightLoader
-from ruvllm_jax.model import KVState, ModelSpec, StepInputs, StepPlan, Weights, forward_step
+from ruvllm_jax.lora import AdapterCache, plan_adapters
+from ruvllm_jax.model import KVState, LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, bucket, forward_step
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weights
 
@@ -27,11 +28,6 @@ ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
 #: compile their own step (attention over a few masked extra blocks costs little).
 MIN_TABLE_TOKENS = 128
 _KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks"}
-
-
-def bucket(n: int) -> int:
-    """Padded size for ``n`` (powers of two), so a few compiled shapes serve every batch."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def on_cuda() -> bool:
@@ -62,6 +58,12 @@ class JaxModel:
     options: LoadOptions
     _compiled: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _copy_fns: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    #: Device copies of the adapters (LoRA factors) recent steps used.
+    adapters: AdapterCache = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sharding = replicated(self.mesh) if self.mesh.size > 1 else None
+        self.adapters = AdapterCache(self.spec, lambda a: jax.device_put(a, sharding))
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
@@ -144,9 +146,9 @@ class JaxModel:
         chunks = batch.chunks
         if not chunks:
             return ForwardOutput(np.zeros((0, self.spec.vocab_size), np.float32))
-        inputs, plan, rows = self._prepare(chunks, cache)
-        step = self._step_for(plan, cache, inputs)
-        logits, hidden, cache.state = step(self.weights, cache.state, inputs)
+        inputs, plan, rows, lora = self._prepare(chunks, cache)
+        step = self._step_for(plan, cache, inputs, lora)
+        logits, hidden, cache.state = step(self.weights, cache.state, inputs, lora)
         logits = np.asarray(logits)
         out = ForwardOutput(np.ascontiguousarray(logits[rows.last]))
         for i, sl in rows.all_logits.items():
@@ -157,31 +159,28 @@ class JaxModel:
                 out.hidden_states[i] = np.ascontiguousarray(hidden[sl])
         return out
 
-    def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs):
+    def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):
         key = (plan, cache.num_blocks, cache.block_size)
         step = self._compiled.get(key)
         if step is None:
             t0 = time.perf_counter()
             fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
-            step = fn.lower(self.weights, cache.state, inputs).compile()
+            step = fn.lower(self.weights, cache.state, inputs, lora).compile()
             self._compiled[key] = step
             log.info(
                 "step compiled", plan=plan, seconds=round(time.perf_counter() - t0, 2), buckets=len(self._compiled)
             )
         return step
 
-    def _prepare(self, chunks: list[SequenceChunk], cache: JaxKVCache) -> tuple[StepInputs, StepPlan, _Rows]:
+    def _prepare(
+        self, chunks: list[SequenceChunk], cache: JaxKVCache
+    ) -> tuple[StepInputs, StepPlan, _Rows, LoraFactors | None]:
         bs, nb = cache.block_size, cache.num_blocks
         vocab = self.spec.vocab_size
         lens = [len(c.token_ids) for c in chunks]
         for i, (c, n) in enumerate(zip(chunks, lens, strict=False)):
             if n == 0:
                 raise RequestError(f"chunk {i} has no tokens")
-            if c.adapter is not None:
-                raise BackendError(
-                    "the jax backend does not apply adapters (LoRA) yet; "
-                    "run adapter requests on the candle-compat backend"
-                )
             if c.start_pos < 0:
                 raise RequestError(f"chunk {i}: start_pos {c.start_pos} is negative")
             need = -(-c.end_pos // bs)
@@ -196,6 +195,7 @@ class JaxModel:
 
         total = sum(lens)
         t = bucket(total)
+        lora_plan, lora_slot, lora = plan_adapters([c.adapter for c in chunks], lens, t, self.adapters)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_block = np.full(t, nb, np.int32)
@@ -263,6 +263,7 @@ class JaxModel:
             logit_rows=g,
             return_hidden=bool(rows.hidden),
             attention=self.attention,
+            lora=lora_plan,
         )
         inputs = StepInputs(
             tokens=tokens,
@@ -277,10 +278,11 @@ class JaxModel:
             prefill_start=prefill_start,
             prefill_context=prefill_context,
             logit_rows=logit_idx,
+            lora_slot=lora_slot,
         )
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))
-        return inputs, plan, rows
+        return inputs, plan, rows, lora
 
     # -- copy-on-write ---------------------------------------------------------------------------------
     def _copy_blocks(self, cache: JaxKVCache, copies: list[tuple[int, int]]) -> None:

@@ -6,14 +6,15 @@ are already in the KV cache (``start_pos``) and its block table; the backend wri
 and values into the cache slots ``start_pos .. start_pos + len(token_ids)`` (slot ``p`` lives in block
 ``block_table[p // block_size]`` at offset ``p % block_size``) and attends over positions
 ``0 .. start_pos + len(token_ids)`` only. Nothing outside those positions is ever read, so what an
-earlier request left in a reused block cannot leak into a later one.
+earlier request left in a reused block cannot leak into a later one. A chunk may carry an adapter
+(:class:`LoraAdapter`) that the backend applies to that sequence's tokens only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,6 +38,38 @@ class LoadOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: Projections an adapter may adapt, in Hugging Face naming.
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraAdapter(Protocol):
+    """What a plugin attaches to a sequence as ``SequenceChunk.adapter`` (SONA's ``SonaAdapter``).
+
+    Projection ``proj`` (one of :data:`LORA_PROJECTIONS`) of decoder layer ``layer`` computes
+    ``x @ W.T + bias + scale * (x @ A.T) @ B.T`` for that sequence's tokens (the update is added after
+    the bias). Backends read an adapter in one of two ways, so one meant to run on every backend
+    provides both:
+
+    * :meth:`delta`: host backends (NumPy, candle-compat) ask per projection;
+    * :meth:`lora_params`: device backends (jax) take all factors at once and apply them in their
+      compiled step.
+
+    An adapter is an immutable snapshot: device backends keep what they uploaded per adapter object
+    (and its ``version`` attribute, where it has one), so a changed adapter must be a new object. An
+    adapter whose ``lora_params()`` is empty (and whose ``delta`` always returns None) is a no-op:
+    backends then run exactly the step they run without it. A backend raises ``BackendError`` for an
+    adapter it cannot apply (missing method, a layer or projection the model lacks, wrong shapes).
+    """
+
+    def delta(self, layer: int, proj: str, x: np.ndarray) -> np.ndarray | None:
+        """The ``[n, out]`` float32 update for input rows ``x`` ``[n, in]``, or None for none."""
+        ...
+
+    def lora_params(self) -> Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
+        """``(layer, proj) -> (A [r, in], B [out, r], scale)``; entries that add nothing may be left out."""
+        ...
+
+
 @dataclass
 class SequenceChunk:
     """New tokens of one sequence in a forward step."""
@@ -48,12 +81,12 @@ class SequenceChunk:
     all_logits: bool = False
     #: Return final-norm hidden states for every new token (embeddings, SONA's ReasoningBank).
     hidden_states: bool = False
-    #: An adapter object a plugin attached to this sequence (SONA's MicroLoRA), or None.
+    #: A :class:`LoraAdapter` a plugin attached to this sequence (SONA's MicroLoRA), or None.
     adapter: Any = None
 
     @property
     def end_pos(self) -> int:
-        return self.start_pos + int(len(self.token_ids))
+        return self.start_pos + len(self.token_ids)
 
 
 @dataclass

@@ -1,0 +1,201 @@
+"""Adapters on device: each adapter's LoRA factors are checked and uploaded once, then reused.
+
+An adapter (``SequenceChunk.adapter``) hands its factors over through ``lora_params()``:
+``{(layer, proj): (A [r, in], B [out, r], scale)}``; the step adds ``scale * (x @ A.T) @ B.T`` to
+projection ``proj`` of ``layer`` (see :mod:`ruvllm_jax.model`). Adapters are immutable snapshots, so
+what is uploaded is kept per adapter object (and its ``version``) in a small LRU; the cache holds a
+reference to each adapter it keeps, so a recycled ``id()`` can never match a stale entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any
+
+import jax
+import numpy as np
+
+from ruvllm.errors import BackendError
+from ruvllm_jax.model import PROJECTIONS, LoraFactors, LoraPlan, ModelSpec, bucket
+
+#: Adapters whose device factors are kept. One costs ``layers * r * (in + out)`` float32 per
+#: projection it adapts (about 0.3 MB per projection for SmolLM2 at rank 2); a step with more distinct
+#: adapters than this still runs, but re-uploads the ones that did not fit in the next step.
+ADAPTER_CACHE_SIZE = 32
+
+
+@dataclass
+class DeviceAdapter:
+    """One adapter's factors on device, zero-padded to ``rank`` and to every layer."""
+
+    adapter: Any
+    version: Any
+    rank: int
+    #: proj -> (A [layers, rank, in], B [layers, out, rank] with the scale folded in); empty: no-op.
+    factors: dict[str, tuple[jax.Array, jax.Array]]
+    #: The factors zero-padded to larger ranks (steps mixing adapters of different ranks).
+    padded: dict[int, dict[str, tuple[jax.Array, jax.Array]]] = field(default_factory=dict, repr=False)
+
+
+def _describe(adapter: Any) -> str:
+    scope = getattr(adapter, "scope", None)
+    return type(adapter).__name__ + (f" (scope {scope!r})" if scope is not None else "")
+
+
+class AdapterCache:
+    """Validates adapters against the model's shapes and keeps their device factors (LRU)."""
+
+    def __init__(
+        self, spec: ModelSpec, put: Callable[[Any], jax.Array], capacity: int = ADAPTER_CACHE_SIZE
+    ) -> None:
+        """``put`` places an array on the model's devices (replicated under tensor parallelism)."""
+        self.spec = spec
+        self.put = put
+        self.capacity = capacity
+        self._entries: OrderedDict[int, DeviceAdapter] = OrderedDict()
+        self._zeros: dict[tuple[str, int], tuple[jax.Array, jax.Array]] = {}
+        #: Adapters uploaded so far (cache misses), for tests and logs.
+        self.uploads = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, adapter: Any) -> DeviceAdapter:
+        version = getattr(adapter, "version", None)
+        entry = self._entries.get(id(adapter))
+        if entry is None or entry.adapter is not adapter or entry.version != version:
+            entry = self._upload(adapter, version)
+            self._entries[id(adapter)] = entry
+            self.uploads += 1
+        self._entries.move_to_end(id(adapter))
+        return entry
+
+    def trim(self) -> None:
+        """Drop the least recently used entries beyond ``capacity`` (after a step took what it uses)."""
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def at_rank(self, entry: DeviceAdapter, rank: int) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """``entry``'s factors zero-padded to ``rank`` (at least its own)."""
+        if rank == entry.rank:
+            return entry.factors
+        if rank not in entry.padded:
+            extra = rank - entry.rank
+            entry.padded[rank] = {
+                p: (
+                    self.put(jax.numpy.pad(a, ((0, 0), (0, extra), (0, 0)))),
+                    self.put(jax.numpy.pad(b, ((0, 0), (0, 0), (0, extra)))),
+                )
+                for p, (a, b) in entry.factors.items()
+            }
+        return entry.padded[rank]
+
+    def zeros(self, proj: str, rank: int) -> tuple[jax.Array, jax.Array]:
+        """Factors that add nothing: padding slots, and adapters without ``proj``."""
+        key = (proj, rank)
+        if key not in self._zeros:
+            out, inp = self.spec.projection_shape(proj)
+            layers = self.spec.num_layers
+            self._zeros[key] = (
+                self.put(np.zeros((layers, rank, inp), np.float32)),
+                self.put(np.zeros((layers, out, rank), np.float32)),
+            )
+        return self._zeros[key]
+
+    def _upload(self, adapter: Any, version: Any) -> DeviceAdapter:
+        params = getattr(adapter, "lora_params", None)
+        if not callable(params):
+            raise BackendError(
+                f"the jax backend applies adapters through lora_params(); {_describe(adapter)} has none"
+            )
+        entries = params()
+        if not isinstance(entries, dict):
+            raise BackendError(f"{_describe(adapter)}.lora_params() returned {type(entries).__name__}, not a dict")
+        spec, name = self.spec, _describe(adapter)
+        checked: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
+        for key, value in entries.items():
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise BackendError(f"adapter {name}: key {key!r} is not (layer, projection)")
+            layer, proj = key
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise BackendError(f"adapter {name}: layer {layer!r} is not an integer")
+            if not 0 <= layer < spec.num_layers:
+                raise BackendError(
+                    f"adapter {name}: layer {layer} is outside the model's layers 0..{spec.num_layers - 1}"
+                )
+            if proj not in PROJECTIONS:
+                raise BackendError(f"adapter {name}: unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})")
+            try:
+                a, b, scale = value
+            except (TypeError, ValueError):
+                raise BackendError(f"adapter {name}: layer {layer} {proj} is not (A, B, scale)") from None
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            out, inp = spec.projection_shape(proj)
+            if a.ndim != 2 or b.ndim != 2 or a.shape[1] != inp or b.shape[0] != out or a.shape[0] != b.shape[1]:
+                raise BackendError(
+                    f"adapter {name}: layer {layer} {proj} has A {a.shape} and B {b.shape}, "
+                    f"expected A (r, {inp}) and B ({out}, r)"
+                )
+            if not isinstance(scale, Real) or not math.isfinite(scale):
+                raise BackendError(f"adapter {name}: layer {layer} {proj} has scale {scale!r}, not a finite number")
+            if not (np.isfinite(a).all() and np.isfinite(b).all()):
+                raise BackendError(f"adapter {name}: layer {layer} {proj} has non-finite factors")
+            if a.shape[0]:  # rank 0 adds nothing
+                # Scale folded into B in float32, as the NumPy backend's delta does.
+                checked.setdefault(proj, []).append((int(layer), a, b * np.float32(scale)))
+        if not checked:
+            return DeviceAdapter(adapter, version, 0, {})
+        rank = bucket(max(a.shape[0] for items in checked.values() for _, a, _ in items))
+        factors = {}
+        for proj in PROJECTIONS:
+            if proj not in checked:
+                continue
+            out, inp = spec.projection_shape(proj)
+            a_all = np.zeros((spec.num_layers, rank, inp), np.float32)
+            b_all = np.zeros((spec.num_layers, out, rank), np.float32)
+            for layer, a, b in checked[proj]:
+                a_all[layer, : a.shape[0]] = a
+                b_all[layer, :, : b.shape[1]] = b
+            factors[proj] = (self.put(a_all), self.put(b_all))
+        return DeviceAdapter(adapter, version, rank, factors)
+
+
+def plan_adapters(
+    adapters: Sequence[Any], lens: Sequence[int], num_tokens: int, cache: AdapterCache
+) -> tuple[LoraPlan | None, np.ndarray | None, LoraFactors | None]:
+    """Slots for the adapters of one step's chunks (``None`` entries: no adapter): the static plan,
+    each token's slot (-1 for none) and the factors per projection and slot. All None when no chunk
+    has an adapter that changes anything, so the step is the one without adapters."""
+    if all(a is None for a in adapters):
+        return None, None, None
+    uploaded = [None if a is None else cache.get(a) for a in adapters]
+    slot_of: dict[int, int] = {}
+    used: list[DeviceAdapter] = []
+    token_slot = np.full(num_tokens, -1, np.int32)
+    start = 0
+    for entry, n in zip(uploaded, lens, strict=True):
+        if entry is not None and entry.factors:
+            if id(entry) not in slot_of:
+                slot_of[id(entry)] = len(used)
+                used.append(entry)
+            token_slot[start : start + n] = slot_of[id(entry)]
+        start += n
+    cache.trim()
+    if not used:
+        return None, None, None
+    rank = max(e.rank for e in used)
+    projections = tuple(p for p in PROJECTIONS if any(p in e.factors for e in used))
+    plan = LoraPlan(slots=bucket(len(used)), rank=rank, projections=projections)
+    factors: LoraFactors = {}
+    for proj in projections:
+        slots = []
+        for entry in used:
+            own = cache.at_rank(entry, rank)
+            slots.append(own[proj] if proj in own else cache.zeros(proj, rank))
+        slots += [cache.zeros(proj, rank)] * (plan.slots - len(used))
+        factors[proj] = tuple(slots)
+    return plan, token_slot, factors
