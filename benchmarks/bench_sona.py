@@ -1,5 +1,5 @@
 """SONA benchmark on SmolLM2-135M (candle-compat backend): instant-update latency, capture and
-background-cycle time, a deep run, and the forward-pass overhead of adapters.
+background-cycle time, a deep run, and the forward-pass overhead of adapters (candle-compat and jax).
 
 * instant update: ``feedback(response_id, score)`` on captured trajectories, timed around the whole
   call and around the update itself (exact gradient + step + new snapshot), for short and longer
@@ -8,9 +8,12 @@ background-cycle time, a deep run, and the forward-pass overhead of adapters.
   cycle that captures a batch;
 * deep run: fine-tuning over stored samples with EWC++;
 * forward overhead: the backend's prefill of 64 tokens and a decode step of 8 sequences with no
-  adapter, an all-zero adapter and a trained q/v adapter on the last two layers.
+  adapter, an all-zero adapter and a trained q/v adapter on the last two layers, and a decode step
+  where 4 of the 8 sequences carry the trained adapter; on candle-compat and, where it is installed,
+  on the jax backend (float32; its steps are compiled during the warm-up).
 
-Run: ``python benchmarks/bench_sona.py [--json out.json]`` (thread count from OPENBLAS_NUM_THREADS).
+Run: ``python benchmarks/bench_sona.py [--json out.json] [--no-jax]`` (thread count from
+OPENBLAS_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -54,10 +57,46 @@ def timed(fn: Any, repeat: int) -> list[float]:
     return out
 
 
+def forward_overhead(model: Any, prompt: np.ndarray, zero: Any, trained: Any) -> dict[str, Any]:
+    """p50 of a 64-token prefill and of an 8-sequence decode step, without and with adapters."""
+    cache = model.allocate_cache(64, 16)
+
+    def prefill(adapters: list[Any]) -> None:
+        chunk = SequenceChunk(prompt, 0, np.arange(4, dtype=np.int32), adapter=adapters[0])
+        model.forward(ForwardBatch([chunk], 16), cache)
+
+    def decode(adapters: list[Any]) -> None:
+        chunks = [SequenceChunk(prompt[:1], 63, np.arange(4 * i, 4 * i + 4, dtype=np.int32), adapter=adapters[i])
+                  for i in range(8)]
+        model.forward(ForwardBatch(chunks, 16), cache)
+
+    for i in range(8):  # fill the caches the decode steps read
+        model.forward(ForwardBatch([SequenceChunk(prompt, 0, np.arange(4 * i, 4 * i + 4, dtype=np.int32))], 16),
+                      cache)
+    overhead: dict[str, Any] = {"backend": model.backend.name}
+    variants: dict[str, list[Any]] = {"none": [None] * 8, "zero_adapter": [zero] * 8,
+                                      "trained_adapter": [trained] * 8, "half_trained": [trained, None] * 4}
+    for name, fn, repeat, labels in (("prefill_64", prefill, 20, ("none", "zero_adapter", "trained_adapter")),
+                                     ("decode_batch_8", decode, 40, tuple(variants))):
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        for label in labels:  # warm-up (and compilation on jax)
+            fn(variants[label])
+        for _ in range(repeat):  # interleaved, so drift in machine load hits every variant alike
+            for label in labels:
+                times[label] += timed(lambda a=variants[label], f=fn: f(a), 1)
+        row: dict[str, Any] = {label: pct(v) for label, v in times.items()}
+        base = row["none"]["p50_ms"]
+        for label in labels[1:]:
+            row[f"{label}_overhead_p50"] = f"{row[label]['p50_ms'] / base - 1:+.1%}"
+        overhead[name] = row
+    return overhead
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here as JSON")
     ap.add_argument("--updates", type=int, default=2000, help="instant updates per trajectory size")
+    ap.add_argument("--no-jax", action="store_true", help="measure the forward overhead on candle-compat only")
     args = ap.parse_args()
 
     model = load_model("smollm2", backend="candle-compat")
@@ -122,36 +161,11 @@ def main() -> None:
     # -- forward overhead ------------------------------------------------------------------------
     trained = sona.adapter()
     zero = Sona(model.checkpoint, SonaConfig(), start=False, net=sona.net).adapter()
-    cache = model.allocate_cache(64, 16)
     prompt = np.asarray((tok.encode(LONG_ANSWER) * 2)[:64], np.int32)
-
-    def prefill(adapter: Any) -> None:
-        model.forward(ForwardBatch([SequenceChunk(prompt, 0, np.arange(4, dtype=np.int32), adapter=adapter)], 16),
-                      cache)
-
-    def decode(adapter: Any) -> None:
-        chunks = [SequenceChunk(prompt[:1], 63, np.arange(4 * i, 4 * i + 4, dtype=np.int32), adapter=adapter)
-                  for i in range(8)]
-        model.forward(ForwardBatch(chunks, 16), cache)
-
-    for i in range(8):  # fill the caches the decode steps read
-        model.forward(ForwardBatch([SequenceChunk(prompt, 0, np.arange(4 * i, 4 * i + 4, dtype=np.int32))], 16),
-                      cache)
-    overhead: dict[str, Any] = {}
-    variants = (("none", None), ("zero_adapter", zero), ("trained_adapter", trained))
-    for name, fn, repeat in (("prefill_64", prefill, 20), ("decode_batch_8", decode, 40)):
-        times: dict[str, list[float]] = {label: [] for label, _ in variants}
-        for _, adapter in variants:  # warm-up
-            fn(adapter)
-        for _ in range(repeat):  # interleaved, so drift in machine load hits every variant alike
-            for label, adapter in variants:
-                times[label] += timed(lambda a=adapter, f=fn: f(a), 1)
-        row: dict[str, Any] = {label: pct(v) for label, v in times.items()}
-        base = row["none"]["p50_ms"]
-        row["trained_overhead_p50"] = f"{row['trained_adapter']['p50_ms'] / base - 1:+.1%}"
-        row["zero_overhead_p50"] = f"{row['zero_adapter']['p50_ms'] / base - 1:+.1%}"
-        overhead[name] = row
-    results["forward"] = overhead
+    results["forward"] = forward_overhead(model, prompt, zero, trained)
+    if not args.no_jax:
+        jax_model = load_model("smollm2", backend="jax")
+        results["forward_jax"] = forward_overhead(jax_model, prompt, zero, trained)
     sona.close(save=False)
 
     print(json.dumps(results, indent=1))
