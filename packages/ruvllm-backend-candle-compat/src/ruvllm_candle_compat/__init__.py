@@ -1,5 +1,6 @@
 """ruvllm's NumPy float32 backend ("candle-compat"): the Llama family over a paged KV cache."""
 
-from ruvllm_candle_compat.model import CandleCompatModel, PagedKVCache
+from ruvllm_candle_compat.kv_cache import PagedKVCache, TwoTierKVCache
+from ruvllm_candle_compat.model import CandleCompatModel
 
-__all__ = ["CandleCompatModel", "PagedKVCache"]
+__all__ = ["CandleCompatModel", "PagedKVCache", "TwoTierKVCache"]

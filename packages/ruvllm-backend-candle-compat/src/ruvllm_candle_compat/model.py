@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -17,6 +16,7 @@ from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChu
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RequestError, UnsupportedArchitectureError
 from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
+from ruvllm_candle_compat.kv_cache import ChunkPlan, FloatOverlay, KVCache, SequenceKV
 
 #: Most attention scores (floats) one tile holds: long prefills run in query tiles under this bound.
 SCORE_TILE_FLOATS = 1 << 24
@@ -48,34 +48,6 @@ class LayerWeights:
     mlp_norm: np.ndarray  # [hidden]
     gate_up: np.ndarray  # [2 * intermediate, hidden]: gate_proj, up_proj stacked
     down: np.ndarray  # [hidden, intermediate]
-
-
-class PagedKVCache:
-    """Per-layer keys and values, ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 each."""
-
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise BackendError(f"a KV cache needs at least one block of one slot, got {num_blocks} x {block_size}")
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.k: list[np.ndarray] = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-        self.v: list[np.ndarray] = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
-
-
-@dataclass(frozen=True)
-class _ChunkPlan:
-    """Where one chunk's rows sit in the step's token matrix and which cache slots it touches."""
-
-    rows: slice
-    start_pos: int
-    write_slots: np.ndarray  # flat cache slots of positions start_pos .. end_pos
-    read_slots: np.ndarray  # flat cache slots of positions 0 .. end_pos
-    adapter: Any
 
 
 class CandleCompatModel:
@@ -174,27 +146,37 @@ class CandleCompatModel:
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
+    def _attend(self, q: np.ndarray, kv: SequenceKV, start_pos: int) -> np.ndarray:
         """Causal GQA attention of ``q [n, heads, hd]`` (positions ``start_pos..``) over
-        ``k, v [end_pos, kv_heads, hd]``; returns ``[n, heads * hd]``."""
-        n = q.shape[0]
+        ``kv.k, kv.v [end_pos, kv_heads, hd]``; returns ``[n, heads * hd]``."""
+        n, k, v, overlay = q.shape[0], kv.k, kv.v, kv.overlay
         rows = max(1, SCORE_TILE_FLOATS // (q.shape[1] * k.shape[0]))
         if n <= rows:
-            return self._attend_tile(q, k, v, start_pos)
+            return self._attend_tile(q, k, v, start_pos, overlay)
         out = np.empty((n, q.shape[1] * q.shape[2]), np.float32)
         for i in range(0, n, rows):
             j = min(n, i + rows)
             # A tile's last query sits at start_pos + j - 1, so later keys are never needed.
-            out[i:j] = self._attend_tile(q[i:j], k[: start_pos + j], v[: start_pos + j], start_pos + i)
+            tile_overlay = None if overlay is None else overlay.rows(i, j)
+            out[i:j] = self._attend_tile(q[i:j], k[: start_pos + j], v[: start_pos + j], start_pos + i, tile_overlay)
         return out
 
-    def _attend_tile(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
+    def _attend_tile(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, overlay: FloatOverlay | None = None
+    ) -> np.ndarray:
         cfg = self.config
         n, end = q.shape[0], k.shape[0]
         kv_heads, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         # Query heads that share a KV head are stacked as rows: [kv_heads, group * n, hd].
         qg = (q * np.float32(hd**-0.5)).reshape(n, kv_heads, group, hd).transpose(1, 2, 0, 3).reshape(kv_heads, -1, hd)
         scores = (qg @ k.transpose(1, 2, 0)).reshape(kv_heads, group, n, end)
+        # Two-tier cache: queries that precede a block's quantization read its float values instead.
+        lo, hi = (0, 0) if overlay is None else (overlay.lo, min(end, overlay.lo + len(overlay.k)))
+        use_float = None
+        if overlay is not None and hi > lo:
+            use_float = np.arange(lo, hi)[None, :] >= overlay.quantized_until[:, None]  # [n, hi - lo]
+            float_scores = (qg @ overlay.k[: hi - lo].transpose(1, 2, 0)).reshape(kv_heads, group, n, hi - lo)
+            scores[..., lo:hi] = np.where(use_float, float_scores, scores[..., lo:hi])
         if n > 1:  # a single new token may see every cached position
             future = np.arange(end)[None, :] > (start_pos + np.arange(n))[:, None]
             scores[..., future] = -np.inf
@@ -202,10 +184,13 @@ class CandleCompatModel:
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
         out = scores.reshape(kv_heads, group * n, end) @ v.transpose(1, 0, 2)
+        if overlay is not None and use_float is not None:
+            float_probs = (scores[..., lo:hi] * use_float).reshape(kv_heads, group * n, hi - lo)
+            out += float_probs @ (overlay.v[: hi - lo] - v[lo:hi]).transpose(1, 0, 2)
         return out.reshape(kv_heads, group, n, hd).transpose(2, 0, 1, 3).reshape(n, -1)
 
     # -- the forward step -----------------------------------------------------------------------
-    def _plan(self, batch: ForwardBatch, cache: PagedKVCache) -> list[_ChunkPlan]:
+    def _plan(self, batch: ForwardBatch, cache: KVCache) -> list[ChunkPlan]:
         cfg, bs = self.config, cache.block_size
         if batch.block_size != bs:
             raise BackendError(f"batch block_size {batch.block_size} does not match the cache's {bs}")
@@ -241,13 +226,13 @@ class CandleCompatModel:
                 )
             pos = np.arange(end)
             slots = used[pos // bs] * bs + pos % bs
-            plans.append(_ChunkPlan(slice(row, row + n), start, slots[start:], slots, chunk.adapter))
+            plans.append(ChunkPlan(slice(row, row + n), start, end, used, slots[start:], slots, chunk.adapter))
             row += n
         return plans
 
     @staticmethod
     def _add_deltas(
-        plans: Sequence[_ChunkPlan], layer: int, y: np.ndarray, x: np.ndarray, projs: Sequence[tuple[str, int, int]]
+        plans: Sequence[ChunkPlan], layer: int, y: np.ndarray, x: np.ndarray, projs: Sequence[tuple[str, int, int]]
     ) -> None:
         """Add each adapter's low-rank output for ``projs`` (name, column range in ``y``) to its rows."""
         for plan in plans:
@@ -266,13 +251,11 @@ class CandleCompatModel:
                     )
                 y[plan.rows, lo:hi] += delta
 
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         cfg = self.config
         plans = self._plan(batch, cache)  # validates everything before the cache is touched
         for src, dst in batch.block_copies:
-            for layer_k, layer_v in zip(cache.k, cache.v, strict=True):
-                layer_k[dst] = layer_k[src]
-                layer_v[dst] = layer_v[src]
+            cache.copy_block(src, dst)
         if not batch.chunks:
             return ForwardOutput(logits=np.zeros((0, cfg.vocab_size), np.float32))
         with_adapters = [p for p in plans if p.adapter is not None]
@@ -301,12 +284,9 @@ class CandleCompatModel:
             q = self._rotate(qkv[:, :q_dim].reshape(n_tok, cfg.num_heads, cfg.head_dim), cos, sin)
             k = self._rotate(qkv[:, q_dim : q_dim + kv_dim].reshape(kv_shape), cos, sin)
             v = qkv[:, q_dim + kv_dim :].reshape(kv_shape)
-            k_slots, v_slots = cache.k[li].reshape(kv_shape), cache.v[li].reshape(kv_shape)
             for plan in plans:
-                k_slots[plan.write_slots] = k[plan.rows]
-                v_slots[plan.write_slots] = v[plan.rows]
-                k_seq, v_seq = k_slots[plan.read_slots], v_slots[plan.read_slots]
-                attn[plan.rows] = self._attend(q[plan.rows], k_seq, v_seq, plan.start_pos)
+                seq_kv = cache.store_and_read(li, plan, k[plan.rows], v[plan.rows])
+                attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos)
             o = linear(attn, layer.o)
             if with_adapters:
                 self._add_deltas(with_adapters, li, o, attn, (("o_proj", 0, cfg.hidden_size),))
@@ -327,7 +307,7 @@ class CandleCompatModel:
         x = self._rms_norm(x, self.final_norm)
         return self._outputs(batch.chunks, plans, x)
 
-    def _outputs(self, chunks: Sequence[SequenceChunk], plans: Sequence[_ChunkPlan], x: np.ndarray) -> ForwardOutput:
+    def _outputs(self, chunks: Sequence[SequenceChunk], plans: Sequence[ChunkPlan], x: np.ndarray) -> ForwardOutput:
         pairs = list(enumerate(zip(chunks, plans, strict=True)))
         all_logits = {i: linear(x[p.rows], self.lm_head) for i, (c, p) in pairs if c.all_logits}
         hidden = {i: x[p.rows].copy() for i, (c, p) in pairs if c.hidden_states}

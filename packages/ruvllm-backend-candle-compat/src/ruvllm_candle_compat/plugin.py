@@ -14,7 +14,8 @@ from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError
 from ruvllm.hookspecs import hookimpl
-from ruvllm_candle_compat.model import CandleCompatModel, PagedKVCache
+from ruvllm_candle_compat.kv_cache import KVCache, PagedKVCache, TwoTierKVCache, make_kv_cache
+from ruvllm_candle_compat.model import CandleCompatModel
 
 BACKEND_NAME = "candle-compat"
 
@@ -38,21 +39,20 @@ def load_model(backend: str, checkpoint: Checkpoint, options: LoadOptions) -> Ca
 
 
 @hookimpl
-def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, Any]) -> PagedKVCache | None:
+def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, Any]) -> KVCache | None:
+    """Options: ``quantize_old`` (``"int8"`` / ``"int4"``: the two-tier cache), ``recent_blocks``
+    (full blocks kept float32 behind each sequence's tail, default 2), ``dtype`` (``"float32"``)."""
     if not isinstance(model, CandleCompatModel):
         return None
-    unknown = {k: v for k, v in options.items() if not (k == "dtype" and v == "float32")}
-    if unknown:
-        raise BackendError(f"candle-compat keeps its KV cache in float32 and takes no other options (got {unknown})")
-    return PagedKVCache(model.config, num_blocks, block_size)
+    return make_kv_cache(model.config, num_blocks, block_size, options)
 
 
 @hookimpl
 def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
     if not isinstance(model, CandleCompatModel):
         return None
-    if not isinstance(cache, PagedKVCache):
+    if not isinstance(cache, (PagedKVCache, TwoTierKVCache)):
         raise BackendError(f"candle-compat needs a cache it allocated, got {type(cache).__name__}")
-    if cache.k[0].shape[2:] != (model.config.num_kv_heads, model.config.head_dim) or len(cache.k) != len(model.layers):
+    if cache.layout != (len(model.layers), model.config.num_kv_heads, model.config.head_dim):
         raise BackendError("the KV cache was allocated for a model of another shape")
     return model.forward(batch, cache)
