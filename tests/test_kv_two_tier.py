@@ -12,9 +12,17 @@
 * Block states survive what the engine does (reuse of freed quantized blocks, copy-on-write of float
   and quantized blocks, prefix blocks shared with a sequence that went further): bit-identical
   results to a fresh cache doing the same computation.
-* SmolLM2 through LLMEngine: int8 and int4 against full precision (greedy agreement, teacher-forced
-  logit difference), the memory per token of each tier, and the engine's sharing, copy-on-write,
-  preemption and block reuse against each request run alone on its own two-tier cache.
+* Resident memory is what the tiers' blocks take: numpy's allocation tracing sees no float copy of
+  a quantized block.
+* SmolLM2 through LLMEngine, 48 greedy tokens, 16-token blocks, recent_blocks=0: teacher-forced on
+  float32's continuation, int8 keeps top-1 agreement >= 0.95 and |logit diff| <= 0.25 (measured
+  0.979 and 0.13), int4 >= 0.85 and <= 2.5 (measured 0.979 and 1.53). Greedy output may part from
+  float32's only where float32's own top-2 margin is below twice the logit difference there (int8
+  parts at token 19, margin 0.0007; int4 at token 29, margin 0.11). A token's bytes in the quantized tier
+  are the format's (codes plus float16 scales and offsets): 3.46x (int8) and 6.1x (int4) fewer.
+* The engine's prefix sharing, n=2 copy-on-write, preemption with recompute and block reuse give
+  each request's tokens alone on its own two-tier cache, up to near ties (``NEAR_TIE``; measured:
+  every token equal).
 * Bad option values are refused with one-line BackendErrors.
 """
 
