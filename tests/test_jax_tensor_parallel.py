@@ -25,11 +25,12 @@ assert len(jax.devices()) == 2, jax.devices()
 result = {}
 
 def shards(x):
+    x = getattr(x, "quant", x)  # a QuantArray: its integer matrix
     return [tuple(s.data.shape) for s in x.addressable_shards]
 
-def compare(name, ckpt, prompts, new_tokens):
-    one = load_jax(ckpt)
-    two = load_jax(ckpt, extra={"tensor_parallel": 2})
+def compare(name, ckpt, prompts, new_tokens, **options):
+    one = load_jax(ckpt, **options)
+    two = load_jax(ckpt, extra={"tensor_parallel": 2}, **options)
     w = two.weights
     cache = two.allocate_cache(8, 16)
     result[name] = {
@@ -45,7 +46,9 @@ def compare(name, ckpt, prompts, new_tokens):
 
 tiny = open_checkpoint(write_tiny_llama_gguf(Path(sys.argv[2]) / "tiny.gguf", hidden=64, layers=2))
 rng = np.random.default_rng(0)
-compare("tiny", tiny, [rng.integers(0, 256, size=n).tolist() for n in (5, 9)], 12)
+tiny_prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 9)]
+compare("tiny", tiny, tiny_prompts, 12)
+compare("tiny_w8a8", tiny, tiny_prompts, 12, quantization="w8a8")
 if len(sys.argv) > 3:
     smol = open_checkpoint(sys.argv[3])
     tok = smol.tokenizer()
@@ -81,6 +84,10 @@ def test_two_devices_match_one(tmp_path: Path, smollm2_path: Path) -> None:
     assert [tuple(s) for s in tiny["down_proj_shards"]] == [(2, 64, 64)] * 2
     assert [tuple(s) for s in tiny["embed_shards"]] == [(129, 64)] * 2
     assert [tuple(s) for s in tiny["cache_shards"]] == [(2, 8, 16, 1, 16)] * 2
+
+    # w8a8: int8 weights and their smoothing factors split the same way; same tokens as one device.
+    assert res["tiny_w8a8"]["parallel"] == res["tiny_w8a8"]["single"]
+    assert [tuple(s) for s in res["tiny_w8a8"]["gate_proj_shards"]] == [(2, 64, 64)] * 2
 
     smol = res["smollm2"]
     assert smol["parallel"] == smol["single"]

@@ -3,13 +3,16 @@ optionally quantized (RTN from float32) or kept in their GGUF blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
+import structlog
 
 from ruvllm.checkpoint import Checkpoint
-from ruvllm.errors import BackendError, ModelFormatError
+from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
 from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
-from ruvllm_jax.quant import GGUF_DIRECT_TYPES, QuantArray, from_gguf_blocks, quantize, quantize_int8
+from ruvllm_jax.quant import GGUF_DIRECT_TYPES, QuantArray, from_gguf_blocks, quantize, quantize_int8, quantize_w8a8
 
 _MATRICES = {
     "q_proj": "self_attn.q_proj.weight",
@@ -22,6 +25,11 @@ _MATRICES = {
 }
 _VECTORS = {"input_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight"}
 _BIASES = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias"}
+
+log = structlog.get_logger("ruvllm_jax.loading")
+
+#: SmoothQuant's migration strength per projection input (0: none, 1: all onto the weights).
+SMOOTHING_ALPHA = {"attention_in": 0.5, "output_in": 0.5, "mlp_in": 0.5, "down_in": 0.5, "head_in": 0.5}
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -36,8 +44,10 @@ def _stack(items: list):
     if isinstance(first, QuantArray):
         if any(
             not isinstance(x, QuantArray)
-            or (x.bits, x.group_size, x.zero_point) != (first.bits, first.group_size, first.zero_point)
+            or (x.bits, x.group_size, x.zero_point, x.act_bits)
+            != (first.bits, first.group_size, first.zero_point, first.act_bits)
             or (x.offset is None) != (first.offset is None)
+            or (x.in_scale is None) != (first.in_scale is None)
             for x in items
         ):
             raise BackendError("layers store one weight in different formats; load with quantization q8/q4 or none")
@@ -48,8 +58,21 @@ def _stack(items: list):
             bits=first.bits,
             group_size=first.group_size,
             zero_point=first.zero_point,
+            act_bits=first.act_bits,
+            in_scale=None if first.in_scale is None else np.stack([x.in_scale for x in items]),
         )
     return np.stack(items)
+
+
+def _calibration_ids(checkpoint: Checkpoint, vocab: int) -> list[int] | None:
+    from ruvllm_jax.calibrate import CALIBRATION_TEXT
+
+    try:
+        ids = checkpoint.tokenizer().encode(CALIBRATION_TEXT)
+    except RuvllmError as exc:
+        log.warning("w8a8: no tokenizer to calibrate with; activations quantized without smoothing", error=str(exc))
+        return None
+    return [i for i in ids if 0 <= i < vocab] or None
 
 
 class WeightLoader:
@@ -85,7 +108,7 @@ class WeightLoader:
         w = self.ckpt.tensor(name)
         if self.quantization == "none":
             return _float(w, self.spec.dtype)
-        # int8 per row for both q8 and q4: the embedding doubles as the output projection when tied,
+        # int8 for both q8 and q4: the embedding doubles as the output projection when tied,
         # where int4 costs far more accuracy than it saves memory on small models.
         return quantize_int8(w)
 
@@ -93,6 +116,50 @@ class WeightLoader:
         return _float(self.ckpt.tensor(name), self.spec.dtype)
 
     def load(self) -> Weights:
+        if self.quantization == "w8a8":
+            return self._load_w8a8()
+        return self._load()
+
+    def _load_w8a8(self) -> Weights:
+        """Float weights, one calibration pass for the activation ranges, then every matrix
+        quantized with SmoothQuant factors for its input (see :mod:`ruvllm_jax.calibrate`)."""
+        from ruvllm_jax.calibrate import activation_ranges, smoothing_factors
+
+        self.quantization = "none"
+        try:
+            w = self._load()
+        finally:
+            self.quantization = "w8a8"
+        ids = _calibration_ids(self.ckpt, self.spec.vocab_size)
+        if ids is None:
+            r = None
+        else:
+            r = activation_ranges(w, self.spec, ids)
+        lw = w.layers
+        groups = {
+            "attention_in": ("q_proj", "k_proj", "v_proj"),
+            "output_in": ("o_proj",),
+            "mlp_in": ("gate_proj", "up_proj"),
+            "down_in": ("down_proj",),
+        }
+        quantized: dict[str, list] = {}
+        for point, projs in groups.items():
+            for name in projs:
+                quantized[name] = []
+            for layer in range(self.spec.num_layers):
+                mats = [getattr(lw, name)[layer] for name in projs]
+                s = None if r is None else smoothing_factors(getattr(r, point)[layer], mats, SMOOTHING_ALPHA[point])
+                for name, m in zip(projs, mats, strict=True):
+                    quantized[name].append(quantize_w8a8(m, s))
+        layers = dataclasses.replace(lw, **{k: _stack(v) for k, v in quantized.items()})
+        head = w.embed if w.lm_head is None else w.lm_head
+        s_head = None if r is None else smoothing_factors(r.head_in, [head], SMOOTHING_ALPHA["head_in"])
+        if w.lm_head is None:
+            # Tied: the embedding lookup dequantizes rows with the same factors, so it stays exact.
+            return Weights(quantize_w8a8(w.embed, s_head), layers, w.final_norm, None)
+        return Weights(quantize_w8a8(w.embed), layers, w.final_norm, quantize_w8a8(w.lm_head, s_head))
+
+    def _load(self) -> Weights:
         spec = self.spec
         names = set(self.ckpt.tensor_names())
         per_layer: dict[str, list] = {k: [] for k in (*_MATRICES, *_VECTORS, *_BIASES)}

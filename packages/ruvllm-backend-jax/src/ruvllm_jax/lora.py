@@ -49,9 +49,7 @@ def _describe(adapter: Any) -> str:
 class AdapterCache:
     """Validates adapters against the model's shapes and keeps their device factors (LRU)."""
 
-    def __init__(
-        self, spec: ModelSpec, put: Callable[[Any], jax.Array], capacity: int = ADAPTER_CACHE_SIZE
-    ) -> None:
+    def __init__(self, spec: ModelSpec, put: Callable[[Any], jax.Array], capacity: int = ADAPTER_CACHE_SIZE) -> None:
         """``put`` places an array on the model's devices (replicated under tensor parallelism)."""
         self.spec = spec
         self.put = put
@@ -109,9 +107,7 @@ class AdapterCache:
     def _upload(self, adapter: Any, version: Any) -> DeviceAdapter:
         params = getattr(adapter, "lora_params", None)
         if not callable(params):
-            raise BackendError(
-                f"the jax backend applies adapters through lora_params(); {_describe(adapter)} has none"
-            )
+            raise BackendError(f"the jax backend applies adapters through lora_params(); {_describe(adapter)} has none")
         entries = params()
         if not isinstance(entries, dict):
             raise BackendError(f"{_describe(adapter)}.lora_params() returned {type(entries).__name__}, not a dict")

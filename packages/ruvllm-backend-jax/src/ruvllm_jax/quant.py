@@ -19,11 +19,15 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ruvllm.errors import BackendError, UnsupportedQuantizationError
 
-#: ``LoadOptions.quantization`` values this backend understands.
-QUANTIZATIONS = ("none", "q8", "q4")
+#: ``LoadOptions.quantization`` values this backend understands. ``w8a8`` is int8 weights (one scale
+#: per output channel) times int8 activations (one scale per token, chosen at run time): XLA's CPU
+#: backend runs that product in an integer GEMM kernel several times faster than any float or
+#: weight-only form, which is why it exists (see docs/jax-backend.md for speed and quality).
+QUANTIZATIONS = ("none", "q8", "q4", "w8a8")
 #: Group size of RTN int8 / int4 (GGUF's block size, so both paths share one layout).
 Q_GROUP = 32
 
@@ -39,6 +43,12 @@ class QuantArray:
     group_size: int = field(default=0, metadata=dict(static=True))
     #: Subtracted from the stored integer before scaling (8 for symmetric 4-bit, else 0).
     zero_point: int = field(default=0, metadata=dict(static=True))
+    #: 8: :func:`linear` quantizes its input to int8 per row and multiplies in integers (w8a8);
+    #: 0: the weights are dequantized and the product is float (weight-only).
+    act_bits: int = field(default=0, metadata=dict(static=True))
+    #: Per-input-channel factor ``[..., in]`` (w8a8 smoothing): the stored weights are the true ones
+    #: divided by it column-wise, and :func:`linear` multiplies its input by it first.
+    in_scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,7 +57,7 @@ class QuantArray:
 
     @property
     def nbytes(self) -> int:
-        leaves = [self.quant, self.scale] + ([self.offset] if self.offset is not None else [])
+        leaves = [x for x in (self.quant, self.scale, self.offset, self.in_scale) if x is not None]
         return int(sum(x.size * x.dtype.itemsize for x in leaves))
 
     def dequantize(self, dtype: jnp.dtype) -> jax.Array:
@@ -62,7 +72,10 @@ class QuantArray:
         w = w.reshape(*lead, out, groups, self.group_size) * self.scale.astype(dtype)[..., None]
         if self.offset is not None:
             w = w + self.offset.astype(dtype)[..., None]
-        return w.reshape(*lead, out, cols)
+        w = w.reshape(*lead, out, cols)
+        if self.in_scale is not None:
+            w = w * self.in_scale.astype(dtype)[..., None, :]
+        return w
 
 
 def _unpack_nibbles(packed: jax.Array, group: int) -> jax.Array:
@@ -79,6 +92,8 @@ Weight = jax.Array | QuantArray
 def linear(x: jax.Array, w: Weight) -> jax.Array:
     """``x @ w.T`` for ``x`` ``[..., in]`` and ``w`` ``[out, in]`` (float or quantized)."""
     if isinstance(w, QuantArray):
+        if w.act_bits == 8:
+            return _linear_w8a8(x, w)
         if w.bits == 8 and w.offset is None and w.scale.shape[-1] == 1:
             # One scale per output channel: scale the product instead of the weights.
             y = jnp.einsum("...i,oi->...o", x, w.quant.astype(x.dtype))
@@ -87,6 +102,29 @@ def linear(x: jax.Array, w: Weight) -> jax.Array:
             return _linear_int4(x, w)
         return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype))
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+#: Rows the integer product is padded to: XLA:CPU sends a one-row int8 product to a slow generic
+#: loop, two rows or more to its fast GEMM kernel (measured ~8x apart on SmolLM2's matrices).
+_W8A8_MIN_ROWS = 2
+
+
+def _linear_w8a8(x: jax.Array, w: QuantArray) -> jax.Array:
+    """``x @ w.T`` with ``x`` quantized to symmetric int8 per row (scale = row max / 127) and an
+    int32-accumulated integer product, rescaled by the row and output-channel scales."""
+    lead, cols = x.shape[:-1], x.shape[-1]
+    xf = x.reshape(-1, cols).astype(jnp.float32)
+    rows = xf.shape[0]
+    if w.in_scale is not None:
+        xf = xf * w.in_scale.astype(jnp.float32)
+    if rows < _W8A8_MIN_ROWS:
+        xf = jnp.pad(xf, ((0, _W8A8_MIN_ROWS - rows), (0, 0)))
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    xq = jnp.clip(jnp.round(xf / x_scale), -127, 127).astype(jnp.int8)
+    acc = lax.dot_general(xq, w.quant, (((1,), (w.quant.ndim - 1,)), ((), ())), preferred_element_type=jnp.int32)
+    y = acc.astype(jnp.float32) * x_scale * w.scale[..., 0].astype(jnp.float32)
+    return y[:rows].reshape(*lead, -1).astype(x.dtype)
 
 
 def _linear_int4(x: jax.Array, w: QuantArray) -> jax.Array:
@@ -124,6 +162,8 @@ def take_rows(w: Weight, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
             bits=w.bits,
             group_size=w.group_size,
             zero_point=w.zero_point,
+            act_bits=w.act_bits,
+            in_scale=w.in_scale,
         )
         return rows.dequantize(dtype)
     return w[ids].astype(dtype)
@@ -175,8 +215,26 @@ def _pack_nibbles(u: np.ndarray, group: int) -> np.ndarray:
     return (u[..., :half] | (u[..., half:] << 4)).astype(np.uint8)
 
 
+def quantize_w8a8(w: np.ndarray, smooth: np.ndarray | None = None) -> QuantArray:
+    """int8 per output channel, marked for int8 activations (see :func:`_linear_w8a8`).
+
+    ``smooth`` ``[in]`` (SmoothQuant): column ``j`` is multiplied by ``smooth[j]`` before rounding and
+    the input by ``1 / smooth[j]`` at run time, moving activation outliers into the weights, whose
+    per-channel scales absorb them far better than one scale per token row does."""
+    if smooth is None:
+        q = quantize_int8(w, group_size=None)
+        return QuantArray(q.quant, q.scale, None, bits=8, group_size=q.group_size, act_bits=8)
+    smooth = np.asarray(smooth, np.float32)
+    q = quantize_int8(w.astype(np.float32) * smooth[None, :], group_size=None)
+    return QuantArray(
+        q.quant, q.scale, None, bits=8, group_size=q.group_size, act_bits=8, in_scale=(1.0 / smooth).astype(np.float32)
+    )
+
+
 def quantize(w: np.ndarray, mode: str) -> QuantArray:
     """Quantize a float ``[out, in]`` matrix for a ``LoadOptions.quantization`` mode."""
+    if mode == "w8a8":
+        return quantize_w8a8(w)
     if mode == "q8":
         return quantize_int8(w)
     if mode == "q4":

@@ -98,6 +98,7 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
         scale_in = in_axis if value.scale.shape[-1] > 1 else None
         sc = _spec_for((out_axis, scale_in), spec, mesh, stacked)
         put = lambda x, p: None if x is None else jax.device_put(x, NamedSharding(mesh, p))  # noqa: E731
+        vec = _spec_for((in_axis,), spec, mesh, stacked)
         return QuantArray(
             put(value.quant, mat),
             put(value.scale, sc),
@@ -105,6 +106,8 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
             bits=value.bits,
             group_size=value.group_size,
             zero_point=value.zero_point,
+            act_bits=value.act_bits,
+            in_scale=put(value.in_scale, vec),
         )
     return jax.device_put(value, NamedSharding(mesh, _spec_for(axes, spec, mesh, stacked)))
 

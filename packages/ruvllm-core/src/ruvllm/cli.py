@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="alias (smollm2), GGUF file, HF model directory or Hub repo id")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
-    p.add_argument("--quantization", default="none", choices=["none", "q8", "q4"], help="weight quantization at load")
+    p.add_argument(
+        "--quantization", default="none", choices=["none", "q8", "q4", "w8a8"], help="weight quantization at load"
+    )
     p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
 
 

@@ -22,7 +22,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
-    p.add_argument("--quantization", default=None, choices=["none", "q8", "q4"], help="weight quantization at load")
+    p.add_argument(
+        "--quantization", default=None, choices=["none", "q8", "q4", "w8a8"], help="weight quantization at load"
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
     p.add_argument("--max-concurrent", type=int, default=None, help="requests served at once (default 256)")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot before 503 (default 512)")
