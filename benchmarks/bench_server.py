@@ -208,10 +208,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
     p.add_argument("--backend", default=None, help="ruvllm backend (default: jax if installed, else candle-compat)")
+    p.add_argument("--quantization", default=None, help="ruvllm weight quantization (default: the server's)")
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--server-log-level", default="WARNING", help="RUVLLM_LOG for our server (INFO shows compiles)")
     args = p.parse_args()
 
     import tempfile
@@ -221,15 +223,16 @@ def main() -> int:
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_server_")
     gguf = str(resolve("smollm2"))
     backend = args.backend or pick_backend()
-    env = {**os.environ, "RUVLLM_LOG": "WARNING"}
-    ours = f"ruvllm ({backend})"
+    env = {**os.environ, "RUVLLM_LOG": args.server_log_level}
+    quant = ["--quantization", args.quantization] if args.quantization else []
+    ours = f"ruvllm ({backend}{', ' + args.quantization if args.quantization else ''})"
     args.ready_path = {ours: "/ready"}
     results: list[LevelResult] = []
     peer_failure = None
     results += bench_server(
         ours,
         [sys.executable, "-m", "ruvllm", "serve", gguf, "--served-model-name", "smollm2", "--backend", backend,
-         "--max-num-seqs", "64", "--num-kv-blocks", "2048"],
+         "--max-num-seqs", "64", "--num-kv-blocks", "2048", *quant],
         "smollm2", args, env,
     )  # fmt: skip
     if args.skip_llama_cpp:
@@ -241,7 +244,9 @@ def main() -> int:
             results += bench_server(
                 "llama.cpp (2 threads)",
                 [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "smollm2",
-                 "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1"],
+                 "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1",
+                 # Queue concurrent requests (its default cancels the running one for the newcomer).
+                 "--interrupt_requests", "False"],
                 "smollm2", args, env,
             )  # fmt: skip
         except ServerCrashed as exc:
