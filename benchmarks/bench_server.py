@@ -78,10 +78,12 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> 
     raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-async def one_request(client: httpx.AsyncClient, model: str, i: int, max_tokens: int) -> RequestTiming:
+async def one_request(
+    client: httpx.AsyncClient, model: str, i: int, max_tokens: int, messages: list[dict] | None = None
+) -> RequestTiming:
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
+        "messages": messages or [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
@@ -148,6 +150,35 @@ async def run_level(
     )
 
 
+#: About 500 tokens of shared context for the prefix-cache measurement (made unique per round).
+DOCUMENT = (
+    "The harbour town of Kessel lies at the mouth of a slow river, and for three centuries its people lived "
+    "from herring, salt and the repair of other people's ships. The old quay, built of grey granite in 1712, "
+    "still carries the iron rings where the salt barges were tied. In the nineteenth century a railway reached "
+    "the town, the fish market moved to a new hall beside the station, and the shipyards grew until they "
+    "employed almost half of the men. After the second war the yards closed one by one; the last launched a "
+    "ferry in 1971. Today the town lives from visitors, a small university campus and a museum of navigation "
+    "that fills the former rope works, a building four hundred metres long. "
+) * 4
+
+
+async def prefix_ttft(base: str, model: str, rounds: int) -> dict[str, float]:
+    """TTFT of a request whose ~500-token system context is new (cold) and of a second request with
+    the same context and another question (warm: a prefix cache serves the shared part)."""
+    cold, warm = [], []
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        for r in range(rounds):
+            context = {"role": "system", "content": f"Reference document {r}.\n" + DOCUMENT}
+            for question, out in (("Summarize the document.", cold), ("When did the last shipyard close?", warm)):
+                t = await one_request(client, model, r, 4, [context, {"role": "user", "content": question}])
+                out.append(t.ttft)
+    return {
+        "cold_ttft_ms": round(float(np.median(cold)) * 1000, 1),
+        "warm_ttft_ms": round(float(np.median(warm)) * 1000, 1),
+        "rounds": rounds,
+    }
+
+
 def _check_alive(proc: subprocess.Popen, name: str, log: Path, wait: float) -> None:
     """Raise :class:`ServerCrashed` if the server process has died (waiting up to ``wait`` s)."""
     try:
@@ -182,6 +213,10 @@ def bench_server(
             print(f"  c={c:<3} {res.tokens_per_s:>8.1f} tok/s  TTFT p50 {res.ttft_ms.get('p50')} ms  "
                   f"ITL p50 {res.itl_ms.get('p50')} ms  errors {res.errors}", file=sys.stderr)  # fmt: skip
             results.append(res)
+        if args.prefix_rounds:
+            asyncio.run(prefix_ttft(base, model, 1))  # warm-up (compiles the long-prefill shapes)
+            args.prefix_results[name] = asyncio.run(prefix_ttft(base, model, args.prefix_rounds))
+            print(f"  shared 500-token prefix: {args.prefix_results[name]}", file=sys.stderr)
     finally:
         proc.terminate()
         try:
@@ -213,6 +248,7 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--prefix-rounds", type=int, default=3, help="rounds of the shared-prefix TTFT measurement")
     p.add_argument("--server-log-level", default="WARNING", help="RUVLLM_LOG for our server (INFO shows compiles)")
     args = p.parse_args()
 
@@ -227,6 +263,7 @@ def main() -> int:
     quant = ["--quantization", args.quantization] if args.quantization else []
     ours = f"ruvllm ({backend}{', ' + args.quantization if args.quantization else ''})"
     args.ready_path = {ours: "/ready"}
+    args.prefix_results = {}
     results: list[LevelResult] = []
     peer_failure = None
     results += bench_server(
@@ -262,11 +299,20 @@ def main() -> int:
         itl = "/".join(str(r.itl_ms.get(k, "-")) for k in ("p50", "p90", "p99"))
         print(f"| {r.server} | {r.concurrency} | {r.requests} | {r.tokens_per_s} | {r.requests_per_s} | {ttft} | {itl} "
               f"| {r.errors} |")  # fmt: skip
+    if args.prefix_results:
+        print("\n| server | TTFT, new 500-token context (ms) | TTFT, same context again (ms) | ratio |")
+        print("|---|---:|---:|---:|")
+        for name, p in args.prefix_results.items():
+            ratio = p["cold_ttft_ms"] / max(p["warm_ttft_ms"], 1e-9)
+            print(f"| {name} | {p['cold_ttft_ms']} | {p['warm_ttft_ms']} | {ratio:.1f}x |")
     if peer_failure:
         print(f"\nllama.cpp: {peer_failure}")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"results": [asdict(r) for r in results], "peer_failure": peer_failure}, indent=2)
+            json.dumps(
+                {"results": [asdict(r) for r in results], "prefix": args.prefix_results, "peer_failure": peer_failure},
+                indent=2,
+            )
         )
     return 1 if any(r.errors for r in results) else 0
 

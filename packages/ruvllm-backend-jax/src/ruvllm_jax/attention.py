@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 #: Large negative, finite, so fully masked rows never produce NaN.
 MASK_VALUE = -1e30
@@ -35,6 +36,8 @@ def reference_paged_attention(
     keys = tables.shape[1] * bs
     k = k_cache[layer, tables].reshape(s, keys, nkv, hd)
     v = v_cache[layer, tables].reshape(s, keys, nkv, hd)
+    if nq > 1:
+        return _prefill_attention(q, k, v, q_pos, context)
     qg = q.reshape(s, nq, nkv, group, hd)
     scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
     kpos = jnp.arange(keys, dtype=jnp.int32)
@@ -47,6 +50,31 @@ def reference_paged_attention(
     p = e / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("skgql,slkd->sqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(s, nq, nh, hd).astype(q.dtype)
+
+
+def _prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, context: jax.Array) -> jax.Array:
+    """Many queries per sequence: the same math laid out as batched matmuls over (sequence, kv head)
+    with the group's queries stacked, which XLA:CPU runs ~2.5x faster than the general einsum at
+    1024 queries (it otherwise transposes the scores and runs small matmuls)."""
+    s, nq, nh, hd = q.shape
+    keys, nkv = k.shape[1], k.shape[2]
+    group = nh // nkv
+    kt = k.transpose(0, 2, 1, 3)  # [S, KV, L, D]
+    vt = v.transpose(0, 2, 1, 3)
+    qt = q.reshape(s, nq, nkv, group, hd).transpose(0, 2, 3, 1, 4).reshape(s, nkv, group * nq, hd)
+    batch = ((0, 1), (0, 1))
+    scores = lax.dot_general(qt, kt, (((3,), (3,)), batch), preferred_element_type=jnp.float32) / math.sqrt(hd)
+    scores = scores.reshape(s, nkv, group, nq, keys)
+    kpos = jnp.arange(keys, dtype=jnp.int32)
+    mask = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < context[:, None, None])
+    mask = mask[:, None, None]  # [S, 1, 1, Q, L]
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = (e / jnp.where(denom > 0, denom, 1.0)).reshape(s, nkv, group * nq, keys)
+    out = lax.dot_general(p.astype(vt.dtype), vt, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+    return out.reshape(s, nkv, group, nq, hd).transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
 
 
 def paged_attention(
