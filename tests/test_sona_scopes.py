@@ -91,6 +91,28 @@ def test_new_scope_is_routed_to_a_similar_well_rated_scope(tmp_path):
     assert sona.stats()["counters"]["routed"] == 1
 
 
+def test_api_keys_are_isolated_tenants(tmp_path):
+    """The setup that routes and merges between users does neither between API keys: a new key's
+    adapter starts empty although another key, asking the same things, was taught."""
+    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="api_key", bank_patterns=2, route_threshold=0.95,
+                                                route_min_quality=0.6))
+    topic = random_tokens(10, 12)
+    for i in range(4):
+        serve(sona, f"a-{i}", topic, random_tokens(20 + i, 5), metadata={"api_key_id": "key-a"})
+        serve(sona, f"b-{i}", random_tokens(30 + i, 12), random_tokens(40 + i, 5), metadata={"api_key_id": "key-b"})
+    drain(sona)
+    for i in range(4):
+        sona.feedback(f"a-{i}", 1.0)
+        sona.feedback(f"b-{i}", 0.3)
+    sona.bank.cluster()
+    serve(sona, "c-1", topic, random_tokens(50, 5), metadata={"api_key_id": "key-c"})
+    result = sona.run_cycle()
+    assert not result["routed"] and not result["merged"]
+    assert sona._slot("key:key-c").routed_from is None
+    assert sona.adapter("key:key-c").is_zero and not sona.adapter("key:key-a").is_zero
+    assert sona.stats()["counters"]["routed"] == 0 and sona.stats()["counters"]["merges"] == 0
+
+
 def test_new_scopes_start_from_the_merged_adapter(tmp_path):
     sona = tiny_sona(tmp_path / "m", SonaConfig(scope="user", route_threshold=1.1))  # routing off
     for user in ("ada", "bob"):

@@ -276,16 +276,23 @@ class Sona:
         return EwcPlusPlus(params, c.scale, lam=c.ewc_lambda, decay=c.ewc_decay, threshold=c.boundary_threshold,
                            patience=c.boundary_patience, warmup=c.boundary_warmup)
 
+    @property
+    def _isolated(self) -> bool:
+        """API-key scopes are tenants: no routing from, or merging with, another key's adapter, so
+        one key's feedback never shapes another key's outputs."""
+        return self.config.scope == "api_key"
+
     def _slot(self, scope: str, prompt: Sequence[int] | None = None) -> Slot:
         with self._lock:
             slot = self._slots.get(scope)
             if slot is not None:
                 return slot
-            params = copy_params(self._merged) if self._merged is not None else self._fresh_params(scope)
+            shared = self._merged is not None and not self._isolated
+            params = copy_params(self._merged) if shared else self._fresh_params(scope)
             slot = Slot(scope, params, self.config.scale, self._new_ewc(params), self.config.initial_baseline)
             self._slots[scope] = slot
             self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
-            if scope != GLOBAL_SCOPE and prompt:
+            if scope != GLOBAL_SCOPE and prompt and not self._isolated:
                 self._route_queue.append((scope, list(prompt)))
             return slot
 
@@ -566,7 +573,7 @@ class Sona:
         """Fold every non-global scope's adapter into one rank-``rank`` adapter (feedback-weighted
         mean of their weight updates, truncated SVD) that new scopes start from."""
         with self._lock:
-            if not self._merge_dirty or self.config.scope == "global":
+            if not self._merge_dirty or self.config.scope == "global" or self._isolated:
                 return False
             self._merge_dirty = False
             slots = [s for s in self._slots.values() if s.scope != GLOBAL_SCOPE]
