@@ -40,16 +40,22 @@ def reference_paged_attention(
         return _prefill_attention(q, k, v, q_pos, context)
     qg = q.reshape(s, nq, nkv, group, hd)
     scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
-    kpos = jnp.arange(keys, dtype=jnp.int32)
+    p = _masked_softmax(scores, q_pos, context)
+    out = jnp.einsum("skgql,slkd->sqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(s, nq, nh, hd).astype(q.dtype)
+
+
+def _masked_softmax(scores: jax.Array, q_pos: jax.Array, context: jax.Array) -> jax.Array:
+    """Softmax over keys of ``scores`` ``[S, KV, G, Q, L]``: key ``l`` counts for query ``i`` when
+    ``l <= q_pos[s, i]`` and ``l < context[s]``; rows with no key are all zero."""
+    kpos = jnp.arange(scores.shape[-1], dtype=jnp.int32)
     mask = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < context[:, None, None])
     mask = mask[:, None, None]  # [S, 1, 1, Q, L]
     scores = jnp.where(mask, scores, MASK_VALUE)
     m = jnp.max(scores, axis=-1, keepdims=True)
     e = jnp.where(mask, jnp.exp(scores - m), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("skgql,slkd->sqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(s, nq, nh, hd).astype(q.dtype)
+    return e / jnp.where(denom > 0, denom, 1.0)
 
 
 def _prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, context: jax.Array) -> jax.Array:
@@ -64,15 +70,7 @@ def _prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     qt = q.reshape(s, nq, nkv, group, hd).transpose(0, 2, 3, 1, 4).reshape(s, nkv, group * nq, hd)
     batch = ((0, 1), (0, 1))
     scores = lax.dot_general(qt, kt, (((3,), (3,)), batch), preferred_element_type=jnp.float32) / math.sqrt(hd)
-    scores = scores.reshape(s, nkv, group, nq, keys)
-    kpos = jnp.arange(keys, dtype=jnp.int32)
-    mask = (kpos[None, None, :] <= q_pos[:, :, None]) & (kpos[None, None, :] < context[:, None, None])
-    mask = mask[:, None, None]  # [S, 1, 1, Q, L]
-    scores = jnp.where(mask, scores, MASK_VALUE)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = (e / jnp.where(denom > 0, denom, 1.0)).reshape(s, nkv, group * nq, keys)
+    p = _masked_softmax(scores.reshape(s, nkv, group, nq, keys), q_pos, context).reshape(s, nkv, group * nq, keys)
     out = lax.dot_general(p.astype(vt.dtype), vt, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
     return out.reshape(s, nkv, group, nq, hd).transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
 
