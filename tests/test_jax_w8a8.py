@@ -26,10 +26,10 @@ TEXT = (
     "review the budget. Spending on maintenance had grown by twelve percent, mostly because of repairs to the "
     "roof of the library, while the sports programme came in under budget."
 )
-#: Measured on this text: KL 0.015 nats, top-1 93% (docs/jax-backend.md); the limits leave room for
-#: platform rounding, not for a broken quantizer (plain per-token w8a8 without smoothing: KL ~0.06).
-MAX_MEAN_KL = 0.04
-MIN_TOP1_AGREEMENT = 0.88
+#: Measured on this text: KL 0.017 nats, top-1 95.6% with SmoothQuant factors; 0.038 and 89.0%
+#: without them (plain per-token w8a8), which these limits reject.
+MAX_MEAN_KL = 0.028
+MIN_TOP1_AGREEMENT = 0.92
 
 
 def _reference_w8a8(x: np.ndarray, w: QuantArray) -> np.ndarray:
