@@ -89,6 +89,23 @@ def write_tiny_hf_checkpoint(
     return path
 
 
+def float64_rope_and_rms(config: dict, n: int) -> tuple[Any, Any]:
+    """The float64 reference's rotary embedding (Hugging Face rotate-half, positions ``0..n-1``, one
+    head ``[n, head_dim]`` at a time) and RMSNorm, from a checkpoint's config.json."""
+    hd = config["head_dim"]
+    angle = np.arange(n)[:, None] * (1.0 / config["rope_theta"] ** (np.arange(0, hd, 2) / hd))[None, :]
+    cos, sin = np.cos(angle), np.sin(angle)
+
+    def rope(t: np.ndarray) -> np.ndarray:
+        a, b = t[:, : hd // 2], t[:, hd // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=1)
+
+    def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + config["rms_norm_eps"]) * g
+
+    return rope, rms
+
+
 def load_candle(path: Path) -> CandleCompatModel:
     return CandleCompatModel.from_checkpoint(open_checkpoint(path), LoadOptions())
 

@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _candle_compat_fixtures import candle_model_at, chunk, greedy_decode, step, write_tiny_hf_checkpoint
+from _candle_compat_fixtures import (
+    candle_model_at,
+    chunk,
+    float64_rope_and_rms,
+    greedy_decode,
+    step,
+    write_tiny_hf_checkpoint,
+)
 from _hf_reference import hf_greedy, hf_logits
 
 from ruvllm_candle_compat import PagedKVCache
@@ -27,7 +34,7 @@ from ruvllm_candle_compat import model as candle_model
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWhat is the boiling point of water in Celsius?<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Les saisons de l'année sont le printemps, l'été, l'automne et",
 ]
 HF_LOGITS_ABS_TOL = 1e-3
@@ -77,16 +84,7 @@ def reference_forward(ckpt: Path, ids: list[int], adapter: Any = None) -> tuple[
     c = json.loads((ckpt / "config.json").read_text())
     w = {k: v.astype(np.float64) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     n, nh, nkv, hd = len(ids), c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    inv_freq = 1.0 / c["rope_theta"] ** (np.arange(0, hd, 2) / hd)
-    angle = np.arange(n)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(angle), np.sin(angle)
-
-    def rope(t: np.ndarray) -> np.ndarray:
-        a, b = t[:, : hd // 2], t[:, hd // 2 :]
-        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=1)
-
-    def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-        return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + c["rms_norm_eps"]) * g
+    rope, rms = float64_rope_and_rms(c, n)
 
     def proj(layer: int, name: str, prefix: str, x: np.ndarray) -> np.ndarray:
         y = x @ w[f"{prefix}{name}.weight"].T
@@ -160,7 +158,8 @@ def test_paged_ragged_steps_match_float64_reference(
     ]
     for plan in steps:
         out = step(
-            model, cache,
+            model,
+            cache,
             *(chunk(seqs[s][a:b], a, tables[s], all_logits=full, hidden_states=full) for s, a, b, full in plan),
         )
         for i, (s, a, b, full) in enumerate(plan):

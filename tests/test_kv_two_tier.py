@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _candle_compat_fixtures import candle_model_at, chunk, step, write_tiny_hf_checkpoint
+from _candle_compat_fixtures import candle_model_at, chunk, float64_rope_and_rms, step, write_tiny_hf_checkpoint
 
 from ruvllm.backend import ForwardBatch
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
@@ -85,15 +85,7 @@ def reference_logits(ckpt: Path, ids: list[int], bits: int | None, recent: int, 
     c = json.loads((ckpt / "config.json").read_text())
     w = {k: v.astype(np.float64) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     n, nh, nkv, hd, bs = len(ids), c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], block_size
-    angle = np.arange(n)[:, None] * (1.0 / c["rope_theta"] ** (np.arange(0, hd, 2) / hd))[None, :]
-    cos, sin = np.cos(angle), np.sin(angle)
-
-    def rope(t: np.ndarray) -> np.ndarray:
-        a, b = t[:, : hd // 2], t[:, hd // 2 :]
-        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=1)
-
-    def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-        return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + c["rms_norm_eps"]) * g
+    rope, rms = float64_rope_and_rms(c, n)
 
     def old_blocks_quantized(t: np.ndarray, axis: int) -> np.ndarray:
         out = t.copy()
