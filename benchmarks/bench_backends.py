@@ -61,11 +61,12 @@ def median_seconds(fn: Callable[[], float], iterations: int) -> float:
 # -- ruvllm backends (through the plugin hooks, like the engine) -----------------------------------------
 
 
-def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload) -> Result:
+def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload, native: bool = True) -> Result:
     from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
     from ruvllm.runtime import load_model
 
-    model = load_model(str(path), backend=backend, options=LoadOptions(quantization=quantization))
+    extra = {} if native else {"native": False}
+    model = load_model(str(path), backend=backend, options=LoadOptions(quantization=quantization, extra=extra))
     bs = 16
     per_seq = -(-(max(len(w.prefill), max(map(len, w.prompts)) + w.decode_steps) + 1) // bs)
     cache = model.allocate_cache(per_seq * max(w.batches) + 1, bs)
@@ -95,7 +96,7 @@ def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload) -> Re
         return statistics.median(times)
 
     name = backend if quantization == "none" else f"{backend}-{quantization}"
-    r = Result(name)
+    r = Result(name if native else f"{name}-xla")
     r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
     for b in w.batches:
         step = median_seconds(lambda b=b: decode(b), w.iterations)
@@ -264,7 +265,18 @@ def _in_child(engine: str, argv: list[str]) -> list[Result]:
 # -- driver ------------------------------------------------------------------------------------------------------
 
 
-ENGINES = ["jax", "jax-q8", "jax-q4", "candle-compat", "llama.cpp", "transformers"]
+ENGINES = [
+    "jax",
+    "jax-q8",
+    "jax-q4",
+    "jax-w8a8",
+    "jax-w8a8-xla",
+    "jax-w4a8",
+    "jax-w4a8-xla",
+    "candle-compat",
+    "llama.cpp",
+    "transformers",
+]
 
 
 def table(results: list[Result], batches: list[int]) -> str:
@@ -325,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"... {engine}", file=sys.stderr, flush=True)
         try:
             if engine.startswith("jax"):
-                quant = engine.split("-", 1)[1] if "-" in engine else "none"
-                results.append(bench_ruvllm(path, "jax", quant, w))
+                # jax, jax-q8, jax-w8a8, ...; a trailing -xla turns the native CPU kernels off.
+                parts = engine.split("-")
+                xla = parts[-1] == "xla"
+                quant = parts[1] if len(parts) > 1 and parts[1] != "xla" else "none"
+                results.append(bench_ruvllm(path, "jax", quant, w, native=not xla))
             elif engine == "candle-compat":
                 results.append(bench_ruvllm(path, "candle-compat", "none", w))
             elif engine == "llama.cpp" and args.in_child:

@@ -45,6 +45,7 @@ FORMATS = {
     "q8": LoadOptions(quantization="q8"),
     "q4": LoadOptions(quantization="q4"),
     "w8a8": LoadOptions(quantization="w8a8"),
+    "w4a8": LoadOptions(quantization="w4a8"),
     "GGUF blocks": LoadOptions(extra={"keep_gguf_blocks": True}),
 }
 

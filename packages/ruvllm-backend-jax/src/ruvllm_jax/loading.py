@@ -12,7 +12,16 @@ import structlog
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
 from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
-from ruvllm_jax.quant import GGUF_DIRECT_TYPES, QuantArray, from_gguf_blocks, quantize, quantize_int8, quantize_w8a8
+from ruvllm_jax.quant import (
+    GGUF_DIRECT_TYPES,
+    QuantArray,
+    from_gguf_blocks,
+    quantize,
+    quantize_int8,
+    quantize_w8a8,
+    quantize_wxa8,
+    wxa8_from_gguf_blocks,
+)
 
 _MATRICES = {
     "q_proj": "self_attn.q_proj.weight",
@@ -85,11 +94,14 @@ class WeightLoader:
         self.keep_gguf_blocks = keep_gguf_blocks and checkpoint.format == "gguf"
 
     def _direct(self, name: str) -> QuantArray | None:
-        if not self.keep_gguf_blocks:
+        wxa8 = self.quantization == "w4a8"
+        if not (self.keep_gguf_blocks or (wxa8 and self.ckpt.format == "gguf")):
             return None
         raw = self.ckpt.raw_tensor(name)
         if raw.ggml_type not in GGUF_DIRECT_TYPES or len(raw.shape) != 2 or raw.shape[1] % 32:
             return None
+        if wxa8:
+            return wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
         return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
 
     def matrix(self, name: str):
@@ -99,6 +111,8 @@ class WeightLoader:
         w = self.ckpt.tensor(name)
         if self.quantization == "none":
             return _float(w, self.spec.dtype)
+        if self.quantization == "w4a8":
+            return quantize_wxa8(w, 4)
         return quantize(w, self.quantization)
 
     def embedding(self, name: str):
@@ -108,6 +122,8 @@ class WeightLoader:
         w = self.ckpt.tensor(name)
         if self.quantization == "none":
             return _float(w, self.spec.dtype)
+        if self.quantization == "w4a8":
+            return quantize_wxa8(w, 8)
         # int8 for both q8 and q4: the embedding doubles as the output projection when tied,
         # where int4 costs far more accuracy than it saves memory on small models.
         return quantize_int8(w)

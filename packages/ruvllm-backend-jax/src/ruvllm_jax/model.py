@@ -17,6 +17,7 @@ the mix of adapters in the batch; a step without adapters has no LoRA operation 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -25,8 +26,9 @@ from jax import lax
 
 from ruvllm.backend import LORA_PROJECTIONS
 from ruvllm.model_config import ModelConfig
+from ruvllm_jax import native
 from ruvllm_jax.attention import paged_attention
-from ruvllm_jax.quant import Weight, linear, take_rows
+from ruvllm_jax.quant import QuantArray, Weight, linear, take_rows
 
 #: Projections an adapter may adapt (core's list, in the order the factors are passed).
 PROJECTIONS = LORA_PROJECTIONS
@@ -159,6 +161,9 @@ class StepPlan:
     attention: str = "reference"
     #: None: no sequence of the step has an adapter, and the step contains no LoRA operation.
     lora: LoraPlan | None = None
+    #: Run the w8a8 products in the native CPU kernels (:mod:`ruvllm_jax.native`): the runner sets
+    #: it for small CPU steps once the kernels are loaded.
+    native: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -209,17 +214,21 @@ def _attend(q: jax.Array, kv: KVState, layer: jax.Array, inp: StepInputs, plan: 
     out = jnp.zeros_like(q)
     if plan.decode_seqs:
         qd = q.at[inp.decode_token].get(mode="clip")[:, None]  # [Sd, 1, H, D]
-        od = paged_attention(
-            qd,
-            kv.k,
-            kv.v,
-            layer,
-            inp.decode_tables,
-            (inp.decode_context - 1)[:, None],
-            inp.decode_context,
-            impl=plan.attention,
-        )
-        out = out.at[inp.decode_token].set(od[:, 0], mode="drop")
+        if plan.native and kv.k.dtype == jnp.float32 and plan.attention == "reference":
+            # The native kernel reads the sequences' blocks in place instead of gathering them.
+            od = native.paged_decode(qd[:, 0], kv.k, kv.v, layer, inp.decode_tables, inp.decode_context)[:, None]
+        else:
+            od = paged_attention(
+                qd,
+                kv.k,
+                kv.v,
+                layer,
+                inp.decode_tables,
+                (inp.decode_context - 1)[:, None],
+                inp.decode_context,
+                impl=plan.attention,
+            )
+        out = out.at[inp.decode_token].set(od[:, 0].astype(q.dtype), mode="drop")
     if plan.prefill_seqs:
         qp = q.at[inp.prefill_token].get(mode="clip")  # [Sp, Qb, H, D]
         q_pos = inp.prefill_start[:, None] + jnp.arange(plan.prefill_len, dtype=jnp.int32)[None, :]
@@ -233,6 +242,31 @@ def _lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> ja
     reduced-precision pass (TF32, bfloat16) would blur an update that may be tiny next to ``W``."""
     xa = jnp.einsum("ti,ki->tk", x.astype(jnp.float32), a, precision=lax.Precision.HIGHEST) * mask
     return jnp.einsum("tk,ok->to", xa, b, precision=lax.Precision.HIGHEST)
+
+
+#: Projections that share one input, so one native call quantizes the input once for all of them.
+_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+_NATIVE_FIELDS = tuple(p for g in _GROUPS for p in g)
+
+
+def _native_format(w: object) -> str | None:
+    """``w8a8`` or ``wxa8`` for the quantized forms the native kernels multiply, else None."""
+    if not isinstance(w, QuantArray) or w.act_bits != 8:
+        return None
+    return "w8a8" if w.offset is None else "wxa8"
+
+
+def _native_projections(x: jax.Array, mats: list[QuantArray], layer: jax.Array) -> list[jax.Array]:
+    """``x @ W.T`` for each (stacked ``[layers, out, in]`` or plain) matrix of one group, at ``layer``,
+    in one native call that quantizes ``x`` once (a w8a8 group shares its smoothing factors, so
+    ``mats[0]``'s serve all)."""
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    if _native_format(mats[0]) == "wxa8":
+        ys = native.wxa8_group(x2, layer, [(m.quant, m.scale, m.offset) for m in mats])
+    else:
+        ys = native.w8a8_group(x2, layer, mats[0].in_scale, [(m.quant, m.scale) for m in mats])
+    return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
 
 
 def forward_step(
@@ -264,6 +298,18 @@ def forward_step(
             for p, slots in lora.items()
         }
 
+    # Native steps keep the w8a8 matrices out of the scanned operands: the kernels index the stacked
+    # arrays by layer themselves, where a scanned operand would be copied out layer by layer.
+    formats = {_native_format(getattr(weights.layers, f)) for f in _NATIVE_FIELDS}
+    use_native = plan.native and len(formats) == 1 and None not in formats
+    stacked = weights.layers
+    scanned = dataclasses.replace(stacked, **{f: None for f in _NATIVE_FIELDS}) if use_native else stacked
+
+    def project(h: jax.Array, lw: LayerWeights, layer: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+        if use_native:
+            return _native_projections(h, [getattr(stacked, p) for p in group], layer)
+        return [linear(h, getattr(lw, p)) for p in group]
+
     def layer_step(carry, xs):
         x, k_cache, v_cache, layer = carry
         lw, ll = xs
@@ -276,7 +322,7 @@ def forward_step(
             return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, mask)).astype(y.dtype)
 
         h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-        q, k, v = linear(h, lw.q_proj), linear(h, lw.k_proj), linear(h, lw.v_proj)
+        q, k, v = project(h, lw, layer, _GROUPS[0])
         if spec.attention_bias:
             q, k, v = q + lw.q_bias.astype(dtype), k + lw.k_bias.astype(dtype), v + lw.v_bias.astype(dtype)
         q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
@@ -286,17 +332,24 @@ def forward_step(
         k_cache = k_cache.at[layer, inp.write_block, inp.write_offset].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[layer, inp.write_block, inp.write_offset].set(v.astype(v_cache.dtype), mode="drop")
         a = _attend(q, KVState(k_cache, v_cache), layer, inp, plan).reshape(t, nh * hd)
-        x = x + adapt(linear(a, lw.o_proj), a, "o_proj")
+        (o,) = project(a, lw, layer, _GROUPS[1])
+        x = x + adapt(o, a, "o_proj")
         h = rms_norm(x, lw.post_attention_norm, spec.rms_norm_eps)
-        act = jax.nn.silu(adapt(linear(h, lw.gate_proj), h, "gate_proj")) * adapt(linear(h, lw.up_proj), h, "up_proj")
-        x = x + adapt(linear(act, lw.down_proj), act, "down_proj")
+        gate, up = project(h, lw, layer, _GROUPS[2])
+        act = jax.nn.silu(adapt(gate, h, "gate_proj")) * adapt(up, h, "up_proj")
+        (down,) = project(act, lw, layer, _GROUPS[3])
+        x = x + adapt(down, act, "down_proj")
         return (x, k_cache, v_cache, layer + 1), None
 
     (x, k_cache, v_cache, _), _ = lax.scan(
-        layer_step, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), (weights.layers, lora_layers)
+        layer_step, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), (scanned, lora_layers)
     )
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = linear(x[inp.logit_rows], head).astype(jnp.float32)
+    if plan.native and _native_format(head) is not None:
+        (logits,) = _native_projections(x[inp.logit_rows], [head], jnp.zeros((), jnp.int32))
+    else:
+        logits = linear(x[inp.logit_rows], head)
+    logits = logits.astype(jnp.float32)
     hidden = x.astype(jnp.float32) if plan.return_hidden else None
     return logits, hidden, KVState(k_cache, v_cache)

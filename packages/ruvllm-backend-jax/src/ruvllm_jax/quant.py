@@ -23,11 +23,14 @@ from jax import lax
 
 from ruvllm.errors import BackendError, UnsupportedQuantizationError
 
-#: ``LoadOptions.quantization`` values this backend understands. ``w8a8`` is int8 weights (one scale
+#: ``LoadOptions.quantization`` values this backend understands. ``w4a8`` is llama.cpp's CPU scheme:
+#: weights in groups of 32 (4-bit codes with a float16 scale and offset per group, GGUF Q4_0 / Q4_1
+#: blocks kept as they are; the tied embedding / output projection 8-bit, Q8_0), activations
+#: quantized to int8 per group of 32 at run time; see :func:`_linear_wxa8`. ``w8a8`` is int8 weights (one scale
 #: per output channel) times int8 activations (one scale per token, chosen at run time): XLA's CPU
 #: backend runs that product in an integer GEMM kernel several times faster than any float or
 #: weight-only form, which is why it exists (see docs/jax-backend.md for speed and quality).
-QUANTIZATIONS = ("none", "q8", "q4", "w8a8")
+QUANTIZATIONS = ("none", "q8", "q4", "w8a8", "w4a8")
 #: Group size of RTN int8 / int4 (GGUF's block size, so both paths share one layout).
 Q_GROUP = 32
 
@@ -92,6 +95,8 @@ Weight = jax.Array | QuantArray
 def linear(x: jax.Array, w: Weight) -> jax.Array:
     """``x @ w.T`` for ``x`` ``[..., in]`` and ``w`` ``[out, in]`` (float or quantized)."""
     if isinstance(w, QuantArray):
+        if w.act_bits == 8 and w.offset is not None:
+            return _linear_wxa8(x, w)
         if w.act_bits == 8:
             return _linear_w8a8(x, w)
         if w.bits == 8 and w.offset is None and w.scale.shape[-1] == 1:
@@ -125,6 +130,48 @@ def _linear_w8a8(x: jax.Array, w: QuantArray) -> jax.Array:
     acc = lax.dot_general(xq, w.quant, (((1,), (w.quant.ndim - 1,)), ((), ())), preferred_element_type=jnp.int32)
     y = acc.astype(jnp.float32) * x_scale * w.scale[..., 0].astype(jnp.float32)
     return y[:rows].reshape(*lead, -1).astype(x.dtype)
+
+
+#: Group size of the ``w4a8`` format, for weights and activations alike (GGUF's block size).
+ACT_GROUP = 32
+
+
+def quantize_activation_groups(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``x`` ``[rows, K]`` -> (int8 codes ``[rows, K / 32, 32]``, scale ``dx`` and ``dx * sum(codes)``
+    ``[rows, K / 32]``): per group of 32, ``dx = max|x| / 127`` and codes ``round(x / dx)`` (half to
+    even, clipped to +-127), all-zero groups all zero. The native kernel computes the same."""
+    rows, cols = x.shape
+    xg = x.astype(jnp.float32).reshape(rows, cols // ACT_GROUP, ACT_GROUP)
+    amax = jnp.max(jnp.abs(xg), axis=-1)
+    dx = amax / 127.0
+    safe = jnp.where(amax > 0, dx, 1.0)
+    xq = jnp.where(amax[..., None] > 0, jnp.clip(jnp.round(xg / safe[..., None]), -127, 127), 0).astype(jnp.int8)
+    sx = dx * jnp.sum(xq.astype(jnp.int32), axis=-1).astype(jnp.float32)
+    return xq, dx, sx
+
+
+def _linear_wxa8(x: jax.Array, w: QuantArray) -> jax.Array:
+    """``x @ w.T`` for group-quantized weights (``d * code + m`` per group of 32) and activations
+    quantized per group: ``sum_g d * dx * (codes . xq) + m * sx``, the integer dot of each group exact
+    in int32. This is the XLA formulation; CPU steps call the native kernel, which computes the same
+    sums (float rounding order aside)."""
+    lead, cols = x.shape[:-1], x.shape[-1]
+    xq, dx, sx = quantize_activation_groups(x.reshape(-1, cols))
+    codes = _unpack_nibbles(w.quant, w.group_size) if w.bits == 4 else w.quant
+    out = codes.shape[0]
+    groups = cols // ACT_GROUP
+    cg = codes.reshape(out, groups, ACT_GROUP).astype(jnp.int8 if w.bits == 4 else jnp.int16)
+    # [groups, rows, 32] x [groups, out, 32] -> [groups, rows, out], exact in int32.
+    p = lax.dot_general(
+        jnp.transpose(xq, (1, 0, 2)).astype(cg.dtype),
+        jnp.transpose(cg, (1, 0, 2)),
+        (((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=jnp.int32,
+    )
+    d = w.scale.astype(jnp.float32)  # [out, groups]
+    y = jnp.einsum("gro,og,rg->ro", p.astype(jnp.float32), d, dx, precision=lax.Precision.HIGHEST)
+    y = y + jnp.einsum("rg,og->ro", sx, w.offset.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return y.reshape(*lead, out).astype(x.dtype)
 
 
 def _linear_int4(x: jax.Array, w: QuantArray) -> jax.Array:
@@ -266,3 +313,32 @@ def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -
     m = rows[..., 2:4].copy().view(np.float16)[..., 0]
     packed = rows[..., 4:20].reshape(out, cols // 2)
     return QuantArray(np.ascontiguousarray(packed), d, m, bits=4, group_size=32, zero_point=0)
+
+
+# -- w4a8: group-quantized weights for int8 activations ----------------------------------------------
+
+
+def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks as a ``w4a8``-format :class:`QuantArray`, codes bit for bit:
+    ``d * code + m`` with Q4_0's ``m = -8 d`` and Q8_0's codes stored as ``q + 128`` (``m = -128 d``),
+    so every weight dequantizes to the file's value."""
+    q = from_gguf_blocks(ggml_type, data, shape)
+    d = np.asarray(q.scale, np.float16)
+    if ggml_type == "Q4_1":
+        return QuantArray(q.quant, d, np.asarray(q.offset, np.float16), bits=4, group_size=32, act_bits=8)
+    if ggml_type == "Q4_0":
+        return QuantArray(q.quant, d, (d.astype(np.float32) * -8).astype(np.float16), bits=4, group_size=32, act_bits=8)
+    codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
+    return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+
+
+def quantize_wxa8(w: np.ndarray, bits: int) -> QuantArray:
+    """Round-to-nearest ``w4a8``-format weights from a float ``[out, in]`` matrix: 4-bit as Q4_1
+    (asymmetric, scale and minimum per group of 32), 8-bit as Q8_0 (symmetric per group of 32)."""
+    if bits == 4:
+        q = quantize_int4(w, 32)
+        return QuantArray(q.quant, q.scale, q.offset, bits=4, group_size=32, act_bits=8)
+    q = quantize_int8(w, 32)
+    d = np.asarray(q.scale, np.float16)
+    codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
+    return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)

@@ -17,6 +17,7 @@ import structlog
 from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
+from ruvllm_jax import native
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import AdapterCache, plan_adapters
 from ruvllm_jax.model import KVState, LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, bucket, forward_step
@@ -29,7 +30,11 @@ ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
 #: Block tables are padded to cover at least this many tokens, so that short contexts do not each
 #: compile their own step (attention over a few masked extra blocks costs little).
 MIN_TABLE_TOKENS = 128
-_KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks"}
+_KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks", "native"}
+#: w8a8 steps of at most this many (padded) tokens use the native kernels when they are loaded;
+#: larger ones use XLA's integer GEMM, which reuses each weight load across more rows. (w4a8 steps
+#: always use the native kernels on CPU: XLA has no fast form of the grouped product.)
+NATIVE_MAX_TOKENS = 4
 
 
 def enable_compilation_cache() -> Path | None:
@@ -82,8 +87,11 @@ class JaxModel:
     _copy_fns: dict[tuple, Any] = field(default_factory=dict, repr=False)
     #: Device copies of the adapters (LoRA factors) recent steps used.
     adapters: AdapterCache = field(init=False, repr=False)
+    #: Whether small steps run the w8a8 products in :mod:`ruvllm_jax.native`'s kernels.
+    native: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self.native = self._want_native()
         sharding = replicated(self.mesh) if self.mesh.size > 1 else None
         self.adapters = AdapterCache(self.spec, lambda a: jax.device_put(a, sharding))
 
@@ -135,11 +143,24 @@ class JaxModel:
             dtype=options.dtype,
             devices=mesh.size,
             attention=attention,
+            native_kernels=native.vector_path() if model.native else "off",
             weight_bytes=model.weight_bytes,
             compilation_cache=str(compilation_cache) if compilation_cache else "off",
             seconds=round(time.perf_counter() - t0, 2),
         )
         return model
+
+    def _want_native(self) -> bool:
+        wanted = self.options.extra.get("native", True)
+        if isinstance(wanted, str) and wanted.lower() in ("true", "1", "false", "0"):
+            wanted = wanted.lower() in ("true", "1")
+        if not isinstance(wanted, bool):
+            raise BackendError(f"jax backend: native must be true or false, got {wanted!r}")
+        if not wanted or self.options.quantization not in ("w8a8", "w4a8") or self.mesh.size > 1:
+            return False
+        if jax.devices()[0].platform != "cpu":
+            return False
+        return native.available()
 
     @property
     def weight_bytes(self) -> int:
@@ -288,6 +309,7 @@ class JaxModel:
             return_hidden=bool(rows.hidden),
             attention=self.attention,
             lora=lora_plan,
+            native=self.native and (self.options.quantization == "w4a8" or t <= NATIVE_MAX_TOKENS),
         )
         inputs = StepInputs(
             tokens=tokens,
