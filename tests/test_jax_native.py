@@ -278,3 +278,17 @@ def test_without_kernels_the_reason_is_given(tmp_path):
     out = broken.stdout.decode().strip().splitlines()[-1]
     assert out.startswith("False | /bin/false") and "failed" in out
     assert not any(tmp_path.rglob("*.so"))
+
+
+def test_auto_quantization_picks_w4a8_for_q4_gguf_only(smollm2_checkpoint, tmp_path):
+    from _jax_fixtures import write_tiny_hf_model
+
+    from ruvllm.checkpoint import open_checkpoint
+
+    auto = load_jax(smollm2_checkpoint, quantization="auto")
+    assert auto.options.quantization == "w4a8" and auto.native
+    # Asked to stay off the native kernels: the float path.
+    assert load_jax(smollm2_checkpoint, quantization="auto", extra={"native": False}).options.quantization == "none"
+    # A float checkpoint keeps its precision.
+    tiny = open_checkpoint(write_tiny_hf_model(tmp_path / "tiny", "llama"))
+    assert load_jax(tiny, quantization="auto").options.quantization == "none"

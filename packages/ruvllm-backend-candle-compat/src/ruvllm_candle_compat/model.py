@@ -7,6 +7,7 @@ attention runs per chunk, over that sequence's cached positions ``0 .. end_pos``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ class CandleCompatModel:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, options: LoadOptions) -> CandleCompatModel:
-        if options.quantization != "none":
+        if options.quantization not in ("none", "auto"):  # auto: float32 is this backend's only form
             raise BackendError(
                 f"candle-compat keeps weights in float32 (asked for quantization {options.quantization!r}); "
                 "use the jax backend for q8/q4"
@@ -127,7 +128,10 @@ class CandleCompatModel:
             )
         embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, h))
-        return cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head)
+        model = cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head)
+        #: The options as applied (``auto`` resolved), which core reports.
+        model.options = dataclasses.replace(options, quantization="none")
+        return model
 
     # -- building blocks ------------------------------------------------------------------------
     def _rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@ the compiled step for their shape bucket (compiling it the first time) and unpac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,25 @@ def enable_compilation_cache() -> Path | None:
     return path
 
 
+def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
+    """What ``quantization="auto"`` means here: ``w4a8`` for a GGUF whose matrices are Q4_0 / Q4_1
+    blocks on one CPU device with the native kernels (the file's own weights, multiplied the way
+    llama.cpp multiplies them, and this backend's fastest CPU form), else ``none``."""
+    tp = str(options.extra.get("tensor_parallel", 1))
+    if (
+        checkpoint.format == "gguf"
+        and checkpoint.quantization in ("Q4_0", "Q4_1")
+        and options.dtype == "float32"
+        and tp == "1"
+        and not options.extra.get("keep_gguf_blocks")
+        and options.extra.get("native", True) not in (False, "false", "0")
+        and jax.devices()[0].platform == "cpu"
+        and native.available()
+    ):
+        return "w4a8"
+    return "none"
+
+
 def on_cuda() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and "cuda" in str(getattr(dev.client, "platform_version", "")).lower()
@@ -104,6 +124,8 @@ class JaxModel:
                 f"jax backend: unknown option(s) {', '.join(sorted(unknown))} "
                 f"(known: {', '.join(sorted(_KNOWN_EXTRA))})"
             )
+        if options.quantization == "auto":
+            options = dataclasses.replace(options, quantization=auto_quantization(checkpoint, options))
         if options.quantization not in QUANTIZATIONS:
             raise BackendError(
                 f"jax backend: unknown quantization {options.quantization!r} (known: {', '.join(QUANTIZATIONS)})"

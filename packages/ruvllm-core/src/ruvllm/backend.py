@@ -30,7 +30,9 @@ class BackendInfo:
 
 @dataclass(frozen=True)
 class LoadOptions:
-    #: ``none`` keeps the checkpoint's precision; ``q8`` / ``q4`` quantize weights at load (RTN).
+    #: ``none`` keeps the checkpoint's precision; ``q8`` / ``q4`` quantize weights at load (RTN);
+    #: ``auto`` lets the backend pick its fastest form that keeps the checkpoint's weights (backends
+    #: without such a form treat it as ``none``). Others are backend-specific (see each backend).
     quantization: str = "none"
     #: Compute dtype hint (``float32``, ``bfloat16``); backends may refuse what they cannot do.
     dtype: str = "float32"

@@ -21,7 +21,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="alias (smollm2), GGUF file, HF model directory or Hub repo id")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
     p.add_argument(
-        "--quantization", default="none", choices=["none", "q8", "q4", "w8a8"], help="weight quantization at load"
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "q8", "q4", "w8a8", "w4a8"],
+        help="weight quantization at load (auto: the backend's fastest form that keeps the checkpoint's weights)",
     )
     p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
 

@@ -74,4 +74,6 @@ def load_model(
     if model is None:
         raise BackendError(f"backend {info.name!r} did not load {ref!r}")
     log.debug("model loaded", model=ref, backend=info.name, seconds=round(time.perf_counter() - t0, 2))
-    return LoadedModel(ref, checkpoint, info, model, host, options)
+    # A backend model may expose the options as it applied them (``quantization="auto"`` resolved).
+    applied = getattr(model, "options", None)
+    return LoadedModel(ref, checkpoint, info, model, host, applied if isinstance(applied, LoadOptions) else options)

@@ -23,7 +23,10 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
     p.add_argument(
-        "--quantization", default=None, choices=["none", "q8", "q4", "w8a8"], help="weight quantization at load"
+        "--quantization",
+        default=None,
+        choices=["auto", "none", "q8", "q4", "w8a8", "w4a8"],
+        help="weight quantization at load",
     )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
     p.add_argument("--max-concurrent", type=int, default=None, help="requests served at once (default 256)")

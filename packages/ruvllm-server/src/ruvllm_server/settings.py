@@ -27,7 +27,8 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: The id clients send as ``model`` and see in ``/v1/models`` (default: derived from ``model``).
     served_model_name: str | None = None
     backend: str | None = None
-    quantization: str = "none"
+    #: ``auto``: the backend's fastest form that keeps the checkpoint's weights (see LoadOptions).
+    quantization: str = "auto"
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     #: Requests generating at once (admission control); more wait in a queue of ``max_queue``.
