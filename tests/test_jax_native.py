@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import jax
@@ -31,8 +32,11 @@ from ruvllm_jax.quant import (
     _linear_w8a8,
     _linear_wxa8,
     _unpack_nibbles,
+    from_panels,
     quantize_w8a8,
     quantize_wxa8,
+    take_rows,
+    to_panels,
     wxa8_from_gguf_blocks,
 )
 
@@ -67,19 +71,27 @@ def _reference_wxa8(x: np.ndarray, w: QuantArray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(("rows", "out", "cols"), [(1, 64, 576), (3, 50, 128), (6, 7, 1536), (9, 33, 96)])
+@pytest.mark.parametrize(
+    ("rows", "out", "cols"), [(1, 64, 576), (3, 50, 128), (6, 7, 1536), (9, 33, 96), (19, 48, 64), (2, 32, 1536)]
+)
 def test_wxa8_kernel_matches_float64_reference(bits, rows, out, cols):
+    """Matrices of a multiple of 16 rows run in the panel layout, others row-major (both kernels)."""
     rng = np.random.default_rng(rows * 100 + out)
     w = quantize_wxa8(rng.standard_normal((out, cols)).astype(np.float32), bits)
+    stored = to_panels(w)
+    assert stored.panel == (16 if out % 16 == 0 else 0)
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero group
     x[-1, 5] *= 50.0  # an outlier
     want = _reference_wxa8(x, w)
     scale = np.abs(want).max()
-    operands = [(jnp.asarray(w.quant), jnp.asarray(w.scale), jnp.asarray(w.offset))]
-    got = np.asarray(jax.jit(lambda x: native.wxa8_group(x, jnp.int32(0), operands)[0])(x), np.float64)
+    operands = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), jnp.asarray(stored.offset))]
+    call = jax.jit(lambda x: native.wxa8_group(x, jnp.int32(0), operands, panel=bool(stored.panel))[0])
+    got = np.asarray(call(x), np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
-    xla = np.asarray(jax.jit(lambda x: _linear_wxa8(x, w))(x), np.float64)
+    # One row's result does not depend on the other rows (same float operations at any batch size).
+    np.testing.assert_array_equal(np.asarray(call(x[-1:]))[0], np.asarray(call(x))[-1])
+    xla = np.asarray(jax.jit(lambda x: _linear_wxa8(x, stored))(x), np.float64)
     np.testing.assert_allclose(xla, want, rtol=0, atol=2e-6 * scale)
     # A quantized version of the float product, not something else.
     exact = x.astype(np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
@@ -123,6 +135,23 @@ def test_wxa8_keeps_gguf_blocks_bit_for_bit():
         got = wxa8_from_gguf_blocks(ggml_type, data, (out, cols))
         assert got.act_bits == 8 and got.group_size == 32
         np.testing.assert_array_equal(np.asarray(got.dequantize(jnp.float32)), want)
+
+
+def test_panel_layout_is_a_permutation_that_reads_back():
+    rng = np.random.default_rng(11)
+    for bits in (4, 8):
+        w = quantize_wxa8(rng.standard_normal((48, 96)).astype(np.float32), bits)
+        p = to_panels(w)
+        assert p.quant.shape == w.quant.shape and p.nbytes == w.nbytes
+        assert sorted(np.asarray(p.quant).ravel()) == sorted(np.asarray(w.quant).ravel())
+        back = from_panels(p)
+        for f in ("quant", "scale", "offset"):
+            np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(w, f)))
+        np.testing.assert_array_equal(np.asarray(p.dequantize(jnp.float32)), np.asarray(w.dequantize(jnp.float32)))
+        ids = jnp.asarray([0, 15, 16, 47, 5])
+        rows = np.asarray(take_rows(p, ids, jnp.float32))
+        np.testing.assert_array_equal(rows, np.asarray(w.dequantize(jnp.float32))[np.asarray(ids)])
+    assert to_panels(quantize_wxa8(rng.standard_normal((40, 64)).astype(np.float32), 4)).panel == 0
 
 
 # -- per-channel int8 weights x per-row int8 activations ------------------------------------------------
@@ -194,9 +223,12 @@ def test_smollm2_w4a8_keeps_the_files_q4_1_codes(w4a8_model, smollm2_checkpoint)
     assert raw.ggml_type == "Q4_1"
     w = w4a8_model.weights.layers.down_proj
     assert (w.bits, w.group_size, w.act_bits) == (4, 32, 8)
+    assert w.panel == 16  # stored in the kernels' panel layout: a permutation of the file's bytes
+    layer3 = from_panels(dataclasses.replace(w, quant=w.quant[3], scale=w.scale[3], offset=w.offset[3]))
     direct = wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
-    np.testing.assert_array_equal(np.asarray(w.quant[3]), direct.quant)
-    np.testing.assert_array_equal(np.asarray(w.scale[3]), direct.scale)
+    np.testing.assert_array_equal(np.asarray(layer3.quant), direct.quant)
+    np.testing.assert_array_equal(np.asarray(layer3.scale), direct.scale)
+    np.testing.assert_array_equal(np.asarray(layer3.offset), direct.offset)
     assert w4a8_model.native
 
 
@@ -224,7 +256,8 @@ def test_smollm2_w4a8_is_close_to_float32(smollm2_path, smollm2_checkpoint, w4a8
 
 def test_smollm2_w4a8_same_text_with_and_without_kernels(smollm2_path, smollm2_checkpoint, w4a8_model):
     tok = smollm2_checkpoint.tokenizer()
-    prompts = [tok.encode(p) for p in SMOLLM2_PROMPTS[:2]]
+    # Not the code prompt: its first token is a near-tie that float rounding order decides.
+    prompts = [tok.encode(p) for p in (SMOLLM2_PROMPTS[0], SMOLLM2_PROMPTS[2])]
     xla = load_jax(smollm2_checkpoint, quantization="w4a8", extra={"native": False})
     assert not xla.native
     # The same logits up to float rounding order, which activation quantization amplifies: a code

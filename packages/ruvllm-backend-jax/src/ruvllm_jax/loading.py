@@ -20,6 +20,7 @@ from ruvllm_jax.quant import (
     quantize_int8,
     quantize_w8a8,
     quantize_wxa8,
+    to_panels,
     wxa8_from_gguf_blocks,
 )
 
@@ -53,8 +54,8 @@ def _stack(items: list):
     if isinstance(first, QuantArray):
         if any(
             not isinstance(x, QuantArray)
-            or (x.bits, x.group_size, x.zero_point, x.act_bits)
-            != (first.bits, first.group_size, first.zero_point, first.act_bits)
+            or (x.bits, x.group_size, x.zero_point, x.act_bits, x.panel)
+            != (first.bits, first.group_size, first.zero_point, first.act_bits, first.panel)
             or (x.offset is None) != (first.offset is None)
             or (x.in_scale is None) != (first.in_scale is None)
             for x in items
@@ -69,6 +70,7 @@ def _stack(items: list):
             zero_point=first.zero_point,
             act_bits=first.act_bits,
             in_scale=None if first.in_scale is None else np.stack([x.in_scale for x in items]),
+            panel=first.panel,
         )
     return np.stack(items)
 
@@ -101,7 +103,7 @@ class WeightLoader:
         if raw.ggml_type not in GGUF_DIRECT_TYPES or len(raw.shape) != 2 or raw.shape[1] % 32:
             return None
         if wxa8:
-            return wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
+            return to_panels(wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape))
         return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
 
     def matrix(self, name: str):
@@ -112,7 +114,7 @@ class WeightLoader:
         if self.quantization == "none":
             return _float(w, self.spec.dtype)
         if self.quantization == "w4a8":
-            return quantize_wxa8(w, 4)
+            return to_panels(quantize_wxa8(w, 4))
         return quantize(w, self.quantization)
 
     def embedding(self, name: str):
@@ -123,7 +125,7 @@ class WeightLoader:
         if self.quantization == "none":
             return _float(w, self.spec.dtype)
         if self.quantization == "w4a8":
-            return quantize_wxa8(w, 8)
+            return to_panels(quantize_wxa8(w, 8))
         # int8 for both q8 and q4: the embedding doubles as the output projection when tied,
         # where int4 costs far more accuracy than it saves memory on small models.
         return quantize_int8(w)

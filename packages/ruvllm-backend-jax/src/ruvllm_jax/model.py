@@ -263,7 +263,15 @@ def _native_projections(x: jax.Array, mats: list[QuantArray], layer: jax.Array) 
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols)
     if _native_format(mats[0]) == "wxa8":
-        ys = native.wxa8_group(x2, layer, [(m.quant, m.scale, m.offset) for m in mats])
+        ys = [jnp.zeros(())] * len(mats)
+        for panel in (False, True):  # one call per layout (loading gives a group one layout)
+            idx = [i for i, m in enumerate(mats) if bool(m.panel) == panel]
+            if idx:
+                got = native.wxa8_group(
+                    x2, layer, [(mats[i].quant, mats[i].scale, mats[i].offset) for i in idx], panel=panel
+                )
+                for i, y in zip(idx, got, strict=True):
+                    ys[i] = y
     else:
         ys = native.w8a8_group(x2, layer, mats[0].in_scale, [(m.quant, m.scale) for m in mats])
     return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]

@@ -52,6 +52,9 @@ class QuantArray:
     #: Per-input-channel factor ``[..., in]`` (w8a8 smoothing): the stored weights are the true ones
     #: divided by it column-wise, and :func:`linear` multiplies its input by it first.
     in_scale: jax.Array | None = None
+    #: 16: codes, scales and offsets are stored in the native kernels' 16-row panel layout (see
+    #: :func:`to_panels`); 0: plain row-major.
+    panel: int = field(default=0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -66,6 +69,8 @@ class QuantArray:
     def dequantize(self, dtype: jnp.dtype) -> jax.Array:
         """The float matrix, ``[..., out, in]`` in ``dtype`` (inside a jitted step this is fused with
         the matmul's operand load, never kept)."""
+        if self.panel:
+            return from_panels(self).dequantize(dtype)
         q = self.quant
         if self.bits == 4:
             q = _unpack_nibbles(q, self.group_size)
@@ -155,6 +160,8 @@ def _linear_wxa8(x: jax.Array, w: QuantArray) -> jax.Array:
     quantized per group: ``sum_g d * dx * (codes . xq) + m * sx``, the integer dot of each group exact
     in int32. This is the XLA formulation; CPU steps call the native kernel, which computes the same
     sums (float rounding order aside)."""
+    if w.panel:
+        w = from_panels(w)
     lead, cols = x.shape[:-1], x.shape[-1]
     xq, dx, sx = quantize_activation_groups(x.reshape(-1, cols))
     codes = _unpack_nibbles(w.quant, w.group_size) if w.bits == 4 else w.quant
@@ -201,6 +208,8 @@ def _linear_int4(x: jax.Array, w: QuantArray) -> jax.Array:
 
 def take_rows(w: Weight, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Rows ``w[ids]`` as float ``dtype`` (embedding lookup); only the chosen rows are dequantized."""
+    if isinstance(w, QuantArray) and w.panel:
+        return _panel_rows(w, ids).dequantize(dtype)
     if isinstance(w, QuantArray):
         rows = QuantArray(
             w.quant[ids],
@@ -342,3 +351,86 @@ def quantize_wxa8(w: np.ndarray, bits: int) -> QuantArray:
     d = np.asarray(q.scale, np.float16)
     codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
     return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+
+
+# -- the native kernels' panel layout ----------------------------------------------------------------
+
+#: Output rows per panel.
+PANEL = 16
+
+
+def to_panels(w: QuantArray) -> QuantArray:
+    """A group-quantized (``w4a8``-format) matrix in the native kernels' panel layout, host side:
+    for each 16 output rows and group of 32 inputs, the rows' code bytes become ``gb / 4`` runs of 16
+    dwords (dword ``r`` of run ``t`` = bytes ``4t .. 4t+3`` of row ``r``'s group; ``gb`` = 16 code bytes
+    per group for 4-bit, 32 for 8-bit), and the 16 rows' scales and offsets of a group are
+    consecutive. A permutation only: the same bytes, the same size. Matrices whose row count is not
+    a multiple of 16 are returned as they are."""
+    *lead, n, nbytes = w.quant.shape
+    if w.panel or n % PANEL or w.offset is None:
+        return w
+    groups = w.scale.shape[-1]
+    gb = nbytes // groups
+    q = np.asarray(w.quant).reshape(*lead, n // PANEL, PANEL, groups, gb // 4, 4)
+    q = np.moveaxis(q, -4, -2)  # [..., panels, groups, gb/4, 16, 4]
+
+    def scales(a: jax.Array | np.ndarray) -> np.ndarray:
+        a = np.asarray(a).reshape(*lead, n // PANEL, PANEL, groups)
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2)).reshape(*lead, n, groups)
+
+    return QuantArray(
+        np.ascontiguousarray(q).reshape(*lead, n, nbytes),
+        scales(w.scale),
+        scales(w.offset),
+        bits=w.bits,
+        group_size=w.group_size,
+        zero_point=w.zero_point,
+        act_bits=w.act_bits,
+        panel=PANEL,
+    )
+
+
+def from_panels(w: QuantArray) -> QuantArray:
+    """The row-major form of a panel-layout matrix (the inverse of :func:`to_panels`, in jnp so it
+    also runs inside a jitted step, for the XLA formulations)."""
+    *lead, n, nbytes = w.quant.shape
+    groups = w.scale.shape[-1]
+    gb = nbytes // groups
+    q = jnp.moveaxis(w.quant.reshape(*lead, n // PANEL, groups, gb // 4, PANEL, 4), -2, -4)
+
+    def scales(a: jax.Array) -> jax.Array:
+        return jnp.swapaxes(a.reshape(*lead, n // PANEL, groups, PANEL), -1, -2).reshape(*lead, n, groups)
+
+    assert w.offset is not None
+    return QuantArray(
+        q.reshape(*lead, n, nbytes),
+        scales(w.scale),
+        scales(w.offset),
+        bits=w.bits,
+        group_size=w.group_size,
+        zero_point=w.zero_point,
+        act_bits=w.act_bits,
+    )
+
+
+def _panel_rows(w: QuantArray, ids: jax.Array) -> QuantArray:
+    """Rows ``ids`` of an unstacked panel-layout matrix, row-major (embedding lookups)."""
+    n, nbytes = w.quant.shape
+    groups = w.scale.shape[-1]
+    gb = nbytes // groups
+    p, r = ids // PANEL, ids % PANEL
+    q = w.quant.reshape(n // PANEL, groups, gb // 4, PANEL, 4)[p, :, :, r, :]  # [ids, groups, gb/4, 4]
+    assert w.offset is not None
+
+    def scales(a: jax.Array) -> jax.Array:
+        return a.reshape(n // PANEL, groups, PANEL)[p, :, r]
+
+    return QuantArray(
+        q.reshape(-1, nbytes),
+        scales(w.scale),
+        scales(w.offset),
+        bits=w.bits,
+        group_size=w.group_size,
+        zero_point=w.zero_point,
+        act_bits=w.act_bits,
+    )

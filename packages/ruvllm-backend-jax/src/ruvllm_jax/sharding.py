@@ -7,6 +7,7 @@ same, only less of the work is split.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 import jax
@@ -94,19 +95,22 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
         # A group must not straddle two shards.
         if in_mesh is not None and (cols // mesh.shape[in_mesh]) % value.group_size:
             in_axis = None
+        if value.panel:
+            # Panel layout: a stored row is not an output row; only whole panels may be split.
+            in_axis = None
+            out_mesh = _mesh_axis(out_axis, spec, mesh)
+            if out_mesh is not None and (value.shape[-2] // mesh.shape[out_mesh]) % value.panel:
+                out_axis = None
         mat = _spec_for((out_axis, in_axis), spec, mesh, stacked)
         scale_in = in_axis if value.scale.shape[-1] > 1 else None
         sc = _spec_for((out_axis, scale_in), spec, mesh, stacked)
         put = lambda x, p: None if x is None else jax.device_put(x, NamedSharding(mesh, p))  # noqa: E731
         vec = _spec_for((in_axis,), spec, mesh, stacked)
-        return QuantArray(
-            put(value.quant, mat),
-            put(value.scale, sc),
-            put(value.offset, sc),
-            bits=value.bits,
-            group_size=value.group_size,
-            zero_point=value.zero_point,
-            act_bits=value.act_bits,
+        return dataclasses.replace(
+            value,
+            quant=put(value.quant, mat),
+            scale=put(value.scale, sc),
+            offset=put(value.offset, sc),
             in_scale=put(value.in_scale, vec),
         )
     return jax.device_put(value, NamedSharding(mesh, _spec_for(axes, spec, mesh, stacked)))

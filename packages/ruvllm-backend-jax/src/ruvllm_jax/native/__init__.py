@@ -34,6 +34,7 @@ log = structlog.get_logger("ruvllm_jax.native")
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 W8A8_TARGET = "ruvllm_w8a8"
 WXA8_TARGET = "ruvllm_wxa8"
+WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 DECODE_TARGET = "ruvllm_paged_decode"
 
 _lock = threading.Lock()
@@ -112,6 +113,7 @@ def _load() -> None:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(W8A8_TARGET, jax.ffi.pycapsule(lib.RuvllmW8A8), platform="cpu")
         jax.ffi.register_ffi_target(WXA8_TARGET, jax.ffi.pycapsule(lib.RuvllmWxA8), platform="cpu")
+        jax.ffi.register_ffi_target(WXA8_PANEL_TARGET, jax.ffi.pycapsule(lib.RuvllmWxA8Panel), platform="cpu")
         jax.ffi.register_ffi_target(DECODE_TARGET, jax.ffi.pycapsule(lib.RuvllmPagedDecode), platform="cpu")
         lib.ruvllm_cpu_kernels_path.restype = ctypes.c_char_p
         _state["lib"] = lib
@@ -166,18 +168,19 @@ def w8a8_group(
 
 
 def wxa8_group(
-    x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, jax.Array, jax.Array]]
+    x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, jax.Array, jax.Array]], *, panel: bool = False
 ) -> list[jax.Array]:
     """``x @ W_i.T`` for group-quantized weights ``(codes uint8 [L?, N, K/2 or K], scale float16
     [L?, N, K/32], offset float16 [L?, N, K/32])`` at ``layer``, with ``x`` ``[rows, K]`` quantized to
-    int8 per group of 32 once for the whole group (see ``cpu_kernels.cc``, ``ruvllm_wxa8``)."""
+    int8 per group of 32 once for the whole group (see ``cpu_kernels.cc``, ``ruvllm_wxa8``). With
+    ``panel`` every matrix is in the panel layout of :func:`ruvllm_jax.quant.to_panels`."""
     _require()
     rows = x.shape[0]
     results = [jax.ShapeDtypeStruct((rows, q.shape[-2]), jnp.float32) for q, _, _ in weights]
     operands: list[jax.Array] = []
     for q, d, m in weights:
         operands += [q, d.astype(jnp.float16), m.astype(jnp.float16)]
-    call = jax.ffi.ffi_call(WXA8_TARGET, results)
+    call = jax.ffi.ffi_call(WXA8_PANEL_TARGET if panel else WXA8_TARGET, results)
     return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *operands))
 
 

@@ -304,6 +304,7 @@ struct GroupMatrix {
   float* y;                // [M, N]
   int64_t N;
   int bits;
+  bool panel;              // codes and scales in the 16-row panel layout (see panel_rows)
 };
 
 inline float half_to_float(uint16_t h) {
@@ -438,26 +439,142 @@ inline void group_rows(const GroupActs& x, const GroupMatrix& w, int64_t n0, int
 }
 #endif
 
+// Panel layout (16 output rows at a time; set up at load by ruvllm_jax.quant.to_panels): for panel p
+// and group g, the group's code bytes of the 16 rows are stored as gb / 4 vectors of 16 dwords, dword
+// r of vector t holding bytes 4t .. 4t+3 of row r's group (gb = 16 bytes for 4-bit, 32 for 8-bit);
+// scales and offsets as 16 consecutive float16 per (panel, group). One vpdpbusd then forms four
+// products for each of the 16 rows against a broadcast dword of the activations, and each output is
+// a sequential sum over groups: the same float operations for a row whatever else is in the batch.
+inline int64_t panel_byte(int64_t n, int64_t g, int64_t jb, int64_t G, int bits) {
+  const int64_t gb = bits == 4 ? 16 : 32;
+  return (n / 16) * 16 * G * gb + g * gb * 16 + (jb / 4) * 64 + (n % 16) * 4 + jb % 4;
+}
+
+inline void panel_scalar(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  const int64_t G = x.G;
+  for (int64_t n = p0 * 16; n < p1 * 16; ++n) {
+    for (int64_t m = 0; m < x.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t p = 0;
+        const int8_t* xq = x.q.data() + m * x.K + g * 32;
+        for (int j = 0; j < 32; ++j) {
+          int32_t code;
+          if (w.bits == 4) {
+            const uint8_t byte = w.q[panel_byte(n, g, j & 15, G, 4)];
+            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            code = w.q[panel_byte(n, g, j, G, 8)];
+          }
+          p += code * static_cast<int32_t>(xq[j]);
+        }
+        const int64_t si = (n / 16) * 16 * G + g * 16 + n % 16;
+        acc = std::fma(static_cast<float>(p), half_to_float(w.d[si]) * x.dx[m * x.Gp + g], acc);
+        acc = std::fma(half_to_float(w.mn[si]), x.sx[m * x.Gp + g], acc);
+      }
+      w.y[m * w.N + n] = acc;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+template <int BITS, int MB>
+inline void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K;
+  constexpr int64_t GB = BITS == 4 ? 16 : 32;  // code bytes per row and group
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const uint16_t* dp = w.d + p * 16 * G;
+  const uint16_t* mp = w.mn + p * 16 * G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 facc[MB];
+  for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* gp = base + g * GB * 16;
+    __m512i wv[8];
+    if (BITS == 4) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i z = _mm512_loadu_si512(gp + t * 64);
+        wv[t] = _mm512_and_si512(z, low4);                          // codes 4t .. 4t+3
+        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);  // codes 16+4t .. 16+4t+3
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * 16)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * 16)));
+    // The activation rows interleaved: MB independent accumulation chains keep the dot-product
+    // units busy (one chain of 8 dependent vpdpbusd would wait on their latency).
+    __m512i acc[MB];
+    const int32_t* xd[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm512_setzero_si512();
+      xd[m] = reinterpret_cast<const int32_t*>(x.q.data() + (m0 + m) * K + g * 32);
+    }
+    for (int t = 0; t < 8; ++t)
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, facc[m]);
+      facc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sx[(m0 + m) * x.Gp + g]), facc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m]);
+}
+
+template <int BITS>
+inline void panel_rows_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + 8 <= x.M; m += 8) panel_block<BITS, 8>(x, w, p, m);
+    switch (x.M - m) {
+      case 7: panel_block<BITS, 7>(x, w, p, m); break;
+      case 6: panel_block<BITS, 6>(x, w, p, m); break;
+      case 5: panel_block<BITS, 5>(x, w, p, m); break;
+      case 4: panel_block<BITS, 4>(x, w, p, m); break;
+      case 3: panel_block<BITS, 3>(x, w, p, m); break;
+      case 2: panel_block<BITS, 2>(x, w, p, m); break;
+      case 1: panel_block<BITS, 1>(x, w, p, m); break;
+      default: break;
+    }
+  }
+}
+
+inline void panel_rows(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  if (w.bits == 4) return panel_rows_vec<4>(x, w, p0, p1);
+  return panel_rows_vec<8>(x, w, p0, p1);
+}
+#else
+inline void panel_rows(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  panel_scalar(x, w, p0, p1);
+}
+#endif
+
 void run_group_split(const GroupActs& x, const std::vector<GroupMatrix>& mats) {
   int64_t work = 0;
   for (const auto& m : mats) work += m.N * x.K * x.M;
   Pool& pool = Pool::get();
   const int parts = work < (int64_t{1} << 16) ? 1 : pool.threads();
-  if (parts == 1) {
-    for (const auto& m : mats) group_rows(x, m, 0, m.N);
-    return;
-  }
-  pool.run([&](int part) {
+  auto run_part = [&](int part) {
     for (const auto& m : mats) {
+      if (m.panel) {
+        const int64_t panels = m.N / 16;
+        panel_rows(x, m, panels * part / parts, panels * (part + 1) / parts);
+        continue;
+      }
       const int64_t blocks = (m.N + 1) / 2;
       const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
       group_rows(x, m, std::min(m.N, b0 * 2), std::min(m.N, b1 * 2));
     }
-  });
+  };
+  if (parts == 1) {
+    run_part(0);
+    return;
+  }
+  pool.run(run_part);
 }
 
-ffi::Error WxA8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
-                    ffi::RemainingRets outs) {
+ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                      ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_wxa8: x must be [rows, features]");
   const int64_t M = xd[0], K = xd[1];
@@ -491,15 +608,27 @@ ffi::Error WxA8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::R
       return ffi::Error::InvalidArgument("ruvllm_wxa8: one scale and offset per group of 32 expected");
     if (static_cast<int64_t>((*y)->element_count()) != M * N)
       return ffi::Error::InvalidArgument("ruvllm_wxa8: output shape mismatch");
+    if (panel && N % 16 != 0)
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: the panel layout needs a multiple of 16 output rows");
     mats.push_back(GroupMatrix{q->typed_data<uint8_t>() + l * N * row_bytes,
                                reinterpret_cast<const uint16_t*>(d->untyped_data()) + l * N * G,
                                reinterpret_cast<const uint16_t*>(mn->untyped_data()) + l * N * G,
-                               (*y)->typed_data<float>(), N, bits});
+                               (*y)->typed_data<float>(), N, bits, panel});
   }
   thread_local GroupActs acts;
   acts.quantize(x.typed_data(), M, K);
   run_group_split(acts, mats);
   return ffi::Error::Success();
+}
+
+ffi::Error WxA8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                    ffi::RemainingRets outs) {
+  return WxA8Common(false, x, layer, weights, outs);
+}
+
+ffi::Error WxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                         ffi::RemainingRets outs) {
+  return WxA8Common(true, x, layer, weights, outs);
 }
 
 ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
@@ -657,6 +786,13 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8, WxA8Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8Panel, WxA8PanelImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
