@@ -150,7 +150,7 @@ constexpr const char* kPath = "scalar";
 // A small pool of worker threads of our own. XLA's intra-op pool wakes a sleeping thread for each
 // task, which costs tens of microseconds; a decode step makes ~120 kernel calls, each a few hundred
 // microseconds of work, so that latency would be a large part of the step. These workers spin for a
-// short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 300) and then sleep, so they are
+// short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 50) and then sleep, so they are
 // hot during a step and idle between requests.
 class Pool {
  public:
@@ -185,7 +185,7 @@ class Pool {
     if (n < 1) n = 1;
     if (n > 64) n = 64;
     const char* spin = std::getenv("RUVLLM_JAX_NATIVE_SPIN_US");
-    spin_us_ = spin ? std::atoi(spin) : 300;
+    spin_us_ = spin ? std::atoi(spin) : 50;
     for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
     for (auto& t : workers_) t.detach();
   }
@@ -219,7 +219,7 @@ class Pool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};
   std::function<void(int)>* volatile job_ = nullptr;
-  int spin_us_ = 300;
+  int spin_us_ = 50;
 };
 
 // rows(..) over every matrix, each split into equal runs of 4-row blocks across the pool's threads.
