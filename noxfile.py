@@ -97,4 +97,7 @@ def bench(session: nox.Session) -> None:
         f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )
     for script in scripts:
-        session.run("python", script, env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+        # The CPU benchmarks pin JAX to the CPU (their peers run there); the GPU one looks for CUDA.
+        gpu = script.endswith("bench_gpu.py")
+        env = {} if gpu else {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        session.run("python", script, env=env)
