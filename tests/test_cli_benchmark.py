@@ -102,10 +102,10 @@ def test_table_on_the_jax_backend(smollm2_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     # The default quantization is auto, which the backend resolves (Q4_1 GGUF on CPU: w4a8 when the
-    # native kernels build) and the report names.
+    # native kernels build with their vector path) and the report names.
     from ruvllm_jax import native
 
-    assert f"backend   jax, quantization {'w4a8' if native.available() else 'none'}" in out
+    assert f"backend   jax, quantization {'w4a8' if native.vector_path() == 'avx512-vnni' else 'none'}" in out
     rows = {}
     for line in out.splitlines():
         label, sep, rest = line.partition("  ")

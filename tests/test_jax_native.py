@@ -319,7 +319,10 @@ def test_auto_quantization_picks_w4a8_for_q4_gguf_only(smollm2_checkpoint, tmp_p
     from ruvllm.checkpoint import open_checkpoint
 
     auto = load_jax(smollm2_checkpoint, quantization="auto")
-    assert auto.options.quantization == "w4a8" and auto.native
+    if native.vector_path() == "avx512-vnni":
+        assert auto.options.quantization == "w4a8" and auto.native
+    else:  # the scalar loops are no faster than float32: auto keeps the weights as they are
+        assert auto.options.quantization == "none"
     # Asked to stay off the native kernels: the float path.
     assert load_jax(smollm2_checkpoint, quantization="auto", extra={"native": False}).options.quantization == "none"
     # A float checkpoint keeps its precision.

@@ -60,8 +60,9 @@ def enable_compilation_cache() -> Path | None:
 
 def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
     """What ``quantization="auto"`` means here: ``w4a8`` for a GGUF whose matrices are Q4_0 / Q4_1
-    blocks on one CPU device with the native kernels (the file's own weights, multiplied the way
-    llama.cpp multiplies them, and this backend's fastest CPU form), else ``none``."""
+    blocks on one CPU device with the native kernels' vector path (the file's own weights,
+    multiplied the way llama.cpp multiplies them, and this backend's fastest CPU form), else
+    ``none``."""
     tp = str(options.extra.get("tensor_parallel", 1))
     if (
         checkpoint.format == "gguf"
@@ -71,7 +72,7 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
         and not options.extra.get("keep_gguf_blocks")
         and options.extra.get("native", True) not in (False, "false", "0")
         and jax.devices()[0].platform == "cpu"
-        and native.available()
+        and native.vector_path() == "avx512-vnni"  # the scalar loops are no faster than float32
     ):
         return "w4a8"
     return "none"
@@ -182,6 +183,9 @@ class JaxModel:
             return False
         if jax.devices()[0].platform != "cpu":
             return False
+        if self.options.quantization == "w8a8":
+            # XLA's integer GEMM beats the kernels' scalar loops; only the vector path pays.
+            return native.vector_path() == "avx512-vnni"
         return native.available()
 
     @property
