@@ -156,6 +156,17 @@ def prompt_logits(model, ids: list[int], *, block_size: int = 16) -> np.ndarray:
     return model.forward(ForwardBatch([chunk], block_size), cache).all_logits[0]
 
 
+def mean_kl(want: np.ndarray, got: np.ndarray) -> float:
+    """Mean over rows of KL(softmax(want) || softmax(got)) in float64 (nats)."""
+
+    def logsoftmax(z: np.ndarray) -> np.ndarray:
+        z = z.astype(np.float64) - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    lp, lq = logsoftmax(want), logsoftmax(got)
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+
+
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:
     """Perplexity of ``ids[1:]`` under ``logits[:-1]`` (float64 log-softmax)."""
     x = logits[:-1].astype(np.float64)

@@ -14,6 +14,7 @@ Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -378,16 +379,8 @@ def to_panels(w: QuantArray) -> QuantArray:
         a = np.asarray(a).reshape(*lead, n // PANEL, PANEL, groups)
         return np.ascontiguousarray(np.swapaxes(a, -1, -2)).reshape(*lead, n, groups)
 
-    return QuantArray(
-        np.ascontiguousarray(q).reshape(*lead, n, nbytes),
-        scales(w.scale),
-        scales(w.offset),
-        bits=w.bits,
-        group_size=w.group_size,
-        zero_point=w.zero_point,
-        act_bits=w.act_bits,
-        panel=PANEL,
-    )
+    q = np.ascontiguousarray(q).reshape(*lead, n, nbytes)
+    return dataclasses.replace(w, quant=q, scale=scales(w.scale), offset=scales(w.offset), panel=PANEL)
 
 
 def from_panels(w: QuantArray) -> QuantArray:
@@ -402,14 +395,8 @@ def from_panels(w: QuantArray) -> QuantArray:
         return jnp.swapaxes(a.reshape(*lead, n // PANEL, groups, PANEL), -1, -2).reshape(*lead, n, groups)
 
     assert w.offset is not None
-    return QuantArray(
-        q.reshape(*lead, n, nbytes),
-        scales(w.scale),
-        scales(w.offset),
-        bits=w.bits,
-        group_size=w.group_size,
-        zero_point=w.zero_point,
-        act_bits=w.act_bits,
+    return dataclasses.replace(
+        w, quant=q.reshape(*lead, n, nbytes), scale=scales(w.scale), offset=scales(w.offset), panel=0
     )
 
 
@@ -425,12 +412,4 @@ def _panel_rows(w: QuantArray, ids: jax.Array) -> QuantArray:
     def scales(a: jax.Array) -> jax.Array:
         return a.reshape(n // PANEL, groups, PANEL)[p, :, r]
 
-    return QuantArray(
-        q.reshape(-1, nbytes),
-        scales(w.scale),
-        scales(w.offset),
-        bits=w.bits,
-        group_size=w.group_size,
-        zero_point=w.zero_point,
-        act_bits=w.act_bits,
-    )
+    return dataclasses.replace(w, quant=q.reshape(-1, nbytes), scale=scales(w.scale), offset=scales(w.offset), panel=0)
