@@ -16,6 +16,8 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+
+#include <unistd.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -155,8 +157,20 @@ constexpr const char* kPath = "scalar";
 class Pool {
  public:
   static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: workers may outlive static destruction
-    return *pool;
+    // Never destroyed: workers may outlive static destruction. A forked child has none of the
+    // parent's threads, so it builds its own pool.
+    static std::atomic<Pool*> pool{nullptr};
+    static std::mutex create;
+    Pool* p = pool.load(std::memory_order_acquire);
+    if (p == nullptr || p->pid_ != getpid()) {
+      std::lock_guard<std::mutex> lk(create);
+      p = pool.load(std::memory_order_acquire);
+      if (p == nullptr || p->pid_ != getpid()) {
+        p = new Pool();
+        pool.store(p, std::memory_order_release);
+      }
+    }
+    return *p;
   }
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
@@ -220,6 +234,7 @@ class Pool {
   std::atomic<int> pending_{0};
   std::function<void(int)>* volatile job_ = nullptr;
   int spin_us_ = 50;
+  pid_t pid_ = getpid();
 };
 
 // rows(..) over every matrix, each split into equal runs of 4-row blocks across the pool's threads.
