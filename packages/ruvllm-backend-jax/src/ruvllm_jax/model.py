@@ -161,8 +161,8 @@ class StepPlan:
     attention: str = "reference"
     #: None: no sequence of the step has an adapter, and the step contains no LoRA operation.
     lora: LoraPlan | None = None
-    #: Run the w8a8 products in the native CPU kernels (:mod:`ruvllm_jax.native`): the runner sets
-    #: it for small CPU steps once the kernels are loaded.
+    #: Run the quantized products (w8a8, w4a8) and decode attention in the native CPU kernels
+    #: (:mod:`ruvllm_jax.native`): the runner sets it for CPU steps once the kernels are loaded.
     native: bool = False
 
 
@@ -306,7 +306,7 @@ def forward_step(
             for p, slots in lora.items()
         }
 
-    # Native steps keep the w8a8 matrices out of the scanned operands: the kernels index the stacked
+    # Native steps keep the quantized matrices out of the scanned operands: the kernels index the stacked
     # arrays by layer themselves, where a scanned operand would be copied out layer by layer.
     formats = {_native_format(getattr(weights.layers, f)) for f in _NATIVE_FIELDS}
     use_native = plan.native and len(formats) == 1 and None not in formats
