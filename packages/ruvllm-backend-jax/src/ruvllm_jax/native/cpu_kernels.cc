@@ -271,13 +271,14 @@ struct GroupActs {
   std::vector<int8_t> q4;    // [M, K] in the 4-bit kernel's order (per pair of groups, see below)
   std::vector<float> dx, sx; // [M, Gp], zero padded to a multiple of 16 groups
 
-  void quantize(const float* x, int64_t rows, int64_t cols) {
+  // with_q4: also lay the codes out for the row-major 4-bit kernel (panel matrices do not need it).
+  void quantize(const float* x, int64_t rows, int64_t cols, bool with_q4) {
     M = rows;
     K = cols;
     G = cols / 32;
     Gp = (G + 15) / 16 * 16;
     q.assign(M * K, 0);
-    q4.assign(M * K, 0);
+    if (with_q4) q4.assign(M * K, 0);
     dx.assign(M * Gp, 0.f);
     sx.assign(M * Gp, 0.f);
     for (int64_t m = 0; m < M; ++m) {
@@ -299,7 +300,7 @@ struct GroupActs {
       }
       // 4-bit order, per pair of groups (a, b): a[0:16] b[0:16] a[16:32] b[16:32], matching how one
       // 32-byte load of packed codes unpacks (low nibbles of a and b, then their high nibbles).
-      for (int64_t p = 0; p + 1 < G; p += 2) {
+      for (int64_t p = 0; with_q4 && p + 1 < G; p += 2) {
         const int8_t* a = q.data() + m * K + p * 32;
         const int8_t* b = a + 32;
         int8_t* o = q4.data() + m * K + p * 32;
@@ -631,7 +632,9 @@ ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32>
                                (*y)->typed_data<float>(), N, bits, panel});
   }
   thread_local GroupActs acts;
-  acts.quantize(x.typed_data(), M, K);
+  bool row_major_4bit = false;
+  for (const auto& m : mats) row_major_4bit |= !m.panel && m.bits == 4;
+  acts.quantize(x.typed_data(), M, K, row_major_4bit);
   run_group_split(acts, mats);
   return ffi::Error::Success();
 }
