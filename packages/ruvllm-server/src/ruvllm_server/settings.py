@@ -29,6 +29,8 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: str | None = None
     #: ``auto``: the backend's fastest form that keeps the checkpoint's weights (see LoadOptions).
     quantization: str = "auto"
+    #: CPU threads for the backend's kernels (default: the CPUs this process may use).
+    threads: Positive | None = None
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     #: Requests generating at once (admission control); more wait in a queue of ``max_queue``.

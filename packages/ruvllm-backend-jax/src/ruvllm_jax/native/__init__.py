@@ -2,152 +2,238 @@
 
 XLA:CPU multiplies a single int8 activation row by an int8 matrix in a generic loop, and inside
 ``lax.scan`` it copies each layer's weight slice before using it; for one-token decode steps those
-two costs are most of the step. ``cpu_kernels.cc`` holds kernels that take the whole stacked weight
-array plus a layer index (no copy) and run the integer product with the CPU's dot-product
-instructions (AVX-512 VNNI where the CPU has it, a portable loop otherwise).
+two costs are most of the step. The kernels take the whole stacked weight array plus a layer index
+(no copy) and run the integer products with the CPU's dot-product instructions.
 
-The library is compiled on first use with the machine's C++ compiler (``$CXX``, else ``c++``/``g++``)
-for the running CPU (``-march=native``) and cached under ``$RUVLLM_JAX_NATIVE_CACHE`` (default
-``~/.cache/ruvllm/native``), keyed by the source, jaxlib version, compiler and CPU flags. When no
-compiler is found or the build fails, :func:`available` is False, the reason is logged once, and the
-steps use the XLA path, which computes the same values. ``RUVLLM_JAX_NATIVE=0`` turns the kernels off.
+The library is compiled when the package is installed (``setup.py``), once per ISA variant into one
+file: ``scalar``, ``avx2``, ``avxvnni`` and ``avx512vnni`` on x86-64; ``neon``, ``neon-dotprod`` and
+``neon-i8mm`` on aarch64. At load it reads the CPU's features and uses the best variant;
+``RUVLLM_CPU_ISA`` forces another the CPU supports (an unknown or unsupported one is an error). No
+compiler is needed at run time. Without the library (installed where no compiler was found), or with
+``RUVLLM_JAX_NATIVE=0``, :func:`available` is False, the reason is logged once, and the steps use the
+XLA path, which computes the same values.
+
+The kernels split work over a pool of their own threads: ``RUVLLM_THREADS`` (or the backend's
+``threads`` option) when set, else the CPUs this process may run on (its affinity mask, capped by a
+cgroup CPU quota).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import structlog
 
+from ruvllm.errors import BackendError
+
 log = structlog.get_logger("ruvllm_jax.native")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 W8A8_TARGET = "ruvllm_w8a8"
 WXA8_TARGET = "ruvllm_wxa8"
 WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 DECODE_TARGET = "ruvllm_paged_decode"
+#: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
+ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+def library_path() -> Path | None:
+    """The built library inside the installed package, or None when the install built none."""
+    found = sorted(Path(__file__).parent.glob("_cpu_kernels*.so")) + sorted(
+        Path(__file__).parent.glob("_cpu_kernels*.pyd")
+    )
+    return found[0] if found else None
+
+
+def _off() -> bool:
+    return os.environ.get("RUVLLM_JAX_NATIVE", "1").lower() in ("0", "false", "no", "off")
+
+
+def _cgroup_cpu_limit() -> int | None:
+    """CPUs allowed by a cgroup v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us``) quota, rounded up."""
+    candidates = [
+        (Path("/sys/fs/cgroup/cpu.max"), None),
+        (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")),
+    ]
+    for quota_path, period_path in candidates:
+        try:
+            text = quota_path.read_text().split()
+            if period_path is None:
+                quota, period = text[0], text[1]
+            else:
+                quota, period = text[0], period_path.read_text().strip()
+        except (OSError, IndexError):
+            continue
+        if quota in ("max", "-1"):
+            return None
+        try:
+            return max(1, math.ceil(int(quota) / int(period)))
+        except (ValueError, ZeroDivisionError):
+            return None
     return None
 
 
-def _cpu_flags() -> str:
+def default_threads() -> int:
+    """The CPUs this process may use: its affinity mask, capped by a cgroup CPU quota."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    return max(1, min(n, limit) if limit else n)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("RUVLLM_JAX_NATIVE_CACHE") or Path.home() / ".cache" / "ruvllm" / "native")
-
-
-def _build(cxx: str) -> Path:
-    import jaxlib
-
-    src = SOURCE.read_bytes()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        b"\0".join(x.encode() if isinstance(x, str) else x for x in (src, jaxlib.__version__, version, _cpu_flags()))
-    ).hexdigest()[:20]
-    out = cache_dir() / key / "libruvllm_cpu_kernels.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        cmd = [
-            cxx,
-            "-O3",
-            "-march=native",
-            "-std=c++17",
-            "-shared",
-            "-fPIC",
-            "-w",
-            "-fopenmp-simd",
-            f"-I{jax.ffi.include_dir()}",
-            str(SOURCE),
-            "-o",
-            str(tmp_out),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders both end with a whole file
-    return out
+def _threads_setting(requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    env = os.environ.get("RUVLLM_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise BackendError(f"RUVLLM_THREADS must be a positive integer, got {env!r}") from None
+        if n < 1:
+            raise BackendError(f"RUVLLM_THREADS must be a positive integer, got {env!r}")
+        return n
+    return default_threads()
 
 
 def _load() -> None:
-    if os.environ.get("RUVLLM_JAX_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+    if _off():
         _state["reason"] = "turned off by RUVLLM_JAX_NATIVE"
         return
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        _state["reason"] = f"unsupported machine {platform.machine()}"
-        return
-    cxx = _compiler()
-    if cxx is None:
-        _state["reason"] = "no C++ compiler found (set CXX)"
+    path = library_path()
+    if path is None:
+        _state["reason"] = (
+            "the package was installed without its native library (no C++ compiler at install time); "
+            "reinstall ruvllm-backend-jax with a compiler, or from a platform wheel"
+        )
         return
     try:
-        path = _build(cxx)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(W8A8_TARGET, jax.ffi.pycapsule(lib.RuvllmW8A8), platform="cpu")
-        jax.ffi.register_ffi_target(WXA8_TARGET, jax.ffi.pycapsule(lib.RuvllmWxA8), platform="cpu")
-        jax.ffi.register_ffi_target(WXA8_PANEL_TARGET, jax.ffi.pycapsule(lib.RuvllmWxA8Panel), platform="cpu")
-        jax.ffi.register_ffi_target(DECODE_TARGET, jax.ffi.pycapsule(lib.RuvllmPagedDecode), platform="cpu")
-        lib.ruvllm_cpu_kernels_path.restype = ctypes.c_char_p
-        _state["lib"] = lib
-        _state["path"] = lib.ruvllm_cpu_kernels_path().decode()
-        log.info("native cpu kernels loaded", library=str(path), vector_path=_state["path"])
-    except Exception as exc:  # the XLA path stays correct; say why the fast one is missing
-        _state["reason"] = str(exc)
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        _state["reason"] = f"cannot load {path}: {exc}"
+        return
+    for fn, res in (
+        (lib.ruvllm_supported_isas, ctypes.c_char_p),
+        (lib.ruvllm_isa, ctypes.c_char_p),
+        (lib.ruvllm_isa_build, ctypes.c_char_p),
+        (lib.ruvllm_select_isa, ctypes.c_int),
+        (lib.ruvllm_threads, ctypes.c_int),
+        (lib.ruvllm_set_threads, ctypes.c_int),
+    ):
+        fn.restype = res
+    lib.ruvllm_select_isa.argtypes = [ctypes.c_char_p]
+    lib.ruvllm_set_threads.argtypes = [ctypes.c_int]
+    _state["lib"] = lib
+    _select(lib, os.environ.get("RUVLLM_CPU_ISA", "auto").strip().lower() or "auto")
+    lib.ruvllm_set_threads(_threads_setting(None))
+    for target, symbol in (
+        (W8A8_TARGET, lib.RuvllmW8A8),
+        (WXA8_TARGET, lib.RuvllmWxA8),
+        (WXA8_PANEL_TARGET, lib.RuvllmWxA8Panel),
+        (DECODE_TARGET, lib.RuvllmPagedDecode),
+    ):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    log.info(
+        "native cpu kernels loaded",
+        library=str(path),
+        isa=lib.ruvllm_isa().decode(),
+        build=lib.ruvllm_isa_build().decode(),
+        supported=lib.ruvllm_supported_isas().decode(),
+    )
+
+
+def _select(lib: ctypes.CDLL, name: str) -> None:
+    code = lib.ruvllm_select_isa(name.encode())
+    if code == 0:
+        return
+    supported = lib.ruvllm_supported_isas().decode()
+    if code == 1:
+        raise BackendError(
+            f"RUVLLM_CPU_ISA={name}: unknown or not built for this machine (choose auto or one of: {supported})"
+        )
+    raise BackendError(f"RUVLLM_CPU_ISA={name}: this CPU lacks its instructions (it supports: {supported})")
 
 
 def available() -> bool:
-    """Whether the native kernels are built, loaded and registered with XLA (builds them once)."""
+    """Whether the native kernels are loaded and registered with XLA (loads them once). Raises
+    :class:`BackendError` when ``RUVLLM_CPU_ISA`` names a variant this CPU cannot run."""
     with _lock:
         if not _state.get("tried"):
             _state["tried"] = True
-            _load()
+            try:
+                _load()
+            except BackendError:
+                _state.pop("lib", None)
+                _state["tried"] = False  # say it again on the next call, never run a wrong variant
+                raise
             if "lib" not in _state:
-                off = os.environ.get("RUVLLM_JAX_NATIVE", "1").lower() in ("0", "false", "no", "off")
-                say = log.info if off else log.warning
+                say = log.info if _off() else log.warning
                 say("native cpu kernels unavailable; using XLA", reason=_state.get("reason"))
     return "lib" in _state
 
 
-def vector_path() -> str | None:
-    """``avx512-vnni`` or ``scalar`` (what the library was compiled to use), None when not loaded."""
-    return str(_state["path"]) if available() else None
+def _lib() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError(f"ruvllm native CPU kernels are not available: {unavailable_reason()}")
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def isa() -> str | None:
+    """The ISA variant the kernels run (``avx2``, ``avx512vnni``, ``neon-dotprod``, ...), None when
+    the kernels are not loaded."""
+    return _lib().ruvllm_isa().decode() if available() else None
+
+
+def has_vector_path() -> bool:
+    """Whether the kernels run a vector variant (the scalar loops are no faster than XLA's float32)."""
+    return available() and isa() != "scalar"
+
+
+def supported_isas() -> list[str]:
+    """Variants this CPU can run with the installed library, worst first (empty when not loaded)."""
+    return _lib().ruvllm_supported_isas().decode().split(",") if available() else []
+
+
+def threads() -> int:
+    """Threads the kernels split work over (starts their pool)."""
+    return int(_lib().ruvllm_threads())
+
+
+def set_threads(n: int) -> None:
+    """Sets the kernels' thread count; only before their first call (the pool starts once)."""
+    if n < 1:
+        raise BackendError(f"threads must be a positive integer, got {n}")
+    got = _lib().ruvllm_set_threads(n)
+    if got != n:
+        raise BackendError(f"the native kernels already run on {got} threads; set threads before the first step")
+
+
+@contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Runs the kernels' ``name`` variant inside the block (tests compare variants in one process)."""
+    lib = _lib()
+    before = lib.ruvllm_isa().decode()
+    _select(lib, name)
+    try:
+        yield
+    finally:
+        lib.ruvllm_select_isa(before.encode())
 
 
 def unavailable_reason() -> str | None:
     return None if available() else str(_state.get("reason"))
-
-
-def _require() -> None:
-    if not available():
-        raise RuntimeError(f"ruvllm native CPU kernels are not available: {unavailable_reason()}")
 
 
 def w8a8_group(
@@ -156,7 +242,7 @@ def w8a8_group(
     """``x @ W_i.T`` for each ``(quant [L?, N, K] int8, scale [L?, N(, 1)] float32)`` of ``weights``
     at layer ``layer`` (0 for unstacked). ``x`` ``[rows, K]`` float32 is multiplied by ``in_scale``
     (``[L?, K]``, the group's shared smoothing factors) and quantized once for the whole group."""
-    _require()
+    _lib()
     rows = x.shape[0]
     results = [jax.ShapeDtypeStruct((rows, q.shape[-2]), jnp.float32) for q, _ in weights]
     operands: list[jax.Array] = []
@@ -172,9 +258,9 @@ def wxa8_group(
 ) -> list[jax.Array]:
     """``x @ W_i.T`` for group-quantized weights ``(codes uint8 [L?, N, K/2 or K], scale float16
     [L?, N, K/32], offset float16 [L?, N, K/32])`` at ``layer``, with ``x`` ``[rows, K]`` quantized to
-    int8 per group of 32 once for the whole group (see ``cpu_kernels.cc``, ``ruvllm_wxa8``). With
-    ``panel`` every matrix is in the panel layout of :func:`ruvllm_jax.quant.to_panels`."""
-    _require()
+    int8 per group of 32 once for the whole group (see ``cpu_kernels.h``). With ``panel`` every
+    matrix is in the panel layout of :func:`ruvllm_jax.quant.to_panels`."""
+    _lib()
     rows = x.shape[0]
     results = [jax.ShapeDtypeStruct((rows, q.shape[-2]), jnp.float32) for q, _, _ in weights]
     operands: list[jax.Array] = []
@@ -190,7 +276,7 @@ def paged_decode(
     """Attention of one token per sequence, ``q`` ``[S, H, D]`` float32, over the float32 paged caches
     ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place), keys ``0 .. context[s] - 1`` through
     ``tables`` ``[S, Bd]``. Returns ``[S, H, D]``; a sequence with context 0 gets zeros."""
-    _require()
+    _lib()
     call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),

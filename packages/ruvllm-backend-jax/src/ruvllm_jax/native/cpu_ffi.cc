@@ -1,0 +1,613 @@
+// ruvllm CPU kernels for XLA:CPU, called from jitted steps through the XLA FFI: the handlers, the
+// work split over a small thread pool, activation quantization and the choice of ISA variant.
+//
+// Built at install (setup.py) for the baseline ISA of the target architecture; the kernels
+// themselves are in cpu_kernels_variant.cc, compiled once per ISA variant into the same library.
+// The best variant the CPU supports is chosen once, at load, from its features (cpuid and xgetbv on
+// x86-64, getauxval(AT_HWCAP) on Linux/aarch64); ruvllm_select_isa forces another it supports.
+//
+// ruvllm_w8a8: y_i = x @ W_i.T for a group of int8 weight matrices W_i that share one input x
+// (q/k/v, or gate/up). x [M, K] float32 is multiplied by the group's per-input-channel smoothing
+// factors, quantized to int8 once per row (scale = row max / 127, round half to even, clip +-127),
+// and multiplied in int32 against each W_i (int8, one float32 scale per output channel). The weights
+// may be stacked over layers ([L, N, K]); the layer operand picks one without copying it.
+//
+// ruvllm_wxa8 / ruvllm_wxa8_panel: weights in groups of 32 along the input (GGUF Q4_0 / Q4_1 / Q8_0
+// blocks), activations quantized to int8 per group of 32 (llama.cpp's Q8_1 scheme); see
+// cpu_kernels.h for the arithmetic. ruvllm_paged_decode: attention of one token per sequence over
+// the paged cache, read in place.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+#if defined(__linux__) && defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+#include "cpu_kernels.h"
+
+namespace ffi = xla::ffi;
+using ruvllm::DecodeJob;
+using ruvllm::GroupMatrix;
+using ruvllm::KernelTable;
+using ruvllm::RowMatrix;
+
+// Every variant the build may hold; those it did not compile (another architecture) are null.
+#define RUVLLM_VARIANTS(X) \
+  X(scalar) X(avx2) X(avxvnni) X(avxvnni_evex) X(avx512vnni) X(neon) X(neon_dotprod) X(neon_i8mm)
+#define RUVLLM_WEAK_DECL(sym) extern "C" const KernelTable* ruvllm_kernels_##sym() __attribute__((weak));
+RUVLLM_VARIANTS(RUVLLM_WEAK_DECL)
+
+namespace {
+
+// -- CPU features and the variant in use -------------------------------------------------------------
+
+enum Feature : unsigned {
+  kAvx2 = 1u << 0,        // AVX2 + FMA + F16C, YMM state enabled by the OS
+  kAvxVnni = 1u << 1,     // AVX-VNNI (VEX vpdpbusd)
+  kAvx512Vnni = 1u << 2,  // AVX-512 F + BW + VL + VNNI, ZMM state enabled by the OS
+  kNeon = 1u << 8,
+  kNeonDot = 1u << 9,     // sdot / udot
+  kNeonI8mm = 1u << 10,   // smmla / usdot
+};
+
+unsigned detect_features() {
+  unsigned f = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29), avx = c & (1u << 28);
+  if (!osxsave || !avx) return 0;
+  unsigned xlo, xhi;
+  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  const bool ymm = (xlo & 0x6u) == 0x6u, zmm = (xlo & 0xE6u) == 0xE6u;
+  if (!ymm || __get_cpuid_max(0, nullptr) < 7) return 0;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30), avx512vl = b & (1u << 31);
+  const bool avx512vnni = c & (1u << 11);
+  __cpuid_count(7, 1, a, b, c, d);
+  const bool avxvnni = a & (1u << 4);
+  if (avx2 && fma && f16c) {
+    f |= kAvx2;
+    if (avxvnni) f |= kAvxVnni;
+    if (zmm && avx512f && avx512bw && avx512vl && avx512vnni) f |= kAvx512Vnni;
+  }
+#elif defined(__aarch64__)
+  f |= kNeon;
+#if defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  if (hw & (1ul << 20)) f |= kNeonDot;               // HWCAP_ASIMDDP
+  if ((f & kNeonDot) && (hw2 & (1ul << 13))) f |= kNeonI8mm;  // HWCAP2_I8MM
+#endif
+#endif
+  return f;
+}
+
+struct Variant {
+  const char* name;                        // what RUVLLM_CPU_ISA calls it
+  const KernelTable* (*table)();           // null where this build lacks it
+  unsigned needs;                          // features the CPU must have
+};
+
+// Best last. "avxvnni" has two builds of the same 256-bit code: VEX-encoded for CPUs with AVX-VNNI,
+// EVEX-encoded for CPUs with AVX-512 VNNI but not AVX-VNNI (most AVX-512 server parts), so the
+// AVX-VNNI path can be measured on either.
+const Variant kVariants[] = {
+    {"scalar", ruvllm_kernels_scalar, 0},
+    {"avx2", ruvllm_kernels_avx2, kAvx2},
+    {"avxvnni", ruvllm_kernels_avxvnni_evex, kAvx512Vnni},
+    {"avxvnni", ruvllm_kernels_avxvnni, kAvxVnni},
+    {"avx512vnni", ruvllm_kernels_avx512vnni, kAvx512Vnni},
+    {"neon", ruvllm_kernels_neon, kNeon},
+    {"neon-dotprod", ruvllm_kernels_neon_dotprod, kNeonDot},
+    {"neon-i8mm", ruvllm_kernels_neon_i8mm, kNeonI8mm},
+};
+
+std::atomic<const KernelTable*> g_table{nullptr};
+std::string g_isa;
+std::atomic<int> g_threads{0};
+std::atomic<int> g_pool_threads{0};  // nonzero once the pool has started
+
+bool usable(const Variant& v, unsigned f) { return v.table != nullptr && (v.needs & f) == v.needs; }
+
+const KernelTable* kernels() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  return t != nullptr ? t : ruvllm_kernels_scalar();
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
+}
+
+// -- the thread pool ---------------------------------------------------------------------------------
+// A small pool of worker threads of our own. XLA's intra-op pool wakes a sleeping thread for each
+// task, which costs tens of microseconds; a decode step makes ~120 kernel calls, each a few hundred
+// microseconds of work, so that latency would be a large part of the step. These workers spin for a
+// short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 50) and then sleep, so they are
+// hot during a step and idle between requests. The thread count is set from Python before the pool
+// starts (ruvllm_set_threads: --threads / RUVLLM_THREADS, else the CPUs this process may use).
+class Pool {
+ public:
+  static Pool& get() {
+    // Never destroyed: workers may outlive static destruction. A forked child has none of the
+    // parent's threads, so it builds its own pool.
+    static std::atomic<Pool*> pool{nullptr};
+    static std::mutex create;
+    Pool* p = pool.load(std::memory_order_acquire);
+    if (p == nullptr || p->pid_ != getpid()) {
+      std::lock_guard<std::mutex> lk(create);
+      p = pool.load(std::memory_order_acquire);
+      if (p == nullptr || p->pid_ != getpid()) {
+        p = new Pool();
+        pool.store(p, std::memory_order_release);
+      }
+    }
+    return *p;
+  }
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Calls fn(part) for part in [0, threads()), part 0 on the calling thread.
+  template <typename F>
+  void run(F&& fn) {
+    if (workers_.empty()) { fn(0); return; }
+    std::lock_guard<std::mutex> serial(run_mutex_);  // one job at a time (XLA may call concurrently)
+    std::function<void(int)> job = fn;
+    job_ = &job;
+    pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    fn(0);
+    while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+    job_ = nullptr;
+  }
+
+ private:
+  Pool() {
+    int n = g_threads.load() > 0 ? g_threads.load() : static_cast<int>(std::thread::hardware_concurrency());
+    if (n < 1) n = 1;
+    if (n > 256) n = 256;
+    g_pool_threads.store(n);
+    const char* spin = std::getenv("RUVLLM_JAX_NATIVE_SPIN_US");
+    spin_us_ = spin ? std::atoi(spin) : 50;
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    for (auto& t : workers_) t.detach();
+  }
+
+  void loop(int part) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t gen = generation_.load(std::memory_order_acquire);
+      if (gen == seen) {
+        const auto start = std::chrono::steady_clock::now();
+        while ((gen = generation_.load(std::memory_order_acquire)) == seen) {
+          // Yield rather than pause: XLA's own threads may need this core between our calls.
+          std::this_thread::yield();
+          if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+            gen = generation_.load(std::memory_order_acquire);
+            break;
+          }
+        }
+      }
+      seen = gen;
+      (*job_)(part);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex run_mutex_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::function<void(int)>* volatile job_ = nullptr;
+  int spin_us_ = 50;
+  pid_t pid_ = getpid();
+};
+
+// -- activation quantization (owning buffers; the kernels see cpu_kernels.h's views) ---------------
+
+struct RowActsBuf {
+  int64_t M = 0, K = 0, Kp = 0;
+  std::vector<int8_t> q;      // [M, Kp], zero padded
+  std::vector<uint8_t> a;     // [M, Kp], q + 128 (zero padding -> 128)
+  std::vector<float> scale;   // [M]
+
+  void quantize(const float* x, const float* in_scale, int64_t rows, int64_t cols) {
+    M = rows;
+    K = cols;
+    Kp = (cols + 63) / 64 * 64;
+    q.assign(M * Kp, 0);
+    a.assign(M * Kp, 128);
+    scale.assign(M, 1.0f);
+    std::vector<float> tmp(K);
+    for (int64_t m = 0; m < M; ++m) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        float v = x[m * K + k];
+        if (in_scale) v *= in_scale[k];
+        tmp[k] = v;
+        amax = std::fmax(amax, std::fabs(v));
+      }
+      const float sc = amax > 0.f ? amax / 127.0f : 1.0f;
+      scale[m] = sc;
+      for (int64_t k = 0; k < K; ++k) {
+        float r = std::nearbyint(tmp[k] / sc);
+        r = std::fmin(std::fmax(r, -127.f), 127.f);
+        const int8_t v = static_cast<int8_t>(r);
+        q[m * Kp + k] = v;
+        a[m * Kp + k] = static_cast<uint8_t>(v + 128);
+      }
+    }
+  }
+
+  ruvllm::RowActs view() const { return {q.data(), a.data(), scale.data(), M, K, Kp}; }
+};
+
+struct GroupActsBuf {
+  int64_t M = 0, K = 0, G = 0, Gp = 0;
+  std::vector<int8_t> q, q4;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> isum;
+  bool with_q4 = false;
+
+  // with_q4: also lay the codes out for the row-major 4-bit kernel (panel matrices do not need it):
+  // per pair of groups (a, b): a[0:16] b[0:16] a[16:32] b[16:32], matching how one 32-byte load of
+  // packed codes unpacks (low nibbles of a and b, then their high nibbles).
+  void quantize(const float* x, int64_t rows, int64_t cols, bool want_q4) {
+    M = rows;
+    K = cols;
+    G = cols / 32;
+    Gp = (G + 15) / 16 * 16;
+    with_q4 = want_q4;
+    q.assign(M * K, 0);
+    if (with_q4) q4.assign(M * K, 0);
+    dx.assign(M * Gp, 0.f);
+    sx.assign(M * Gp, 0.f);
+    isum.assign(M * Gp, 0);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x + m * K + g * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xg[j]));
+        const float d = amax / 127.0f;
+        int32_t sum = 0;
+        int8_t* qg = q.data() + m * K + g * 32;
+        for (int j = 0; j < 32; ++j) {
+          float r = amax > 0.f ? std::nearbyint(xg[j] / d) : 0.f;
+          r = std::fmin(std::fmax(r, -127.f), 127.f);
+          qg[j] = static_cast<int8_t>(r);
+          sum += qg[j];
+        }
+        dx[m * Gp + g] = d;
+        sx[m * Gp + g] = d * static_cast<float>(sum);
+        isum[m * Gp + g] = sum;
+      }
+      for (int64_t p = 0; with_q4 && p + 1 < G; p += 2) {
+        const int8_t* a = q.data() + m * K + p * 32;
+        const int8_t* b = a + 32;
+        int8_t* o = q4.data() + m * K + p * 32;
+        std::memcpy(o, a, 16);
+        std::memcpy(o + 16, b, 16);
+        std::memcpy(o + 32, a + 16, 16);
+        std::memcpy(o + 48, b + 16, 16);
+      }
+    }
+  }
+
+  ruvllm::GroupActs view() const {
+    return {q.data(), with_q4 ? q4.data() : nullptr, dx.data(), sx.data(), isum.data(), M, K, G, Gp};
+  }
+};
+
+// w8a8_rows over every matrix, each split into equal runs of 4-row blocks across the pool's threads.
+void run_split(const ruvllm::RowActs& x, const std::vector<RowMatrix>& mats) {
+  const KernelTable* kt = kernels();
+  int64_t total = 0;
+  for (const auto& m : mats) total += m.N;
+  Pool& pool = Pool::get();
+  const int parts = total * x.K < (int64_t{1} << 16) ? 1 : pool.threads();
+  if (parts == 1) {
+    for (const auto& m : mats) kt->w8a8_rows(x, m, 0, m.N);
+    return;
+  }
+  pool.run([&](int part) {
+    for (const auto& m : mats) {
+      const int64_t blocks = (m.N + 3) / 4;
+      const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
+      kt->w8a8_rows(x, m, std::min(m.N, b0 * 4), std::min(m.N, b1 * 4));
+    }
+  });
+}
+
+void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>& mats) {
+  const KernelTable* kt = kernels();
+  int64_t work = 0;
+  for (const auto& m : mats) work += m.N * x.K * x.M;
+  Pool& pool = Pool::get();
+  const int parts = work < (int64_t{1} << 16) ? 1 : pool.threads();
+  auto run_part = [&](int part) {
+    for (const auto& m : mats) {
+      if (m.panel) {
+        const int64_t panels = m.N / 16;
+        kt->panel_rows(x, m, panels * part / parts, panels * (part + 1) / parts);
+        continue;
+      }
+      const int64_t blocks = (m.N + 1) / 2;
+      const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
+      kt->group_rows(x, m, std::min(m.N, b0 * 2), std::min(m.N, b1 * 2));
+    }
+  };
+  if (parts == 1) {
+    run_part(0);
+    return;
+  }
+  pool.run(run_part);
+}
+
+ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                      ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_wxa8: x must be [rows, features]");
+  const int64_t M = xd[0], K = xd[1];
+  if (K % 32 != 0) return ffi::Error::InvalidArgument("ruvllm_wxa8: input features must be a multiple of 32");
+  const int64_t G = K / 32;
+  const int64_t l = layer.typed_data()[0];
+  if (weights.size() != 3 * outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument("ruvllm_wxa8: expected (codes, scale, offset) triples, one per output");
+  std::vector<GroupMatrix> mats;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto q = weights.get<ffi::AnyBuffer>(3 * i);
+    auto d = weights.get<ffi::AnyBuffer>(3 * i + 1);
+    auto mn = weights.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!q.has_value() || !d.has_value() || !mn.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: bad operand");
+    if (q->element_type() != ffi::DataType::U8 || d->element_type() != ffi::DataType::F16 ||
+        mn->element_type() != ffi::DataType::F16 || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: codes must be uint8 with float16 scales and offsets");
+    const auto qd = q->dimensions();
+    if (qd.size() < 2) return ffi::Error::InvalidArgument("ruvllm_wxa8: codes must be [.., out, bytes]");
+    const int64_t N = qd[qd.size() - 2];
+    int bits;
+    if (qd.back() == K / 2) bits = 4;
+    else if (qd.back() == K) bits = 8;
+    else return ffi::Error::InvalidArgument("ruvllm_wxa8: code bytes per row are neither K / 2 nor K");
+    const int64_t row_bytes = qd.back();
+    const int64_t L = static_cast<int64_t>(q->element_count()) / (N * row_bytes);
+    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_wxa8: layer index out of range");
+    if (static_cast<int64_t>(d->element_count()) != L * N * G || static_cast<int64_t>(mn->element_count()) != L * N * G)
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: one scale and offset per group of 32 expected");
+    if (static_cast<int64_t>((*y)->element_count()) != M * N)
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: output shape mismatch");
+    if (panel && N % 16 != 0)
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: the panel layout needs a multiple of 16 output rows");
+    mats.push_back(GroupMatrix{q->typed_data<uint8_t>() + l * N * row_bytes,
+                               reinterpret_cast<const uint16_t*>(d->untyped_data()) + l * N * G,
+                               reinterpret_cast<const uint16_t*>(mn->untyped_data()) + l * N * G,
+                               (*y)->typed_data<float>(), N, bits, panel});
+  }
+  thread_local GroupActsBuf acts;
+  bool row_major_4bit = false;
+  for (const auto& m : mats) row_major_4bit |= !m.panel && m.bits == 4;
+  acts.quantize(x.typed_data(), M, K, row_major_4bit);
+  run_group_split(acts.view(), mats);
+  return ffi::Error::Success();
+}
+
+ffi::Error WxA8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                    ffi::RemainingRets outs) {
+  return WxA8Common(false, x, layer, weights, outs);
+}
+
+ffi::Error WxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                         ffi::RemainingRets outs) {
+  return WxA8Common(true, x, layer, weights, outs);
+}
+
+ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                    ffi::Buffer<ffi::F32> in_scale, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_w8a8: x must be [rows, features]");
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t l = layer.typed_data()[0];
+  if (weights.size() != 2 * outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument("ruvllm_w8a8: expected (weight, scale) pairs, one per output");
+  if (in_scale.element_count() != 0 && in_scale.dimensions().back() != K)
+    return ffi::Error::InvalidArgument("ruvllm_w8a8: smoothing factors do not match the input features");
+  std::vector<RowMatrix> mats;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto wq = weights.get<ffi::AnyBuffer>(2 * i);
+    auto ws = weights.get<ffi::AnyBuffer>(2 * i + 1);
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!wq.has_value() || !ws.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("ruvllm_w8a8: bad operand");
+    if (wq->element_type() != ffi::DataType::S8 || ws->element_type() != ffi::DataType::F32 ||
+        (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("ruvllm_w8a8: weights must be int8 with float32 scales");
+    const auto wd = wq->dimensions();
+    if (wd.size() < 2 || wd.back() != K)
+      return ffi::Error::InvalidArgument("ruvllm_w8a8: weight columns differ from the input features");
+    const int64_t N = wd[wd.size() - 2];
+    const int64_t L = static_cast<int64_t>(wq->element_count()) / (N * K);
+    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_w8a8: layer index out of range");
+    if (static_cast<int64_t>(ws->element_count()) != L * N)
+      return ffi::Error::InvalidArgument("ruvllm_w8a8: one scale per output channel expected");
+    if (static_cast<int64_t>((*y)->element_count()) != M * N)
+      return ffi::Error::InvalidArgument("ruvllm_w8a8: output shape mismatch");
+    mats.push_back(RowMatrix{wq->typed_data<int8_t>() + l * N * K, ws->typed_data<float>() + l * N,
+                          (*y)->typed_data<float>(), N});
+  }
+  const float* is = nullptr;
+  if (in_scale.element_count() != 0) {
+    const int64_t L = static_cast<int64_t>(in_scale.element_count()) / K;
+    if (l >= L) return ffi::Error::InvalidArgument("ruvllm_w8a8: smoothing layer index out of range");
+    is = in_scale.typed_data() + l * K;
+  }
+  thread_local RowActsBuf acts;
+  acts.quantize(x.typed_data(), is, M, K);
+  run_split(acts.view(), mats);
+  return ffi::Error::Success();
+}
+
+// Per-thread room for one (sequence, kv head)'s attention probabilities.
+float* scratch(const DecodeJob& j, int64_t s) {
+  thread_local std::vector<float> p;
+  const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(j.context[s], j.Bd * j.BS));
+  const size_t need = static_cast<size_t>(std::max<int64_t>(1, (j.H / j.KVH) * ctx));
+  if (p.size() < need) p.resize(need);
+  return p.data();
+}
+
+ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                           ffi::Buffer<ffi::S32> context, ffi::ResultBuffer<ffi::F32> out) {
+  const auto kd = k.dimensions();
+  const auto td = tables.dimensions();
+  if (kd.size() != 5 || v.dimensions().size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("ruvllm_paged_decode: caches must be [L, NB, BS, KVH, D], tables [S, Bd]");
+  for (int i = 0; i < 5; ++i)
+    if (kd[i] != v.dimensions()[i]) return ffi::Error::InvalidArgument("ruvllm_paged_decode: K and V caches differ");
+  DecodeJob j{};
+  j.q = q.typed_data();
+  j.k = k.typed_data();
+  j.v = v.typed_data();
+  j.tables = tables.typed_data();
+  j.context = context.typed_data();
+  j.out = out->typed_data();
+  j.NB = kd[1];
+  j.BS = kd[2];
+  j.KVH = kd[3];
+  j.D = kd[4];
+  j.S = td[0];
+  j.Bd = td[1];
+  j.layer = layer.typed_data()[0];
+  if (j.layer < 0 || j.layer >= kd[0]) return ffi::Error::InvalidArgument("ruvllm_paged_decode: layer out of range");
+  if (static_cast<int64_t>(context.element_count()) != j.S)
+    return ffi::Error::InvalidArgument("ruvllm_paged_decode: one context length per sequence expected");
+  const int64_t qn = static_cast<int64_t>(q.element_count());
+  if (j.S == 0 || qn % (j.S * j.D) != 0) return ffi::Error::InvalidArgument("ruvllm_paged_decode: q shape mismatch");
+  j.H = qn / (j.S * j.D);
+  if (j.H % j.KVH != 0) return ffi::Error::InvalidArgument("ruvllm_paged_decode: heads not a multiple of kv heads");
+  j.scale = 1.0f / std::sqrt(static_cast<float>(j.D));
+  const int64_t tasks = j.S * j.KVH;
+  int64_t work = 0;
+  for (int64_t s = 0; s < j.S; ++s) work += std::max<int64_t>(0, j.context[s]) * j.H * j.D;
+  const KernelTable* kt = kernels();
+  Pool& pool = Pool::get();
+  const int parts = work < (int64_t{1} << 17) ? 1 : pool.threads();
+  if (parts == 1) {
+    for (int64_t t = 0; t < tasks; ++t) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
+    return ffi::Error::Success();
+  }
+  pool.run([&](int part) {
+    for (int64_t t = part; t < tasks; t += parts) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8, WxA8Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8Panel, WxA8PanelImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedDecode, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// -- choosing the variant (called from ruvllm_jax.native) --------------------------------------------
+
+// Comma-separated names of the variants this CPU can run with this build, worst first.
+extern "C" const char* ruvllm_supported_isas() {
+  static const std::string out = [] {
+    const unsigned f = detect_features();
+    std::vector<std::string> names;
+    for (const auto& v : kVariants)
+      if (usable(v, f) && std::find(names.begin(), names.end(), v.name) == names.end()) names.push_back(v.name);
+    std::string joined;
+    for (const auto& n : names) joined += (joined.empty() ? "" : ",") + n;
+    return joined;
+  }();
+  return out.c_str();
+}
+
+// Selects a variant by name ("auto": the best the CPU supports). Returns 0, or 1 for a name this
+// build does not know, 2 for a variant the CPU lacks the instructions for.
+extern "C" int ruvllm_select_isa(const char* name) {
+  const unsigned f = detect_features();
+  const Variant* pick = nullptr;
+  bool known = std::strcmp(name, "auto") == 0;
+  for (const auto& v : kVariants) {
+    if (std::strcmp(name, "auto") != 0 && std::strcmp(name, v.name) != 0) continue;
+    if (v.table != nullptr) known = true;
+    if (usable(v, f)) pick = &v;  // the last usable one: the best, or the preferred encoding
+  }
+  if (!known) return 1;
+  if (pick == nullptr) return 2;
+  g_isa = pick->name;
+  g_table.store(pick->table(), std::memory_order_release);
+  return 0;
+}
+
+// The selected variant's name and the build of it that runs (they differ for avxvnni_evex).
+extern "C" const char* ruvllm_isa() { return g_isa.empty() ? "scalar" : g_isa.c_str(); }
+extern "C" const char* ruvllm_isa_build() { return kernels()->name; }
+
+// Sets the pool's thread count before it starts; returns the count it has (n, or the count the pool
+// already started with).
+extern "C" int ruvllm_set_threads(int n) {
+  g_threads.store(n);
+  const int started = g_pool_threads.load();
+  return started != 0 ? started : n;
+}
+
+extern "C" int ruvllm_threads() { return Pool::get().threads(); }

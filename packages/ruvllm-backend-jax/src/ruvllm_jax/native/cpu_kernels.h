@@ -1,0 +1,89 @@
+// ruvllm CPU kernels: the types every ISA variant shares and the table a variant exports.
+//
+// cpu_kernels_variant.cc is compiled once per ISA variant (scalar, avx2, avxvnni, avx512vnni on
+// x86-64; neon, neon-dotprod, neon-i8mm on aarch64), each time with its own -m flags and
+// RUVLLM_VARIANT set to the variant's symbol name; cpu_ffi.cc (built for the baseline ISA) scores
+// the CPU's features once and calls the best variant's table. Everything here is plain data: a
+// variant translation unit instantiates no std templates and defines its functions with internal
+// linkage, so no code built for a wider ISA can be picked by the linker for a narrower one.
+#ifndef RUVLLM_CPU_KERNELS_H_
+#define RUVLLM_CPU_KERNELS_H_
+
+#include <stdint.h>
+
+namespace ruvllm {
+
+// w8a8: activations quantized to int8 once per row (scale = row max / 127); weights int8 with one
+// float32 scale per output channel.
+struct RowActs {
+  const int8_t* q;      // [M, Kp], zero padded to Kp (a multiple of 64)
+  const uint8_t* a;     // [M, Kp], q + 128 (padding 128): the unsigned operand of vpdpbusd
+  const float* scale;   // [M]
+  int64_t M, K, Kp;
+};
+
+struct RowMatrix {
+  const int8_t* w;      // [N, K], values in [-127, 127]
+  const float* scale;   // [N]
+  float* y;             // [M, N]
+  int64_t N;
+};
+
+// wxa8: weights in groups of 32 along the input (GGUF blocks), activations quantized to int8 per
+// group of 32 (dx = max|x| / 127). A weight is d * code + m with an unsigned 4-bit or 8-bit code.
+//   y[m, n] = sum_g (p[m, n, g] * (d[n, g] * dx[m, g]) + m[n, g] * sx[m, g]),  p = codes . xq
+// the integer dot p exact in int32, then the two float multiply-adds per group in that order, so
+// every variant's panel kernel gives the same float32 result, bit for bit.
+struct GroupActs {
+  const int8_t* q;      // [M, K] natural order
+  const int8_t* q4;     // [M, K] in the row-major 4-bit kernel's order (see cpu_ffi.cc), or null
+  const float* dx;      // [M, Gp] (Gp: G padded to a multiple of 16 groups, zeros)
+  const float* sx;      // [M, Gp] dx * sum of the group's codes
+  const int32_t* isum;  // [M, Gp] sum of the group's codes
+  int64_t M, K, G, Gp;
+};
+
+struct GroupMatrix {
+  const uint8_t* q;     // [N, K / 2] (4-bit) or [N, K] (8-bit), row-major or panel layout
+  const uint16_t* d;    // [N, G] float16 bits
+  const uint16_t* mn;   // [N, G] float16 bits
+  float* y;             // [M, N]
+  int64_t N;
+  int bits;
+  bool panel;
+};
+
+// Attention of one new token per sequence over its paged float32 cache, read in place.
+struct DecodeJob {
+  const float *q, *k, *v;
+  const int32_t *tables, *context;
+  float* out;
+  int64_t S, H, D, NB, BS, KVH, Bd, layer;
+  float scale;
+};
+
+struct KernelTable {
+  const char* name;
+  // y[:, n0:n1] of one w8a8 matrix.
+  void (*w8a8_rows)(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1);
+  // y[:, n0:n1] of one row-major wxa8 matrix.
+  void (*group_rows)(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1);
+  // y[:, 16 p0 : 16 p1] of one panel-layout wxa8 matrix.
+  void (*panel_rows)(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1);
+  // Sequence s, kv head g; scratch holds (H / KVH) * context[s] floats.
+  void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
+};
+
+// Byte of code jb (0..gb-1) of row n, group g in the 16-row panel layout: for panel n / 16 and
+// group g, the 16 rows' code bytes are gb / 4 runs of 16 dwords, dword r of run t holding bytes
+// 4t .. 4t+3 of row r's group (gb = 16 for 4-bit, 32 for 8-bit). Scales: 16 per (panel, group).
+static inline int64_t panel_byte(int64_t n, int64_t g, int64_t jb, int64_t G, int bits) {
+  const int64_t gb = bits == 4 ? 16 : 32;
+  return (n / 16) * 16 * G * gb + g * gb * 16 + (jb / 4) * 64 + (n % 16) * 4 + jb % 4;
+}
+
+}  // namespace ruvllm
+
+#define RUVLLM_DECLARE_VARIANT(sym) extern "C" const ruvllm::KernelTable* ruvllm_kernels_##sym()
+
+#endif  // RUVLLM_CPU_KERNELS_H_

@@ -1,0 +1,535 @@
+// One ISA variant of ruvllm's CPU kernels (see cpu_kernels.h). The build compiles this file once per
+// variant with that variant's -m flags and -DRUVLLM_VARIANT=<symbol>; the vector paths below are
+// chosen by the ISA macros those flags define, and every variant falls back to the same scalar
+// loops for what it has no vector path for. Functions have internal linkage and no std templates are
+// instantiated here, so no code compiled for a wider ISA can leak into another variant.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#ifndef RUVLLM_VARIANT
+#error "compile with -DRUVLLM_VARIANT=<variant symbol>"
+#endif
+
+// x86 vector paths. RUVLLM_WIDTH_256 keeps an AVX-512 VNNI build to 256-bit vectors (the avxvnni
+// variant's code, EVEX-encoded, for CPUs with AVX-512 VNNI but not AVX-VNNI).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(RUVLLM_WIDTH_256)
+#define RUVLLM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RUVLLM_AVX2 1
+#if defined(__AVXVNNI__)
+#define RUVLLM_DPBUSD256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define RUVLLM_DPBUSD256(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#endif
+#endif
+
+#define RUVLLM_CAT2(a, b) a##b
+#define RUVLLM_CAT(a, b) RUVLLM_CAT2(a, b)
+#define RUVLLM_STR2(a) #a
+#define RUVLLM_STR(a) RUVLLM_STR2(a)
+
+namespace {
+
+using ruvllm::DecodeJob;
+using ruvllm::GroupActs;
+using ruvllm::GroupMatrix;
+using ruvllm::KernelTable;
+using ruvllm::panel_byte;
+using ruvllm::RowActs;
+using ruvllm::RowMatrix;
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t f;
+  if (exp == 0) {
+    if (man == 0) {
+      f = sign;
+    } else {  // subnormal
+      float v = ldexpf(static_cast<float>(man), -24);
+      memcpy(&f, &v, 4);
+      f |= sign;
+    }
+  } else if (exp == 31) {
+    f = sign | 0x7F800000u | (man << 13);
+  } else {
+    f = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float out;
+  memcpy(&out, &f, 4);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Scalar loops: the reference every vector path is tested against, and the fallback for shapes a
+// vector path does not take.
+
+void w8a8_scalar(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w.w + n * x.K;
+    for (int64_t m = 0; m < x.M; ++m) {
+      const int8_t* xr = x.q + m * x.Kp;
+      int32_t s = 0;
+      for (int64_t k = 0; k < x.K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(wr[k]);
+      w.y[m * w.N + n] = (static_cast<float>(s) * x.scale[m]) * w.scale[n];
+    }
+  }
+}
+
+void group_scalar(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) {
+  const int64_t K = x.K, G = x.G;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < x.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t p = 0;
+        const int8_t* xq = x.q + m * K + g * 32;
+        for (int j = 0; j < 32; ++j) {
+          int32_t code;
+          if (w.bits == 4) {
+            const uint8_t byte = w.q[n * (K / 2) + g * 16 + (j & 15)];
+            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            code = w.q[n * K + g * 32 + j];
+          }
+          p += code * static_cast<int32_t>(xq[j]);
+        }
+        acc += half_to_float(w.d[n * G + g]) * x.dx[m * x.Gp + g] * static_cast<float>(p) +
+               half_to_float(w.mn[n * G + g]) * x.sx[m * x.Gp + g];
+      }
+      w.y[m * w.N + n] = acc;
+    }
+  }
+}
+
+void panel_scalar(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  const int64_t G = x.G;
+  for (int64_t n = p0 * 16; n < p1 * 16; ++n) {
+    for (int64_t m = 0; m < x.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t p = 0;
+        const int8_t* xq = x.q + m * x.K + g * 32;
+        for (int j = 0; j < 32; ++j) {
+          int32_t code;
+          if (w.bits == 4) {
+            const uint8_t byte = w.q[panel_byte(n, g, j & 15, G, 4)];
+            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            code = w.q[panel_byte(n, g, j, G, 8)];
+          }
+          p += code * static_cast<int32_t>(xq[j]);
+        }
+        const int64_t si = (n / 16) * 16 * G + g * 16 + n % 16;
+        acc = fmaf(static_cast<float>(p), half_to_float(w.d[si]) * x.dx[m * x.Gp + g], acc);
+        acc = fmaf(half_to_float(w.mn[si]), x.sx[m * x.Gp + g], acc);
+      }
+      w.y[m * w.N + n] = acc;
+    }
+  }
+}
+
+void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
+  const int64_t group = j.H / j.KVH;
+  const int64_t ctx = imax(0, imin(j.context[s], j.Bd * j.BS));
+  float* out = j.out + (s * j.H + g * group) * j.D;
+  for (int64_t i = 0; i < group * j.D; ++i) out[i] = 0.f;
+  if (ctx == 0) return;
+  const float* q = j.q + (s * j.H + g * group) * j.D;
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
+    const float* kr = j.k + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float* qh = q + hh * j.D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < j.D; ++d) acc += qh[d] * kr[d];
+      p[hh * ctx + t] = acc * j.scale;
+    }
+  }
+  for (int64_t hh = 0; hh < group; ++hh) {
+    float* ph = p + hh * ctx;
+    float mx = ph[0];
+    for (int64_t t = 1; t < ctx; ++t) mx = ph[t] > mx ? ph[t] : mx;
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      ph[t] = expf(ph[t] - mx);
+      sum += ph[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < ctx; ++t) ph[t] *= inv;
+  }
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
+    const float* vr = j.v + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float wgt = p[hh * ctx + t];
+      float* oh = out + hh * j.D;
+#pragma omp simd
+      for (int64_t d = 0; d < j.D; ++d) oh[d] += wgt * vr[d];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+#if RUVLLM_AVX512
+// w8a8, 4 weight rows x MB activation rows. vpdpbusd multiplies unsigned by signed bytes: with
+// a = q + 128, sum(a * w) = sum(q * w) + 128 * sum(w); the row sum of w comes from one more vpdpbusd
+// against ones per weight load, shared by the block's activation rows.
+template <int MB>
+void w8a8_block4(const RowActs& x, const RowMatrix& w, int64_t n, int64_t m0) {
+  constexpr int R = 4;
+  const int64_t K = x.K, full = K / 64, tail = K - full * 64;
+  const __mmask64 tmask = tail ? (~0ULL >> (64 - tail)) : 0;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[R][MB], rs[R];
+  for (int r = 0; r < R; ++r) {
+    rs[r] = _mm512_setzero_si512();
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_si512();
+  }
+  const int64_t chunks = full + (tail ? 1 : 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i a[MB];
+    for (int m = 0; m < MB; ++m) a[m] = _mm512_loadu_si512(x.a + (m0 + m) * x.Kp + c * 64);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* wp = w.w + (n + r) * K + c * 64;
+      const __m512i wv = c < full ? _mm512_loadu_si512(wp) : _mm512_maskz_loadu_epi8(tmask, wp);
+      rs[r] = _mm512_dpbusd_epi32(rs[r], ones, wv);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], a[m], wv);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int32_t corr = 128 * _mm512_reduce_add_epi32(rs[r]);
+    for (int m = 0; m < MB; ++m) {
+      const int32_t s = _mm512_reduce_add_epi32(acc[r][m]) - corr;
+      w.y[(m0 + m) * w.N + n + r] = (static_cast<float>(s) * x.scale[m0 + m]) * w.scale[n + r];
+    }
+  }
+}
+
+void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t m = 0;
+    for (; m + 4 <= x.M; m += 4) w8a8_block4<4>(x, w, n, m);
+    switch (x.M - m) {
+      case 3: w8a8_block4<3>(x, w, n, m); break;
+      case 2: w8a8_block4<2>(x, w, n, m); break;
+      case 1: w8a8_block4<1>(x, w, n, m); break;
+      default: break;
+    }
+  }
+  w8a8_scalar(x, w, n, n1);
+}
+
+// Row-major wxa8: two weight rows by MB activation rows; per chunk of 16 groups the scale products
+// d * dx are formed once, then every pair of groups is one vpdpbusd per (row, activation row), its 16
+// int32 lanes converted and scaled by the lanes' groups' factors (a permute of the chunk's products).
+template <int BITS, int MB>
+void group_block2(const GroupActs& x, const GroupMatrix& w, int64_t n, int64_t m0) {
+  constexpr int R = 2;
+  const int64_t K = x.K, G = x.G;
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const int8_t* xbase = BITS == 4 ? x.q4 : x.q;
+  __m512 facc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) facc[r][m] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < G; c += 16) {
+    const int64_t gc = imin(16, G - c);
+    const __mmask16 gm = static_cast<__mmask16>((1u << gc) - 1u);
+    __m512 sc[R][MB];
+    for (int r = 0; r < R; ++r) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, w.d + (n + r) * G + c));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, w.mn + (n + r) * G + c));
+      for (int m = 0; m < MB; ++m) {
+        const __m512 dxv = _mm512_loadu_ps(x.dx + (m0 + m) * x.Gp + c);
+        const __m512 sxv = _mm512_loadu_ps(x.sx + (m0 + m) * x.Gp + c);
+        sc[r][m] = _mm512_mul_ps(dv, dxv);
+        facc[r][m] = _mm512_fmadd_ps(mv, sxv, facc[r][m]);
+      }
+    }
+    for (int64_t p = 0; p < gc; p += 2) {
+      const int a = static_cast<int>(p), b = a + 1;
+      const __m512i idx = BITS == 4 ? _mm512_setr_epi32(a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b)
+                                    : _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+      const int64_t g = c + p;
+      __m512i z[R];
+      for (int r = 0; r < R; ++r) {
+        if (BITS == 4) {
+          const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (n + r) * row_bytes + g * 16));
+          const __m256i lo = _mm256_and_si256(y, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), low4);
+          z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        } else {
+          z[r] = _mm512_loadu_si512(w.q + (n + r) * row_bytes + g * 32);
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xbase + (m0 + m) * K + g * 32);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, z[r], xv));
+          facc[r][m] = _mm512_fmadd_ps(pf, _mm512_permutexvar_ps(idx, sc[r][m]), facc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) w.y[(m0 + m) * w.N + n + r] = _mm512_reduce_add_ps(facc[r][m]);
+}
+
+template <int BITS>
+void group_rows_bits(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    int64_t m = 0;
+    for (; m + 4 <= x.M; m += 4) group_block2<BITS, 4>(x, w, n, m);
+    switch (x.M - m) {
+      case 3: group_block2<BITS, 3>(x, w, n, m); break;
+      case 2: group_block2<BITS, 2>(x, w, n, m); break;
+      case 1: group_block2<BITS, 1>(x, w, n, m); break;
+      default: break;
+    }
+  }
+  group_scalar(x, w, n, n1);
+}
+
+void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) {
+  if (x.G % 2 != 0 || (w.bits == 4 && x.q4 == nullptr)) return group_scalar(x, w, n0, n1);
+  if (w.bits == 4) return group_rows_bits<4>(x, w, n0, n1);
+  return group_rows_bits<8>(x, w, n0, n1);
+}
+
+// Panel layout: one vpdpbusd forms four products for each of the 16 rows against a broadcast dword
+// of the activations; each output is a sequential sum over groups (the scalar loop's float
+// operations in the scalar loop's order).
+template <int BITS, int MB>
+void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K;
+  constexpr int64_t GB = BITS == 4 ? 16 : 32;  // code bytes per row and group
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const uint16_t* dp = w.d + p * 16 * G;
+  const uint16_t* mp = w.mn + p * 16 * G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 facc[MB];
+  for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* gp = base + g * GB * 16;
+    __m512i wv[8];
+    if (BITS == 4) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i z = _mm512_loadu_si512(gp + t * 64);
+        wv[t] = _mm512_and_si512(z, low4);                            // codes 4t .. 4t+3
+        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);  // codes 16+4t .. 16+4t+3
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * 16)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * 16)));
+    // The activation rows interleaved: MB independent accumulation chains keep the dot-product
+    // units busy (one chain of 8 dependent vpdpbusd would wait on their latency).
+    __m512i acc[MB];
+    const int32_t* xd[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm512_setzero_si512();
+      xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
+    }
+    for (int t = 0; t < 8; ++t)
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, facc[m]);
+      facc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sx[(m0 + m) * x.Gp + g]), facc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m]);
+}
+#define RUVLLM_PANEL_MB 8
+
+#elif RUVLLM_AVX2
+// 256-bit paths: AVX2 multiplies bytes with vpmaddubsw (unsigned x signed, pairs summed to int16)
+// and vpmaddwd against ones (pairs of int16 summed to int32), four products per int32 lane as one
+// vpdpbusd does; with AVX-VNNI (or AVX-512 VNNI at 256 bits) it is one vpdpbusd.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#ifdef RUVLLM_DPBUSD256
+  return RUVLLM_DPBUSD256(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Products of unsigned codes up to 255 with signed activations. vpmaddubsw saturates a pair's sum at
+// 32767 (255 * 127 * 2 does not fit), so AVX2 multiplies the signed codes c - 128 instead, as
+// |c - 128| times the activation with the code's sign, and the caller adds 128 * sum(activations).
+inline __m256i dot4_u8(__m256i acc, __m256i codes, __m256i s) {
+#ifdef RUVLLM_DPBUSD256
+  return RUVLLM_DPBUSD256(acc, codes, s);
+#else
+  const __m256i c = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return dot4(acc, _mm256_sign_epi8(c, c), _mm256_sign_epi8(s, c));
+#endif
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// w8a8, 4 weight rows x MB activation rows; signed x signed as |w| times x with w's sign (weights
+// are in [-127, 127], so |w| fits a byte and no pair sum saturates).
+template <int MB>
+void w8a8_block4(const RowActs& x, const RowMatrix& w, int64_t n, int64_t m0) {
+  constexpr int R = 4;
+  const int64_t K = x.K, full = K / 32;
+  __m256i acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < full; ++c) {
+    __m256i a[MB];
+    for (int m = 0; m < MB; ++m)
+      a[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.Kp + c * 32));
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + (n + r) * K + c * 32));
+      const __m256i aw = _mm256_sign_epi8(wv, wv);
+      for (int m = 0; m < MB; ++m) acc[r][m] = dot4(acc[r][m], aw, _mm256_sign_epi8(a[m], wv));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int8_t* wr = w.w + (n + r) * K;
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xr = x.q + (m0 + m) * x.Kp;
+      int32_t s = hsum_epi32(acc[r][m]);
+      for (int64_t k = full * 32; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(wr[k]);
+      w.y[(m0 + m) * w.N + n + r] = (static_cast<float>(s) * x.scale[m0 + m]) * w.scale[n + r];
+    }
+  }
+}
+
+void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t m = 0;
+    for (; m + 2 <= x.M; m += 2) w8a8_block4<2>(x, w, n, m);
+    if (m < x.M) w8a8_block4<1>(x, w, n, m);
+  }
+  w8a8_scalar(x, w, n, n1);
+}
+
+void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) { group_scalar(x, w, n0, n1); }
+
+// Panel layout, 16 rows as two halves of 8 int32 lanes (see the AVX-512 panel_block).
+template <int BITS, int MB>
+void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K;
+  constexpr int64_t GB = BITS == 4 ? 16 : 32;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const uint16_t* dp = w.d + p * 16 * G;
+  const uint16_t* mp = w.mn + p * 16 * G;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 facc[MB][2];
+  for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* gp = base + g * GB * 16;
+    __m256i acc[MB][2];
+    const int32_t* xd[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
+    }
+    if (BITS == 4) {
+      for (int t = 0; t < 4; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(z, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+          for (int m = 0; m < MB; ++m) {
+            acc[m][h] = dot4(acc[m][h], lo, _mm256_set1_epi32(xd[m][t]));
+            acc[m][h] = dot4(acc[m][h], hi, _mm256_set1_epi32(xd[m][4 + t]));
+          }
+        }
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + h * 32));
+          for (int m = 0; m < MB; ++m) acc[m][h] = dot4_u8(acc[m][h], z, _mm256_set1_epi32(xd[m][t]));
+        }
+      }
+#ifndef RUVLLM_DPBUSD256
+      for (int m = 0; m < MB; ++m) {
+        const __m256i corr = _mm256_set1_epi32(128 * x.isum[(m0 + m) * x.Gp + g]);
+        acc[m][0] = _mm256_add_epi32(acc[m][0], corr);
+        acc[m][1] = _mm256_add_epi32(acc[m][1], corr);
+      }
+#endif
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + h * 8)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + h * 8)));
+      for (int m = 0; m < MB; ++m) {
+        const __m256 s = _mm256_mul_ps(dv, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+        facc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), s, facc[m][h]);
+        facc[m][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sx[(m0 + m) * x.Gp + g]), facc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m][0]);
+    _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16 + 8, facc[m][1]);
+  }
+}
+#define RUVLLM_PANEL_MB 4
+
+#else
+void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) { w8a8_scalar(x, w, n0, n1); }
+void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) { group_scalar(x, w, n0, n1); }
+#endif
+
+#ifdef RUVLLM_PANEL_MB
+// Blocks of RUVLLM_PANEL_MB activation rows, then the rest in one smaller block.
+template <int BITS, int MB>
+void panel_tail(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m, int left) {
+  if constexpr (MB > 0) {
+    if (left == MB) return panel_block<BITS, MB>(x, w, p, m);
+    panel_tail<BITS, MB - 1>(x, w, p, m, left);
+  }
+}
+
+template <int BITS>
+void panel_bits(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + RUVLLM_PANEL_MB <= x.M; m += RUVLLM_PANEL_MB) panel_block<BITS, RUVLLM_PANEL_MB>(x, w, p, m);
+    if (m < x.M) panel_tail<BITS, RUVLLM_PANEL_MB - 1>(x, w, p, m, static_cast<int>(x.M - m));
+  }
+}
+
+void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+  if (w.bits == 4) return panel_bits<4>(x, w, p0, p1);
+  return panel_bits<8>(x, w, p0, p1);
+}
+#else
+void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) { panel_scalar(x, w, p0, p1); }
+#endif
+
+const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), w8a8_vec, group_vec, panel_vec, decode_one};
+
+}  // namespace
+
+extern "C" const ruvllm::KernelTable* RUVLLM_CAT(ruvllm_kernels_, RUVLLM_VARIANT)() { return &kTable; }
