@@ -173,3 +173,94 @@ def test_jitted_steps_see_the_forced_variant():
             results[isa] = np.asarray(f(x))
     for isa, y in results.items():
         np.testing.assert_array_equal(y, results["scalar"], err_msg=isa)
+
+
+# -- k-quants (two-level factors per half group; cpu_kernels.h, KMatrix) ---------------------------------
+
+
+def _panel_rows(a: np.ndarray) -> np.ndarray:
+    """A per-row ``[N, X]`` array in the panel layout: for each 16 rows and column, the 16 rows."""
+    n, cols = a.shape
+    return np.ascontiguousarray(a.reshape(n // 16, 16, cols).swapaxes(1, 2)).reshape(n, cols)
+
+
+def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k: bool) -> dict[str, np.ndarray]:
+    """Row-major codes and factors in the ranges GGUF's Q4_K / Q5_K (6-bit sc and mn) and Q6_K
+    (int8 sc, mn = -32 sc) produce."""
+    top = 16 if bits == 4 else (64 if q6k else 32)
+    codes = rng.integers(0, top, (out, cols)).astype(np.uint8)
+    d = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
+    if q6k:
+        sc = rng.integers(-128, 128, (out, cols // 16)).astype(np.int8)
+        return dict(codes=codes, D=d, Dm=d, sc=sc, mn=(-32 * sc.astype(np.int16)))
+    m6 = rng.integers(0, 64, (out, cols // 32))
+    s6 = rng.integers(0, 64, (out, cols // 32))
+    dmin = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
+    sc, mn = np.repeat(s6, 2, 1).astype(np.int8), np.repeat(m6, 2, 1).astype(np.int16)
+    return dict(codes=codes, D=d, Dm=-dmin, sc=sc, mn=mn)
+
+
+def _kquant_operands(k: dict[str, np.ndarray], bits: int) -> tuple[jax.Array, ...]:
+    out, cols = k["codes"].shape
+    g = cols // 32
+    if bits == 4:  # GGUF's nibble order per group: byte j = code j (low) | code j + 16 (high)
+        c = k["codes"].reshape(out, g, 32)
+        packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(out, cols // 2)
+    else:
+        packed = k["codes"]
+    gb = packed.shape[1] // g  # code bytes per row and group
+    # cpu_kernels.h's panel_byte: per 16 rows and group, gb / 4 runs of 16 dwords (one per row).
+    codes = np.ascontiguousarray(packed.reshape(out // 16, 16, g, gb // 4, 4).transpose(0, 2, 3, 1, 4))
+    codes = codes.reshape(out, -1)
+    return (jnp.asarray(codes), *(jnp.asarray(_panel_rows(k[f])) for f in ("D", "Dm", "sc", "mn")))
+
+
+def _reference_kquant(x: np.ndarray, k: dict[str, np.ndarray]) -> np.ndarray:
+    """float64: activations quantized per group of 32 (written out), weights dequantized exactly."""
+    rows, cols = x.shape
+    xg = x.astype(np.float32).reshape(rows, cols // 32, 32)
+    amax = np.abs(xg).max(-1)
+    dx = (amax / np.float32(127)).astype(np.float32)
+    safe = np.where(amax > 0, dx, np.float32(1))
+    xq = np.where(amax[..., None] > 0, np.clip(np.rint(xg / safe[..., None]), -127, 127), 0)
+    xdq = (xq * dx[..., None].astype(np.float64)).reshape(rows, cols)
+    up = lambda a, n: np.repeat(a.astype(np.float64), n, axis=1)  # noqa: E731
+    w = up(k["D"], 256) * up(k["sc"], 16) * k["codes"] + up(k["Dm"], 256) * up(k["mn"], 16)
+    return xdq @ w.T
+
+
+@pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
+@pytest.mark.parametrize(("bits", "q6k"), [(4, False), (8, False), (8, True)])
+def test_kquant_kernel_matches_reference_and_scalar(isa, bits, q6k):
+    _supported(isa)
+    rng = np.random.default_rng(bits + 10 * q6k)
+    for out, cols in ((16, 256), (48, 512), (32, 1536)):
+        k = _random_kquant(rng, out, cols, bits, q6k)
+        ops = _kquant_operands(k, bits)
+        for rows in (1, 2, 3, 5, 8, 9, 19):
+            x = rng.standard_normal((rows, cols)).astype(np.float32)
+            x[0, :32] = 0.0
+            with native.use_isa(isa):
+                got = np.asarray(native.kxa8_group(jnp.asarray(x), jnp.int32(0), [ops])[0])
+            want = _reference_kquant(x, k)
+            np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
+            if isa != "scalar":
+                with native.use_isa("scalar"):
+                    ref = np.asarray(native.kxa8_group(jnp.asarray(x), jnp.int32(0), [ops])[0])
+                np.testing.assert_array_equal(got, ref, err_msg=f"{isa} {bits}-bit q6k={q6k} {rows}x{out}x{cols}")
+
+
+def test_kquant_call_mixes_plain_and_kquant_matrices_and_indexes_layers():
+    rng = np.random.default_rng(5)
+    cols = 512
+    ks = [_random_kquant(rng, 32, cols, 4, False) for _ in range(2)]
+    stacked = tuple(jnp.stack(parts) for parts in zip(*(_kquant_operands(k, 4) for k in ks), strict=True))
+    plain = to_panels(quantize_wxa8(rng.standard_normal((16, cols)).astype(np.float32), 8))
+    plain_stacked = tuple(jnp.stack([jnp.asarray(getattr(plain, f))] * 2) for f in ("quant", "scale", "offset"))
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    for layer in (0, 1):
+        got = native.kxa8_group(jnp.asarray(x), jnp.int32(layer), [stacked, plain_stacked])
+        np.testing.assert_allclose(np.asarray(got[0]), _reference_kquant(x, ks[layer]), rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(got[1]), _wxa8(x, plain, native.isa()))
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(native.kxa8_group(jnp.asarray(x), jnp.int32(2), [stacked]))

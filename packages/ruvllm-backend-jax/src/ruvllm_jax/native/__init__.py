@@ -39,6 +39,7 @@ log = structlog.get_logger("ruvllm_jax.native")
 W8A8_TARGET = "ruvllm_w8a8"
 WXA8_TARGET = "ruvllm_wxa8"
 WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
+KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
 DECODE_TARGET = "ruvllm_paged_decode"
 #: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
@@ -142,6 +143,7 @@ def _load() -> None:
         (W8A8_TARGET, lib.RuvllmW8A8),
         (WXA8_TARGET, lib.RuvllmWxA8),
         (WXA8_PANEL_TARGET, lib.RuvllmWxA8Panel),
+        (KXA8_PANEL_TARGET, lib.RuvllmKxA8Panel),
         (DECODE_TARGET, lib.RuvllmPagedDecode),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
@@ -267,6 +269,24 @@ def wxa8_group(
     for q, d, m in weights:
         operands += [q, d.astype(jnp.float16), m.astype(jnp.float16)]
     call = jax.ffi.ffi_call(WXA8_PANEL_TARGET if panel else WXA8_TARGET, results)
+    return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *operands))
+
+
+def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
+    """``x @ W_i.T`` for panel-layout matrices given as 5-tuples: k-quants ``(codes, D float16
+    [L?, N, K/256], Dm float16 [L?, N, K/256], sc int8 [L?, N, K/16], mn int16 [L?, N, K/16])`` (see
+    ``cpu_kernels.h``, KMatrix) or plain group-quantized ``(codes, d, m)`` (3-tuples), mixed freely;
+    ``x`` is quantized once for all of them."""
+    _lib()
+    rows = x.shape[0]
+    results = [jax.ShapeDtypeStruct((rows, w[0].shape[-2]), jnp.float32) for w in weights]
+    operands: list[jax.Array] = []
+    for w in weights:
+        if len(w) == 3:
+            w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int16))
+        q, a, b, sc, mn = w
+        operands += [q, a.astype(jnp.float16), b.astype(jnp.float16), sc.astype(jnp.int8), mn.astype(jnp.int16)]
+    call = jax.ffi.ffi_call(KXA8_PANEL_TARGET, results)
     return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *operands))
 
 

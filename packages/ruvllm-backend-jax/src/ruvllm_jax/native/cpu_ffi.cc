@@ -272,7 +272,8 @@ struct GroupActsBuf {
   int64_t M = 0, K = 0, G = 0, Gp = 0;
   std::vector<int8_t> q, q4;
   std::vector<float> dx, sx;
-  std::vector<int32_t> isum;
+  std::vector<int32_t> isum, isum16;
+  std::vector<float> sx16;
   bool with_q4 = false;
 
   // with_q4: also lay the codes out for the row-major 4-bit kernel (panel matrices do not need it):
@@ -289,23 +290,30 @@ struct GroupActsBuf {
     dx.assign(M * Gp, 0.f);
     sx.assign(M * Gp, 0.f);
     isum.assign(M * Gp, 0);
+    isum16.assign(M * 2 * Gp, 0);
+    sx16.assign(M * 2 * Gp, 0.f);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t g = 0; g < G; ++g) {
         const float* xg = x + m * K + g * 32;
         float amax = 0.f;
         for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xg[j]));
         const float d = amax / 127.0f;
-        int32_t sum = 0;
+        int32_t half[2] = {0, 0};
         int8_t* qg = q.data() + m * K + g * 32;
         for (int j = 0; j < 32; ++j) {
           float r = amax > 0.f ? std::nearbyint(xg[j] / d) : 0.f;
           r = std::fmin(std::fmax(r, -127.f), 127.f);
           qg[j] = static_cast<int8_t>(r);
-          sum += qg[j];
+          half[j / 16] += qg[j];
         }
+        const int32_t sum = half[0] + half[1];
         dx[m * Gp + g] = d;
         sx[m * Gp + g] = d * static_cast<float>(sum);
         isum[m * Gp + g] = sum;
+        for (int h = 0; h < 2; ++h) {
+          isum16[m * 2 * Gp + 2 * g + h] = half[h];
+          sx16[m * 2 * Gp + 2 * g + h] = d * static_cast<float>(half[h]);
+        }
       }
       for (int64_t p = 0; with_q4 && p + 1 < G; p += 2) {
         const int8_t* a = q.data() + m * K + p * 32;
@@ -320,7 +328,8 @@ struct GroupActsBuf {
   }
 
   ruvllm::GroupActs view() const {
-    return {q.data(), with_q4 ? q4.data() : nullptr, dx.data(), sx.data(), isum.data(), M, K, G, Gp};
+    return {q.data(), with_q4 ? q4.data() : nullptr, dx.data(), sx.data(), isum.data(), isum16.data(),
+            sx16.data(), M, K, G, Gp};
   }
 };
 
@@ -344,10 +353,12 @@ void run_split(const ruvllm::RowActs& x, const std::vector<RowMatrix>& mats) {
   });
 }
 
-void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>& mats) {
+void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>& mats,
+                     const std::vector<ruvllm::KMatrix>& kmats = {}) {
   const KernelTable* kt = kernels();
   int64_t work = 0;
   for (const auto& m : mats) work += m.N * x.K * x.M;
+  for (const auto& m : kmats) work += m.N * x.K * x.M;
   Pool& pool = Pool::get();
   const int parts = work < (int64_t{1} << 16) ? 1 : pool.threads();
   auto run_part = [&](int part) {
@@ -360,6 +371,10 @@ void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>&
       const int64_t blocks = (m.N + 1) / 2;
       const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
       kt->group_rows(x, m, std::min(m.N, b0 * 2), std::min(m.N, b1 * 2));
+    }
+    for (const auto& m : kmats) {
+      const int64_t panels = m.N / 16;
+      kt->kpanel_rows(x, m, panels * part / parts, panels * (part + 1) / parts);
     }
   };
   if (parts == 1) {
@@ -427,6 +442,71 @@ ffi::Error WxA8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::R
 ffi::Error WxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
                          ffi::RemainingRets outs) {
   return WxA8Common(true, x, layer, weights, outs);
+}
+
+// ruvllm_kxa8_panel: like ruvllm_wxa8_panel, with operand 5-tuples (codes, a, b, sc, mn) per output:
+// a k-quant matrix (cpu_kernels.h, KMatrix: D, Dm float16, sc int8, mn int16) or, with sc and mn
+// empty, a plain group-quantized one (d, m float16), so a group sharing an input may mix both.
+ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                         ffi::RemainingRets outs) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_kxa8: x must be [rows, features]");
+  const int64_t M = xd[0], K = xd[1];
+  if (K % 32 != 0) return ffi::Error::InvalidArgument("ruvllm_kxa8: input features must be a multiple of 32");
+  const int64_t G = K / 32;
+  const int64_t l = layer.typed_data()[0];
+  if (weights.size() != 5 * outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument("ruvllm_kxa8: expected (codes, a, b, sc, mn) 5-tuples, one per output");
+  std::vector<GroupMatrix> mats;
+  std::vector<ruvllm::KMatrix> kmats;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto q = weights.get<ffi::AnyBuffer>(5 * i);
+    auto a = weights.get<ffi::AnyBuffer>(5 * i + 1);
+    auto b = weights.get<ffi::AnyBuffer>(5 * i + 2);
+    auto sc = weights.get<ffi::AnyBuffer>(5 * i + 3);
+    auto mn = weights.get<ffi::AnyBuffer>(5 * i + 4);
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!q.has_value() || !a.has_value() || !b.has_value() || !sc.has_value() || !mn.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("ruvllm_kxa8: bad operand");
+    if (q->element_type() != ffi::DataType::U8 || a->element_type() != ffi::DataType::F16 ||
+        b->element_type() != ffi::DataType::F16 || sc->element_type() != ffi::DataType::S8 ||
+        mn->element_type() != ffi::DataType::S16 || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("ruvllm_kxa8: expected uint8 codes, float16 factors, int8 sc, int16 mn");
+    const auto qd = q->dimensions();
+    if (qd.size() < 2) return ffi::Error::InvalidArgument("ruvllm_kxa8: codes must be [.., out, bytes]");
+    const int64_t N = qd[qd.size() - 2];
+    int bits;
+    if (qd.back() == K / 2) bits = 4;
+    else if (qd.back() == K) bits = 8;
+    else return ffi::Error::InvalidArgument("ruvllm_kxa8: code bytes per row are neither K / 2 nor K");
+    const int64_t row_bytes = qd.back();
+    const int64_t L = static_cast<int64_t>(q->element_count()) / (N * row_bytes);
+    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_kxa8: layer index out of range");
+    if (N % 16 != 0) return ffi::Error::InvalidArgument("ruvllm_kxa8: the panel layout needs a multiple of 16 rows");
+    if (static_cast<int64_t>((*y)->element_count()) != M * N)
+      return ffi::Error::InvalidArgument("ruvllm_kxa8: output shape mismatch");
+    const uint8_t* codes = q->typed_data<uint8_t>() + l * N * row_bytes;
+    const uint16_t* ap = reinterpret_cast<const uint16_t*>(a->untyped_data());
+    const uint16_t* bp = reinterpret_cast<const uint16_t*>(b->untyped_data());
+    if (sc->element_count() == 0) {
+      if (static_cast<int64_t>(a->element_count()) != L * N * G || static_cast<int64_t>(b->element_count()) != L * N * G)
+        return ffi::Error::InvalidArgument("ruvllm_kxa8: one scale and offset per group of 32 expected");
+      mats.push_back(GroupMatrix{codes, ap + l * N * G, bp + l * N * G, (*y)->typed_data<float>(), N, bits, true});
+      continue;
+    }
+    if (K % 256 != 0) return ffi::Error::InvalidArgument("ruvllm_kxa8: k-quants need a multiple of 256 inputs");
+    const int64_t SB = K / 256;
+    if (static_cast<int64_t>(a->element_count()) != L * N * SB || static_cast<int64_t>(b->element_count()) != L * N * SB ||
+        static_cast<int64_t>(sc->element_count()) != L * N * 2 * G ||
+        static_cast<int64_t>(mn->element_count()) != L * N * 2 * G)
+      return ffi::Error::InvalidArgument("ruvllm_kxa8: k-quant factors have the wrong sizes");
+    kmats.push_back(ruvllm::KMatrix{codes, ap + l * N * SB, bp + l * N * SB, sc->typed_data<int8_t>() + l * N * 2 * G,
+                                    mn->typed_data<int16_t>() + l * N * 2 * G, (*y)->typed_data<float>(), N, bits});
+  }
+  thread_local GroupActsBuf acts;
+  acts.quantize(x.typed_data(), M, K, false);
+  run_group_split(acts.view(), mats, kmats);
+  return ffi::Error::Success();
 }
 
 ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
@@ -548,6 +628,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8, WxA8Impl,
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8Panel, WxA8PanelImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmKxA8Panel, KxA8PanelImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -40,6 +40,8 @@ struct GroupActs {
   const float* dx;      // [M, Gp] (Gp: G padded to a multiple of 16 groups, zeros)
   const float* sx;      // [M, Gp] dx * sum of the group's codes
   const int32_t* isum;  // [M, Gp] sum of the group's codes
+  const int32_t* isum16;  // [M, 2 Gp] sum of each half group's codes (k-quants)
+  const float* sx16;    // [M, 2 Gp] dx * isum16
   int64_t M, K, G, Gp;
 };
 
@@ -51,6 +53,25 @@ struct GroupMatrix {
   int64_t N;
   int bits;
   bool panel;
+};
+
+// k-quants (GGUF Q4_K, Q5_K, Q6_K; see ruvllm_jax.quant), always in the panel layout: codes as for
+// GroupMatrix (4-bit packed or one byte each) and two-level factors per half group h (16 weights):
+//   w = (D * sc[h]) * code + (Dm * mn[h])
+// with D, Dm float16 per super-block of 256 inputs and sc int8, mn int16 per 16 inputs (Q4_K / Q5_K:
+// D = d, sc = the 6-bit scale, Dm = -dmin, mn = the 6-bit min; Q6_K: D = Dm = d, sc = its scale,
+// mn = -32 sc). Every product is exact in float32, so the weights are the file's values. Per group g
+// and half h: acc = fma(p_h, (D * sc) * dx, acc); acc = fma(Dm * mn, sx16, acc).
+// Panel layout of the factors: [N / 16, columns, 16] (for each panel and column, its 16 rows).
+struct KMatrix {
+  const uint8_t* q;     // panel layout, as GroupMatrix
+  const uint16_t* D;    // [N / 16, K / 256, 16] float16 bits
+  const uint16_t* Dm;   // [N / 16, K / 256, 16] float16 bits
+  const int8_t* sc;     // [N / 16, K / 16, 16]
+  const int16_t* mn;    // [N / 16, K / 16, 16]
+  float* y;             // [M, N]
+  int64_t N;
+  int bits;
 };
 
 // Attention of one new token per sequence over its paged float32 cache, read in place.
@@ -70,6 +91,8 @@ struct KernelTable {
   void (*group_rows)(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1);
   // y[:, 16 p0 : 16 p1] of one panel-layout wxa8 matrix.
   void (*panel_rows)(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1);
+  // y[:, 16 p0 : 16 p1] of one k-quant matrix.
+  void (*kpanel_rows)(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1);
   // Sequence s, kv head g; scratch holds (H / KVH) * context[s] floats.
   void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
 };

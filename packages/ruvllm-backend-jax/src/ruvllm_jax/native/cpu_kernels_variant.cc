@@ -44,6 +44,7 @@ using ruvllm::DecodeJob;
 using ruvllm::GroupActs;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
+using ruvllm::KMatrix;
 using ruvllm::panel_byte;
 using ruvllm::RowActs;
 using ruvllm::RowMatrix;
@@ -135,6 +136,42 @@ void panel_scalar(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t 
         const int64_t si = (n / 16) * 16 * G + g * 16 + n % 16;
         acc = fmaf(static_cast<float>(p), half_to_float(w.d[si]) * x.dx[m * x.Gp + g], acc);
         acc = fmaf(half_to_float(w.mn[si]), x.sx[m * x.Gp + g], acc);
+      }
+      w.y[m * w.N + n] = acc;
+    }
+  }
+}
+
+// k-quants, panel layout (cpu_kernels.h, KMatrix): two half groups of 16 per group of 32.
+void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
+  const int64_t G = x.G, SB = x.K / 256;
+  for (int64_t n = p0 * 16; n < p1 * 16; ++n) {
+    const int64_t P = n / 16, r = n % 16;
+    for (int64_t m = 0; m < x.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t p[2] = {0, 0};
+        const int8_t* xq = x.q + m * x.K + g * 32;
+        for (int j = 0; j < 32; ++j) {
+          int32_t code;
+          if (w.bits == 4) {
+            const uint8_t byte = w.q[panel_byte(n, g, j & 15, G, 4)];
+            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            code = w.q[panel_byte(n, g, j, G, 8)];
+          }
+          p[j / 16] += code * static_cast<int32_t>(xq[j]);
+        }
+        const float D = half_to_float(w.D[(P * SB + g / 8) * 16 + r]);
+        const float Dm = half_to_float(w.Dm[(P * SB + g / 8) * 16 + r]);
+        const float dx = x.dx[m * x.Gp + g];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t k = (P * 2 * G + 2 * g + h) * 16 + r;
+          const float dh = D * static_cast<float>(w.sc[k]);
+          const float mh = Dm * static_cast<float>(w.mn[k]);
+          acc = fmaf(static_cast<float>(p[h]), dh * dx, acc);
+          acc = fmaf(mh, x.sx16[m * 2 * x.Gp + 2 * g + h], acc);
+        }
       }
       w.y[m * w.N + n] = acc;
     }
@@ -360,6 +397,58 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
 }
 #define RUVLLM_PANEL_MB 8
 
+// k-quants: the panel kernel's products, one accumulator per half group, then the two-level factors
+// (cpu_kernels.h, KMatrix) formed per half group for the 16 rows.
+template <int BITS, int MB>
+void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K, SB = K / 256;
+  constexpr int64_t GB = BITS == 4 ? 16 : 32;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 facc[MB];
+  for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
+  __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    if (g % 8 == 0) {
+      Dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.D + (p * SB + g / 8) * 16)));
+      Dmv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Dm + (p * SB + g / 8) * 16)));
+    }
+    const uint8_t* gp = base + g * GB * 16;
+    __m512i wv[8];
+    if (BITS == 4) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i z = _mm512_loadu_si512(gp + t * 64);
+        wv[t] = _mm512_and_si512(z, low4);                            // codes 4t .. 4t+3 (half 0)
+        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);  // codes 16+4t .. (half 1)
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
+    }
+    __m512i acc[2][MB];
+    const int32_t* xd[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[0][m] = acc[1][m] = _mm512_setzero_si512();
+      xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
+    }
+    for (int t = 0; t < 8; ++t)
+      for (int m = 0; m < MB; ++m)
+        acc[t / 4][m] = _mm512_dpbusd_epi32(acc[t / 4][m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    for (int h = 0; h < 2; ++h) {
+      const int64_t k = (p * 2 * G + 2 * g + h) * 16;
+      const __m512 scv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + k))));
+      const __m512 mnv = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + k))));
+      const __m512 dh = _mm512_mul_ps(Dv, scv), mh = _mm512_mul_ps(Dmv, mnv);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 s = _mm512_mul_ps(dh, _mm512_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][m]), s, facc[m]);
+        facc[m] = _mm512_fmadd_ps(mh, _mm512_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m]);
+}
+#define RUVLLM_KPANEL_MB 8
+
 #elif RUVLLM_AVX2
 // 256-bit paths: AVX2 multiplies bytes with vpmaddubsw (unsigned x signed, pairs summed to int16)
 // and vpmaddwd against ones (pairs of int16 summed to int32), four products per int32 lane as one
@@ -496,6 +585,67 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
 }
 #define RUVLLM_PANEL_MB 4
 
+// k-quants at 256 bits (see the AVX-512 kpanel_block): rows in two halves of 8, one accumulator per
+// half group of 16 codes.
+template <int BITS, int MB>
+void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K, SB = K / 256;
+  constexpr int64_t GB = BITS == 4 ? 16 : 32;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 facc[MB][2];
+  for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* gp = base + g * GB * 16;
+    const int32_t* xd[MB];
+    for (int m = 0; m < MB; ++m) xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
+    for (int r = 0; r < 2; ++r) {  // rows 8r .. 8r+7
+      __m256i acc[2][MB];
+      for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_si256();
+      if (BITS == 4) {
+        for (int t = 0; t < 4; ++t) {
+          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
+          const __m256i lo = _mm256_and_si256(z, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+          for (int m = 0; m < MB; ++m) {
+            acc[0][m] = dot4(acc[0][m], lo, _mm256_set1_epi32(xd[m][t]));
+            acc[1][m] = dot4(acc[1][m], hi, _mm256_set1_epi32(xd[m][4 + t]));
+          }
+        }
+      } else {
+        for (int t = 0; t < 8; ++t) {
+          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
+          for (int m = 0; m < MB; ++m) acc[t / 4][m] = dot4_u8(acc[t / 4][m], z, _mm256_set1_epi32(xd[m][t]));
+        }
+#ifndef RUVLLM_DPBUSD256
+        for (int m = 0; m < MB; ++m)
+          for (int h = 0; h < 2; ++h)
+            acc[h][m] = _mm256_add_epi32(
+                acc[h][m], _mm256_set1_epi32(128 * x.isum16[(m0 + m) * 2 * x.Gp + 2 * g + h]));
+#endif
+      }
+      const __m256 Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.D + (p * SB + g / 8) * 16 + r * 8)));
+      const __m256 Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
+      for (int h = 0; h < 2; ++h) {
+        const int64_t k = (p * 2 * G + 2 * g + h) * 16 + r * 8;
+        const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
+        const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + k))));
+        const __m256 dh = _mm256_mul_ps(Dv, scv), mh = _mm256_mul_ps(Dmv, mnv);
+        for (int m = 0; m < MB; ++m) {
+          const __m256 s = _mm256_mul_ps(dh, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+          facc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][m]), s, facc[m][r]);
+          facc[m][r] = _mm256_fmadd_ps(mh, _mm256_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m][0]);
+    _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16 + 8, facc[m][1]);
+  }
+}
+#define RUVLLM_KPANEL_MB 4
+
 #else
 void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) { w8a8_scalar(x, w, n0, n1); }
 void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) { group_scalar(x, w, n0, n1); }
@@ -528,7 +678,33 @@ void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1)
 void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) { panel_scalar(x, w, p0, p1); }
 #endif
 
-const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), w8a8_vec, group_vec, panel_vec, decode_one};
+#ifdef RUVLLM_KPANEL_MB
+template <int BITS, int MB>
+void kpanel_tail(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m, int left) {
+  if constexpr (MB > 0) {
+    if (left == MB) return kpanel_block<BITS, MB>(x, w, p, m);
+    kpanel_tail<BITS, MB - 1>(x, w, p, m, left);
+  }
+}
+
+template <int BITS>
+void kpanel_bits(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + RUVLLM_KPANEL_MB <= x.M; m += RUVLLM_KPANEL_MB) kpanel_block<BITS, RUVLLM_KPANEL_MB>(x, w, p, m);
+    if (m < x.M) kpanel_tail<BITS, RUVLLM_KPANEL_MB - 1>(x, w, p, m, static_cast<int>(x.M - m));
+  }
+}
+
+void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
+  if (w.bits == 4) return kpanel_bits<4>(x, w, p0, p1);
+  return kpanel_bits<8>(x, w, p0, p1);
+}
+#else
+void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { kpanel_scalar(x, w, p0, p1); }
+#endif
+
+const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), w8a8_vec, group_vec, panel_vec, kpanel_vec, decode_one};
 
 }  // namespace
 
