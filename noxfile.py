@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+from pathlib import Path
 
 import nox
 
@@ -86,15 +88,43 @@ def chat(session: nox.Session) -> None:
     session.run("ruvllm", *(session.posargs or ["chat", "smollm2"]))
 
 
+#: Where the bench session records, in its venv, the CMAKE_ARGS llama-cpp-python was built with.
+LLAMA_CPP_CMAKE_ARGS_FILE = "llama-cpp-python.cmake-args"
+#: GCC/Clang flags that take AMX out of ``-march=native`` (ggml compiles its AMX kernels when the
+#: compiler defines __AMX_INT8__; GGML_NATIVE ignores the GGML_AMX_* options).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def llama_cpp_cmake_args() -> str:
+    """A fair peer: llama.cpp built for this machine (``GGML_NATIVE``: ``-march=native``, every ISA
+    extension the CPU has, AVX-512 VNNI and AVX-VNNI included). Only AMX is turned off, and only where
+    /proc/cpuinfo advertises it: a native build picked AMX kernels on a VM whose CPU listed AMX that
+    the hypervisor did not enable, and segfaulted in ggml_backend_amx_mul_mat."""
+    args = ["-DGGML_NATIVE=ON"]
+    cpuinfo = Path("/proc/cpuinfo")
+    words = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if any(w.startswith("amx_") for w in words):  # amx_tile, amx_int8, amx_bf16... in the flags lines
+        args += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return shlex.join(args)  # scikit-build-core splits CMAKE_ARGS with shlex
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks with their peers (llama.cpp through llama-cpp-python, HF transformers) in one run."""
     install_project(session)
     session.install("torch==2.13.0", "transformers>=4.46", "accelerate>=1.0", "openai>=1.40", "httpx>=0.27")
-    # llama.cpp's native build picks AMX kernels on CPUs that advertise AMX even where a hypervisor
-    # does not make it usable (it segfaults in ggml_backend_amx_mul_mat): build for AVX2/AVX-512.
-    cmake = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
-    session.install("llama-cpp-python[server]>=0.3", env={"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", cmake)})
+    cmake = os.environ.get("CMAKE_ARGS") or llama_cpp_cmake_args()
+    stamp = Path(session.virtualenv.location) / LLAMA_CPP_CMAKE_ARGS_FILE
+    if not stamp.exists() or stamp.read_text() != cmake:
+        # pip keeps an installed (or cached) llama-cpp-python whatever CMAKE_ARGS say: rebuild it when
+        # they change, and record them where the benchmarks report them (benchmarks/provenance.py).
+        session.install(
+            "--force-reinstall", "--no-deps", "--no-cache-dir", "--no-binary=llama-cpp-python",
+            "llama-cpp-python>=0.3", env={"CMAKE_ARGS": cmake},
+        )  # fmt: skip
+        record = f"import pathlib, sys; pathlib.Path(sys.prefix, {stamp.name!r}).write_text({cmake!r})"
+        session.run_install("python", "-c", record)  # skipped, like the install, under --no-install
+    session.install("llama-cpp-python[server]>=0.3")
     scripts = session.posargs or sorted(
         f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )

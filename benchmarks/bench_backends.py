@@ -1,10 +1,16 @@
 """Backend throughput on one model: prefill tok/s, single-stream decode tok/s and aggregate decode
 tok/s at several batch sizes, for ruvllm's backends and, when installed, llama.cpp (llama-cpp-python,
 same GGUF) and Hugging Face transformers (torch, CPU). Medians over iterations; a table on stdout
-and the raw figures as JSON.
+and the raw figures as JSON and CSV.
 
-    python benchmarks/bench_backends.py --json bench.json
+    python benchmarks/bench_backends.py --json bench.json --csv bench.csv
     python benchmarks/bench_backends.py --only jax,jax-q8 --batches 1 8
+    python benchmarks/bench_backends.py --only jax-w4a8,llama.cpp --isa all --model model.Q4_K_M.gguf
+
+``--isa`` runs the native-kernel engines (jax-w4a8, jax-w8a8) once per ISA variant of the kernels,
+each in a child process with ``RUVLLM_CPU_ISA`` set (the variant is chosen once per process), as rows
+``jax-w4a8[avx2]``, ``jax-w4a8[avx512vnni]``...; such a name also works in ``--only``. Every report
+names the CPU, the ISA variant and weight format each engine ran, and llama.cpp's build.
 
 Every engine runs the same token ids. Warm-up passes (compilation, allocator growth) are run first
 and not timed. Nothing here is run by the tests.
@@ -13,17 +19,20 @@ and not timed. Nothing here is run by the tests.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from provenance import cpu_summary, gguf_weights, llama_cpp_build, llama_cpp_summary, native_isa, native_isas
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
@@ -40,6 +49,13 @@ class Result:
     prefill_tok_s: float | None = None
     decode_tok_s: float | None = None
     aggregate_tok_s: dict[int, float] = field(default_factory=dict)
+    #: The ISA that ran: ruvllm's native-kernel variant ("xla" without them), llama.cpp's best
+    #: compiled-in feature, torch's CPU capability.
+    isa: str = "-"
+    #: The weights' form in memory as they ran (the file's own types are in the report's header).
+    weights: str = "-"
+    #: llama.cpp: its CMake arguments and compile-time CPU features.
+    build: str = ""
     notes: str = ""
 
 
@@ -97,6 +113,9 @@ def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload, nativ
 
     name = backend if quantization == "none" else f"{backend}-{quantization}"
     r = Result(name if native else f"{name}-xla")
+    if backend == "jax":
+        r.isa = native_isa() if model.model.native else "xla"
+        r.weights = _jax_weights(model.model.weights)
     r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
     for b in w.batches:
         step = median_seconds(lambda b=b: decode(b), w.iterations)
@@ -107,6 +126,26 @@ def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload, nativ
     if weight_bytes:
         r.notes = f"weights {weight_bytes / 1e6:.0f} MB"
     return r
+
+
+def _jax_weights(weights: object) -> str:
+    """Each in-memory form's share of the weight bytes: ``int4 g32 asym a8 panel16 67%, ...``
+    (asym: a per-group minimum, as GGUF Q4_1; a8: int8 activations; panel16: the kernels' layout)."""
+    import jax
+
+    from ruvllm_jax.quant import QuantArray
+
+    sizes: Counter[str] = Counter()
+    for leaf in jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)):
+        if isinstance(leaf, QuantArray):
+            form = [f"int{leaf.bits}", f"g{leaf.group_size}" if leaf.group_size else "per-row"]
+            form += ["asym"] * (leaf.offset is not None) + [f"a{leaf.act_bits}"] * bool(leaf.act_bits)
+            form += [f"panel{leaf.panel}"] * bool(leaf.panel)
+            sizes[" ".join(form)] += leaf.nbytes
+        else:
+            sizes[str(leaf.dtype)] += leaf.nbytes
+    total = sum(sizes.values())
+    return ", ".join(f"{k} {100 * n / total:.0f}%" for k, n in sizes.most_common() if n >= total / 200)
 
 
 # -- llama.cpp ---------------------------------------------------------------------------------------------
@@ -177,7 +216,10 @@ def bench_llama_cpp(path: Path, w: Workload, threads: int) -> Result:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    r = Result("llama.cpp", notes=f"llama-cpp-python {llama_cpp.__version__}, n_threads={threads}")
+    build = llama_cpp_build()
+    assert build is not None  # llama_cpp imported above
+    r = Result("llama.cpp", isa=build["isa"], weights="as stored", build=llama_cpp_summary(build))
+    r.notes = f"llama-cpp-python {llama_cpp.__version__}, n_threads={threads}"
     r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
     for b in w.batches:
         step = median_seconds(lambda b=b: decode(b), w.iterations)
@@ -220,6 +262,7 @@ def bench_transformers(path: Path, w: Workload, threads: int) -> Result:
         return statistics.median(times)
 
     r = Result("transformers", notes=f"torch {torch.__version__} CPU float32, {threads} threads")
+    r.isa, r.weights = torch.backends.cpu.get_cpu_capability().lower(), "float32"
     r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
     for b in w.batches:
         step = median_seconds(lambda b=b: decode(b), w.iterations)
@@ -229,34 +272,36 @@ def bench_transformers(path: Path, w: Workload, threads: int) -> Result:
     return r
 
 
-def _in_child(engine: str, argv: list[str]) -> list[Result]:
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """This run's workload options, for a child process that measures one engine of it."""
+    return [
+        *("--model", str(args.model), "--batches", *map(str, args.batches)),
+        *("--prefill-tokens", str(args.prefill_tokens), "--prompt-tokens", str(args.prompt_tokens)),
+        *("--decode-steps", str(args.decode_steps), "--iterations", str(args.iterations)),
+        *("--threads", str(args.threads)),
+    ]
+
+
+def _in_child(engine: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> list[Result]:
     """Run one engine in a child process: a native crash (llama.cpp built with CPU features the
-    machine advertises but cannot run, such as AMX under some hypervisors) then costs only its row."""
+    machine advertises but cannot run, such as AMX under some hypervisors) then costs only its row,
+    and ``env`` can set what a process reads once (``RUVLLM_CPU_ISA`` for ``jax-w4a8[avx2]``)."""
     import subprocess
     import tempfile
 
-    rest, skip = [], False
-    for a in argv:  # drop our own --only / --json, keep every workload option
-        if skip:
-            skip = False
-            continue
-        if a in ("--only", "--json"):
-            skip = True
-            continue
-        if a.startswith(("--only=", "--json=")):
-            continue
-        rest.append(a)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
-        cmd = [sys.executable, __file__, *rest, "--only", engine, "--json", str(out), "--in-child"]
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        cmd = [sys.executable, __file__, *_child_argv(args), "--only", engine, "--json", str(out), "--in-child"]
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         if proc.returncode != 0 or not out.exists():
-            print(
-                f"    {engine} failed (exit status {proc.returncode}); for llama.cpp on a CPU whose AMX units "
-                "the hypervisor does not enable, build it with CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
-                "-DGGML_AVX512=ON'",
-                file=sys.stderr,
-            )
+            hint = ""
+            if engine == "llama.cpp":
+                hint = (
+                    "; if it crashed in its AMX kernels (a CPU whose AMX the hypervisor does not enable), build "
+                    "llama-cpp-python with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 in CMAKE_C_FLAGS and "
+                    "CMAKE_CXX_FLAGS (nox -s bench does where /proc/cpuinfo lists amx flags)"
+                )
+            print(f"    {engine} failed (exit status {proc.returncode}){hint}", file=sys.stderr)
             return []
         data = json.loads(out.read_text())["results"]
     return [Result(**{**r, "aggregate_tok_s": {int(k): v for k, v in r["aggregate_tok_s"].items()}}) for r in data]
@@ -277,11 +322,30 @@ ENGINES = [
     "llama.cpp",
     "transformers",
 ]
+#: The engines whose native kernels come in ISA variants (``jax-w4a8[avx2]``).
+NATIVE_ENGINES = ("jax-w8a8", "jax-w4a8")
+
+
+def split_isa(engine: str) -> tuple[str, str | None]:
+    """``jax-w4a8[avx2]`` -> ``("jax-w4a8", "avx2")``; ``llama.cpp`` -> ``("llama.cpp", None)``."""
+    base, bracket, rest = engine.partition("[")
+    return base, rest.removesuffix("]") if bracket else None
+
+
+def expand_isas(engines: list[str], spec: str | None) -> list[str]:
+    """Each native-kernel engine once per variant in ``spec`` (``all``: every one this CPU runs)."""
+    if not spec:
+        return engines
+    isas = native_isas() if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    out: list[str] = []
+    for e in engines:
+        out += [f"{e}[{isa}]" for isa in isas] if e in NATIVE_ENGINES else [e]
+    return out
 
 
 def table(results: list[Result], batches: list[int]) -> str:
     ref = next((r for r in results if r.engine == "llama.cpp"), None)
-    head = ["engine", "prefill tok/s", "decode tok/s"] + [f"aggregate@{b} tok/s" for b in batches]
+    head = ["engine", "isa", "weights", "prefill tok/s", "decode tok/s"] + [f"aggregate@{b} tok/s" for b in batches]
     rows = [head]
 
     def cell(v: float | None, base: float | None) -> str:
@@ -292,6 +356,8 @@ def table(results: list[Result], batches: list[int]) -> str:
     for r in results:
         row = [
             r.engine,
+            r.isa,
+            r.weights,
             cell(r.prefill_tok_s, ref and ref.prefill_tok_s),
             cell(r.decode_tok_s, ref and ref.decode_tok_s),
         ]
@@ -303,10 +369,56 @@ def table(results: list[Result], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+def write_csv(out: Path, results: list[Result], batches: list[int], meta: dict[str, object]) -> None:
+    """One row per engine; the CPU and model columns repeat so that every row stands alone."""
+    with out.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(
+            ["engine", "isa", "weights", "prefill_tok_s", "decode_tok_s"]
+            + [f"aggregate@{b}_tok_s" for b in batches]
+            + ["cpu", "model", "model_weights", "build", "notes"]
+        )
+        for r in results:
+            w.writerow(
+                [r.engine, r.isa, r.weights, r.prefill_tok_s, r.decode_tok_s]
+                + [r.aggregate_tok_s.get(b) for b in batches]
+                + [meta["cpu"], meta["model"], meta["model_weights"], r.build, r.notes]
+            )
+
+
+def run_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace) -> list[Result]:
+    base, isa = split_isa(engine)
+    if isa is not None and not args.in_child:
+        return _in_child(engine, args, {"RUVLLM_CPU_ISA": isa})
+    if base.startswith("jax"):
+        # jax, jax-q8, jax-w8a8, ...; a trailing -xla turns the native CPU kernels off.
+        parts = base.split("-")
+        xla = parts[-1] == "xla"
+        quant = parts[1] if len(parts) > 1 and parts[1] != "xla" else "none"
+        r = bench_ruvllm(path, "jax", quant, w, native=not xla)
+        if isa is not None:
+            if r.isa not in (isa, "xla"):  # "xla": this quantization does not use the kernels' variant
+                raise SystemExit(f"{engine}: RUVLLM_CPU_ISA={isa} but the kernels ran {r.isa}")
+            r.engine = engine
+        return [r]
+    if base == "candle-compat":
+        return [bench_ruvllm(path, "candle-compat", "none", w)]
+    if base == "llama.cpp":
+        return [bench_llama_cpp(path, w, args.threads)] if args.in_child else _in_child(engine, args)
+    if base == "transformers":
+        return [bench_transformers(path, w, args.threads)]
+    raise SystemExit(f"unknown engine {engine!r} (known: {', '.join(ENGINES)}, or jax-w4a8[ISA] ...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2", help="model reference (a GGUF file for llama.cpp/transformers)")
+    ap.add_argument("--model", default="smollm2", help="model reference or GGUF path (llama.cpp, transformers: GGUF)")
     ap.add_argument("--only", default=",".join(ENGINES), help=f"comma list from {', '.join(ENGINES)}")
+    ap.add_argument(
+        "--isa",
+        help=f"run {', '.join(NATIVE_ENGINES)} once per native-kernel ISA variant: 'all' (every one this CPU "
+        "runs) or a comma list such as avx2,avx512vnni",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prefill-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=16)
@@ -314,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--csv", type=Path, help="write the figures here, one row per engine")
     ap.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -331,41 +444,37 @@ def main(argv: list[str] | None = None) -> int:
         iterations=args.iterations,
         batches=args.batches,
     )
-    wanted = [e.strip() for e in args.only.split(",") if e.strip()]
+    wanted = expand_isas([e.strip() for e in args.only.split(",") if e.strip()], args.isa)
+    if odd := [e for e in wanted if split_isa(e)[1] is not None and split_isa(e)[0] not in NATIVE_ENGINES]:
+        raise SystemExit(f"{', '.join(odd)}: only {', '.join(NATIVE_ENGINES)} take an ISA variant")
     results: list[Result] = []
     for engine in wanted:
-        print(f"... {engine}", file=sys.stderr, flush=True)
+        if not args.in_child:  # the parent said it
+            print(f"... {engine}", file=sys.stderr, flush=True)
         try:
-            if engine.startswith("jax"):
-                # jax, jax-q8, jax-w8a8, ...; a trailing -xla turns the native CPU kernels off.
-                parts = engine.split("-")
-                xla = parts[-1] == "xla"
-                quant = parts[1] if len(parts) > 1 and parts[1] != "xla" else "none"
-                results.append(bench_ruvllm(path, "jax", quant, w, native=not xla))
-            elif engine == "candle-compat":
-                results.append(bench_ruvllm(path, "candle-compat", "none", w))
-            elif engine == "llama.cpp" and args.in_child:
-                results.append(bench_llama_cpp(path, w, args.threads))
-            elif engine == "llama.cpp":
-                results.extend(_in_child("llama.cpp", argv if argv is not None else sys.argv[1:]))
-            elif engine == "transformers":
-                results.append(bench_transformers(path, w, args.threads))
-            else:
-                raise SystemExit(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+            results.extend(run_engine(engine, path, w, args))
         except ImportError as exc:
             print(f"    skipped {engine}: {exc}", file=sys.stderr)
+    meta = {
+        "model": str(path),
+        "model_weights": gguf_weights(path),
+        "cpu": cpu_summary(),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
+        "load_average": os.getloadavg(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    print(f"model: {path} ({meta['model_weights']})\ncpu: {meta['cpu']}")
+    for r in results:
+        if r.build:
+            print(f"{r.engine}: {r.build}")
     print(table(results, args.batches))
     for r in results:
         if r.notes:
             print(f"  {r.engine}: {r.notes}")
     if args.json:
-        meta = {
-            "model": str(path),
-            "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
-            "load_average": os.getloadavg(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        }
         args.json.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+    if args.csv:
+        write_csv(args.csv, results, args.batches, meta)
     return 0
 
 

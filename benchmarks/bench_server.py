@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from provenance import cpu_summary, gguf_weights, llama_cpp_build, llama_cpp_summary, native_isa
 
 TOPICS = ["a dragon", "the sea", "a robot", "a lost key", "winter", "a lighthouse", "a train", "a garden"]
 
@@ -266,6 +267,7 @@ def main() -> int:
     args.prefix_results = {}
     results: list[LevelResult] = []
     peer_failure = None
+    peer_build = None
     results += bench_server(
         ours,
         [sys.executable, "-m", "ruvllm", "serve", gguf, "--served-model-name", "smollm2", "--backend", backend,
@@ -277,6 +279,7 @@ def main() -> int:
     elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
         print("\nllama-cpp-python[server] is not installed: skipping llama_cpp.server", file=sys.stderr)
     else:
+        peer_build = llama_cpp_build()  # the same installed library the server process loads
         try:
             results += bench_server(
                 "llama.cpp (2 threads)",
@@ -291,7 +294,15 @@ def main() -> int:
             print(f"\nno llama.cpp figures: {exc}", file=sys.stderr)
             peer_failure = str(exc)
 
-    print(f"\nmax_tokens={args.max_tokens}, greedy, chat prompts; machine: {os.cpu_count()} CPUs\n")
+    print(f"\nmax_tokens={args.max_tokens}, greedy, chat prompts; cpu: {cpu_summary()}")
+    print(f"model: {gguf} ({gguf_weights(Path(gguf))})")
+    # The server inherits this environment (RUVLLM_CPU_ISA included), so its kernels pick the same.
+    kernels = native_isa() if backend == "jax" else None
+    if kernels:
+        print(f"ruvllm jax native kernels (w8a8, w4a8): {kernels}")
+    if peer_build:
+        print(f"llama.cpp: {llama_cpp_summary(peer_build)}")
+    print()
     print("| server | streams | requests | tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | errors |")
     print("|---|---:|---:|---:|---:|---|---|---:|")
     for r in results:
@@ -310,7 +321,12 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"results": [asdict(r) for r in results], "prefix": args.prefix_results, "peer_failure": peer_failure},
+                {
+                    "meta": {"cpu": cpu_summary(), "model": gguf, "native_isa": kernels, "llama_cpp": peer_build},
+                    "results": [asdict(r) for r in results],
+                    "prefix": args.prefix_results,
+                    "peer_failure": peer_failure,
+                },
                 indent=2,
             )
         )
