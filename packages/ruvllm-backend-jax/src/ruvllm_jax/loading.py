@@ -14,12 +14,17 @@ from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
 from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
 from ruvllm_jax.quant import (
     GGUF_DIRECT_TYPES,
+    ROW_FIELDS,
+    WXA8_GGUF_TYPES,
     QuantArray,
+    common_format,
     from_gguf_blocks,
+    kernel_form,
     quantize,
     quantize_int8,
     quantize_w8a8,
     quantize_wxa8,
+    storage_format,
     to_panels,
     wxa8_from_gguf_blocks,
 )
@@ -49,29 +54,21 @@ def _float(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _stack(items: list):
-    """Stack per-layer arrays (or QuantArrays of one format) on a new leading axis."""
+    """Stack per-layer arrays (or QuantArrays, brought to one format, see :func:`common_format`) on
+    a new leading axis; ``w4a8`` matrices come out in the native kernels' panel layout."""
     first = items[0]
     if isinstance(first, QuantArray):
-        if any(
-            not isinstance(x, QuantArray)
-            or (x.bits, x.group_size, x.zero_point, x.act_bits, x.panel)
-            != (first.bits, first.group_size, first.zero_point, first.act_bits, first.panel)
-            or (x.offset is None) != (first.offset is None)
-            or (x.in_scale is None) != (first.in_scale is None)
-            for x in items
-        ):
+        if all(isinstance(x, QuantArray) for x in items):
+            items = common_format(items)
+            first = items[0]
+        if any(not isinstance(x, QuantArray) or storage_format(x) != storage_format(first) for x in items):
             raise BackendError("layers store one weight in different formats; load with quantization q8/q4 or none")
-        return QuantArray(
-            np.stack([x.quant for x in items]),
-            np.stack([x.scale for x in items]),
-            None if first.offset is None else np.stack([x.offset for x in items]),
-            bits=first.bits,
-            group_size=first.group_size,
-            zero_point=first.zero_point,
-            act_bits=first.act_bits,
-            in_scale=None if first.in_scale is None else np.stack([x.in_scale for x in items]),
-            panel=first.panel,
-        )
+        arrays = {
+            f: np.stack([getattr(x, f) for x in items])
+            for f in ("quant", "in_scale", *ROW_FIELDS)
+            if getattr(first, f) is not None
+        }
+        return to_panels(dataclasses.replace(first, **arrays))
     return np.stack(items)
 
 
@@ -100,13 +97,17 @@ class WeightLoader:
         if not (self.keep_gguf_blocks or (wxa8 and self.ckpt.format == "gguf")):
             return None
         raw = self.ckpt.raw_tensor(name)
-        if raw.ggml_type not in GGUF_DIRECT_TYPES or len(raw.shape) != 2 or raw.shape[1] % 32:
+        if raw.ggml_type not in (WXA8_GGUF_TYPES if wxa8 else GGUF_DIRECT_TYPES) or len(raw.shape) != 2:
             return None
-        if wxa8:
-            return to_panels(wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape))
-        return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
+        try:
+            if wxa8:
+                return kernel_form(wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape))
+            return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
+        except ModelFormatError as exc:
+            raise ModelFormatError(f"{self.ckpt.path}: tensor {name}: {exc}") from None
 
     def matrix(self, name: str):
+        """One layer's matrix, row-major (:func:`_stack` lays the stacked ones out in panels)."""
         direct = self._direct(name)
         if direct is not None:
             return direct
@@ -114,13 +115,13 @@ class WeightLoader:
         if self.quantization == "none":
             return _float(w, self.spec.dtype)
         if self.quantization == "w4a8":
-            return to_panels(quantize_wxa8(w, 4))
+            return quantize_wxa8(w, 4)
         return quantize(w, self.quantization)
 
     def embedding(self, name: str):
         direct = self._direct(name)
         if direct is not None:
-            return direct
+            return to_panels(direct)
         w = self.ckpt.tensor(name)
         if self.quantization == "none":
             return _float(w, self.spec.dtype)

@@ -250,9 +250,13 @@ _NATIVE_FIELDS = tuple(p for g in _GROUPS for p in g)
 
 
 def _native_format(w: object) -> str | None:
-    """``w8a8`` or ``wxa8`` for the quantized forms the native kernels multiply, else None."""
+    """``w8a8`` or ``wxa8`` for the quantized forms the native kernels multiply, else None. The k-quants
+    count as ``wxa8`` (one call takes both) when they are in the panel layout, the only one their
+    kernel reads."""
     if not isinstance(w, QuantArray) or w.act_bits != 8:
         return None
+    if w.sub_group:
+        return "wxa8" if w.panel else None
     return "w8a8" if w.offset is None else "wxa8"
 
 
@@ -266,12 +270,17 @@ def _native_projections(x: jax.Array, mats: list[QuantArray], layer: jax.Array) 
         ys = [jnp.zeros(())] * len(mats)
         for panel in (False, True):  # one call per layout (loading gives a group one layout)
             idx = [i for i, m in enumerate(mats) if bool(m.panel) == panel]
-            if idx:
+            if not idx:
+                continue
+            if any(mats[i].sub_group for i in idx):  # k-quants: one call takes them and plain panels
+                parts = [(m.quant, m.scale, m.offset, m.sub_scale, m.sub_offset) for m in (mats[i] for i in idx)]
+                got = native.kxa8_group(x2, layer, [p if p[3] is not None else p[:3] for p in parts])
+            else:
                 got = native.wxa8_group(
                     x2, layer, [(mats[i].quant, mats[i].scale, mats[i].offset) for i in idx], panel=panel
                 )
-                for i, y in zip(idx, got, strict=True):
-                    ys[i] = y
+            for i, y in zip(idx, got, strict=True):
+                ys[i] = y
     else:
         ys = native.w8a8_group(x2, layer, mats[0].in_scale, [(m.quant, m.scale) for m in mats])
     return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]

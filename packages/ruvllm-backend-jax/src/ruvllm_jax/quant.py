@@ -10,30 +10,39 @@ Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
 * int4: ``quant`` uint8 ``[out, in // 2]``; inside each group of ``group`` weights, byte ``j`` holds
   weight ``j`` in its low nibble and weight ``j + group // 2`` in its high nibble (GGUF's Q4 layout, so
   Q4_0 / Q4_1 blocks load as they are). ``W = (nibble - zero_point) * scale (+ offset)``.
+* k-quants (GGUF Q4_K / Q5_K / Q6_K, ``sub_group`` > 0): two-level scales, as in the file. ``scale``
+  (and ``offset``) are float16 ``[out, in // 256]``, one per super-block; ``sub_scale`` (and
+  ``sub_offset``) are small integers ``[out, in // sub_group]``; ``W = scale * sub_scale * (code -
+  zero_point) - offset * sub_offset``. See :func:`wxa8_from_gguf_blocks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ruvllm.errors import BackendError, UnsupportedQuantizationError
+from ruvllm.errors import BackendError, ModelFormatError, UnsupportedQuantizationError
 
 #: ``LoadOptions.quantization`` values this backend understands. ``w4a8`` is llama.cpp's CPU scheme:
 #: weights in groups of 32 (4-bit codes with a float16 scale and offset per group, GGUF Q4_0 / Q4_1
-#: blocks kept as they are; the tied embedding / output projection 8-bit, Q8_0), activations
-#: quantized to int8 per group of 32 at run time; see :func:`_linear_wxa8`. ``w8a8`` is int8 weights (one scale
+#: blocks kept as they are; the tied embedding / output projection 8-bit, Q8_0; a GGUF's k-quant
+#: blocks with their two-level scales), activations quantized to int8 per group of 32 at run time; see
+#: :func:`_linear_wxa8` and :func:`_linear_kquant`. ``w8a8`` is int8 weights (one scale
 #: per output channel) times int8 activations (one scale per token, chosen at run time): XLA's CPU
 #: backend runs that product in an integer GEMM kernel several times faster than any float or
 #: weight-only form, which is why it exists (see docs/jax-backend.md for speed and quality).
 QUANTIZATIONS = ("none", "q8", "q4", "w8a8", "w4a8")
 #: Group size of RTN int8 / int4 (GGUF's block size, so both paths share one layout).
 Q_GROUP = 32
+#: Inputs per k-quant super-block (GGUF's ``QK_K``): one float16 ``d`` (and ``dmin``) per row each.
+KQ_BLOCK = 256
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +65,12 @@ class QuantArray:
     #: 16: codes, scales and offsets are stored in the native kernels' 16-row panel layout (see
     #: :func:`to_panels`); 0: plain row-major.
     panel: int = field(default=0, metadata=dict(static=True))
+    #: k-quants: per-sub-group integer factors of ``scale`` (uint8 6-bit for Q4_K / Q5_K, int8 for
+    #: Q6_K) and of ``offset`` (uint8 6-bit), ``[..., out, in // sub_group]``.
+    sub_scale: jax.Array | None = None
+    sub_offset: jax.Array | None = None
+    #: Inputs per ``sub_scale`` (32 for Q4_K / Q5_K, 16 for Q6_K); 0: not a k-quant.
+    sub_group: int = field(default=0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -64,8 +79,14 @@ class QuantArray:
 
     @property
     def nbytes(self) -> int:
-        leaves = [x for x in (self.quant, self.scale, self.offset, self.in_scale) if x is not None]
-        return int(sum(x.size * x.dtype.itemsize for x in leaves))
+        leaves = [self.quant, self.in_scale, *(getattr(self, f) for f in ROW_FIELDS)]
+        return int(sum(x.size * x.dtype.itemsize for x in leaves if x is not None))
+
+    @property
+    def wxa8(self) -> bool:
+        """Grouped weights for activations quantized per group of 32 (``w4a8``): the 32-group forms,
+        which always carry an offset, and the k-quants (Q6_K's has none)."""
+        return self.act_bits == 8 and (self.offset is not None or self.sub_group > 0)
 
     def dequantize(self, dtype: jnp.dtype) -> jax.Array:
         """The float matrix, ``[..., out, in]`` in ``dtype`` (inside a jitted step this is fused with
@@ -75,6 +96,8 @@ class QuantArray:
         q = self.quant
         if self.bits == 4:
             q = _unpack_nibbles(q, self.group_size)
+        if self.sub_group:
+            return _dequantize_kquant(self, q).astype(dtype)
         *lead, out, cols = q.shape
         groups = cols // self.group_size
         w = q.astype(dtype) if self.zero_point == 0 else q.astype(dtype) - jnp.asarray(self.zero_point, dtype)
@@ -95,13 +118,42 @@ def _unpack_nibbles(packed: jax.Array, group: int) -> jax.Array:
     return both.reshape(*lead, out, half * 2)
 
 
+#: Per-output-row fields: indexed, stacked and laid out in panels the way the codes' rows are.
+ROW_FIELDS = ("scale", "offset", "sub_scale", "sub_offset")
+
+
+def _kquant_factors(w: QuantArray) -> tuple[jax.Array, jax.Array | None]:
+    """float32 ``scale * sub_scale`` and ``offset * sub_offset`` per sub-group, ``[..., out, in //
+    sub_group]``: products of a float16 and an integer below 2^8, so exact in float32."""
+    per = KQ_BLOCK // w.sub_group
+    d = jnp.repeat(jnp.asarray(w.scale, jnp.float32), per, axis=-1) * jnp.asarray(w.sub_scale, jnp.float32)
+    if w.offset is None:
+        return d, None
+    m = jnp.repeat(jnp.asarray(w.offset, jnp.float32), per, axis=-1) * jnp.asarray(w.sub_offset, jnp.float32)
+    return d, m
+
+
+def _dequantize_kquant(w: QuantArray, codes: jax.Array) -> jax.Array:
+    """float32 ``(d * sc) * (code - zero_point) - dmin * mn``: the factor times the code is exact, so
+    the one rounding is the subtraction's, as in GGUF's own dequantization (same values, bit for bit)."""
+    *lead, out, cols = codes.shape
+    d, m = _kquant_factors(w)
+    c = codes.astype(jnp.float32).reshape(*lead, out, cols // w.sub_group, w.sub_group)
+    v = d[..., None] * (c - w.zero_point if w.zero_point else c)
+    if m is not None:
+        v = v - m[..., None]
+    return v.reshape(*lead, out, cols)
+
+
 Weight = jax.Array | QuantArray
 
 
 def linear(x: jax.Array, w: Weight) -> jax.Array:
     """``x @ w.T`` for ``x`` ``[..., in]`` and ``w`` ``[out, in]`` (float or quantized)."""
     if isinstance(w, QuantArray):
-        if w.act_bits == 8 and w.offset is not None:
+        if w.wxa8 and w.sub_group:
+            return _linear_kquant(x, w)
+        if w.wxa8:
             return _linear_wxa8(x, w)
         if w.act_bits == 8:
             return _linear_w8a8(x, w)
@@ -182,6 +234,42 @@ def _linear_wxa8(x: jax.Array, w: QuantArray) -> jax.Array:
     return y.reshape(*lead, out).astype(x.dtype)
 
 
+def _linear_kquant(x: jax.Array, w: QuantArray) -> jax.Array:
+    """``x @ w.T`` for k-quant weights and activations quantized per group of 32 (as for
+    :func:`_linear_wxa8`). Per sub-group ``h`` (16 or 32 inputs, inside activation group ``g``) the
+    integer dot ``p_h = codes . xq`` and ``isum_h = sum(xq)`` are exact in int32; then, in float32,
+    ``y = sum_h (d sc_h) dx_g (p_h - zero_point isum_h) - (dmin mn_h) dx_g isum_h`` with ``d sc_h`` and
+    ``dmin mn_h`` the exact products of :func:`_kquant_factors`. For 32-wide sub-groups ``dx_g
+    isum_h`` is :func:`quantize_activation_groups`'s ``sx``. This is the reference the native kernels
+    are checked against."""
+    if w.panel:
+        w = from_panels(w)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    xq, dx, _ = quantize_activation_groups(x.reshape(-1, cols))
+    rows, sg = xq.shape[0], w.sub_group
+    subs = cols // sg
+    codes = _unpack_nibbles(w.quant, ACT_GROUP) if w.bits == 4 else w.quant
+    out = codes.shape[0]
+    xh = xq.reshape(rows, subs, sg)
+    # Codes are below 64 in every k-quant: int8 x int8 -> [subs, rows, out], exact in int32.
+    p = lax.dot_general(
+        jnp.transpose(xh, (1, 0, 2)),
+        jnp.transpose(codes.reshape(out, subs, sg).astype(jnp.int8), (1, 0, 2)),
+        (((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=jnp.int32,
+    )
+    isum = jnp.sum(xh.astype(jnp.int32), axis=-1)  # [rows, subs]
+    if w.zero_point:
+        p = p - w.zero_point * jnp.transpose(isum)[:, :, None]
+    dxh = jnp.repeat(dx, ACT_GROUP // sg, axis=-1)  # [rows, subs]: each sub-group's activation scale
+    d, m = _kquant_factors(w)  # [out, subs]
+    y = jnp.einsum("hro,oh,rh->ro", p.astype(jnp.float32), d, dxh, precision=lax.Precision.HIGHEST)
+    if m is not None:
+        sx = dxh * isum.astype(jnp.float32)
+        y = y - jnp.einsum("rh,oh->ro", sx, m, precision=lax.Precision.HIGHEST)
+    return y.reshape(*lead, out).astype(x.dtype)
+
+
 def _linear_int4(x: jax.Array, w: QuantArray) -> jax.Array:
     """int4 matmul without interleaving nibbles: the low nibbles of a group hold its first half, the
     high nibbles its second half, so ``x`` is split the same way and each half meets its nibbles."""
@@ -212,18 +300,16 @@ def take_rows(w: Weight, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     if isinstance(w, QuantArray) and w.panel:
         return _panel_rows(w, ids).dequantize(dtype)
     if isinstance(w, QuantArray):
-        rows = QuantArray(
-            w.quant[ids],
-            w.scale[ids],
-            None if w.offset is None else w.offset[ids],
-            bits=w.bits,
-            group_size=w.group_size,
-            zero_point=w.zero_point,
-            act_bits=w.act_bits,
-            in_scale=w.in_scale,
-        )
-        return rows.dequantize(dtype)
+        return _map_rows(w, lambda a: a[ids]).dequantize(dtype)
     return w[ids].astype(dtype)
+
+
+def _map_rows(w: QuantArray, fn: Callable[[Any], Any], **changes: Any) -> QuantArray:
+    """``w`` with ``changes`` and ``fn`` applied to its codes and every per-row field it has (those
+    ``changes`` does not set)."""
+    fields = ("quant", *ROW_FIELDS)
+    rows = {f: fn(getattr(w, f)) for f in fields if f not in changes and getattr(w, f) is not None}
+    return dataclasses.replace(w, **rows, **changes)
 
 
 def weight_nbytes(tree: object) -> int:
@@ -303,6 +389,49 @@ def quantize(w: np.ndarray, mode: str) -> QuantArray:
 
 #: GGUF block types that map onto :class:`QuantArray` without re-quantizing.
 GGUF_DIRECT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+#: GGUF's k-quants: super-blocks of 256 values with integer sub-scales.
+KQUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+#: GGUF block types the ``w4a8`` form holds exactly (:func:`wxa8_from_gguf_blocks`); Q5_0 / Q5_1 are
+#: what llama.cpp's Q4_K_M / Q5_K_M fall back to for rows that are not whole super-blocks.
+WXA8_GGUF_TYPES = GGUF_DIRECT_TYPES | KQUANT_TYPES | {"Q5_0", "Q5_1"}
+#: (values, bytes) per block.
+_GGUF_BLOCK = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (KQ_BLOCK, 144),
+    "Q5_K": (KQ_BLOCK, 176),
+    "Q6_K": (KQ_BLOCK, 210),
+}
+
+
+def _gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``data`` as uint8 ``[out, blocks, block bytes]``: a size ``shape`` does not imply is a corrupt
+    or truncated tensor, never something to reshape into other weights."""
+    out, cols = shape
+    block, nbytes = _GGUF_BLOCK[ggml_type]
+    if cols % block:
+        raise ModelFormatError(f"{ggml_type} rows of {cols} values are not whole blocks of {block}")
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    want = out * (cols // block) * nbytes
+    if raw.size != want:
+        raise ModelFormatError(
+            f"{ggml_type} data of {raw.size} bytes does not match its shape {out} x {cols} ({want} bytes)"
+        )
+    return raw.reshape(out, cols // block, nbytes)
+
+
+def _f16(blocks: np.ndarray, at: int, ggml_type: str) -> np.ndarray:
+    """The float16 field at byte ``at`` of every block, ``[out, blocks]``; a NaN or infinite scale
+    marks a corrupt block (it would turn every output it touches into NaN)."""
+    v = blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+    bad = np.argwhere(~np.isfinite(v))
+    if len(bad):
+        row, blk = (int(i) for i in bad[0])
+        raise ModelFormatError(f"{ggml_type} block {blk} of row {row} has a non-finite scale ({v[row, blk]})")
+    return v
 
 
 def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
@@ -311,35 +440,172 @@ def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -
     out, cols = shape
     if ggml_type not in GGUF_DIRECT_TYPES:
         raise UnsupportedQuantizationError(f"GGUF type {ggml_type} cannot be kept quantized (only Q8_0, Q4_0, Q4_1)")
-    nblocks = cols // 32
-    rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(out, nblocks, -1)
-    d = rows[..., 0:2].copy().view(np.float16)[..., 0]
+    rows = _gguf_blocks(ggml_type, data, shape)
+    d = _f16(rows, 0, ggml_type)
     if ggml_type == "Q8_0":
         q = rows[..., 2:34].copy().view(np.int8).reshape(out, cols)
         return QuantArray(q, d, None, bits=8, group_size=32)
     if ggml_type == "Q4_0":
         packed = rows[..., 2:18].reshape(out, cols // 2)
         return QuantArray(np.ascontiguousarray(packed), d, None, bits=4, group_size=32, zero_point=8)
-    m = rows[..., 2:4].copy().view(np.float16)[..., 0]
+    m = _f16(rows, 2, ggml_type)
     packed = rows[..., 4:20].reshape(out, cols // 2)
     return QuantArray(np.ascontiguousarray(packed), d, m, bits=4, group_size=32, zero_point=0)
 
 
-# -- w4a8: group-quantized weights for int8 activations ----------------------------------------------
+def _q5_codes(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0 / Q5_1 codes ``[out, blocks, 32]`` from the 4-byte ``qh`` at byte ``at`` (bit ``j`` of the
+    little-endian word: code ``j``'s fifth bit) and the 16 bytes after it (low nibbles: codes 0-15,
+    high nibbles: codes 16-31)."""
+    qs = blocks[..., at + 4 : at + 20]
+    high = np.unpackbits(blocks[..., at : at + 4], axis=-1, bitorder="little")
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)
+
+
+def _kquant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of Q4_K / Q5_K blocks -> 8 six-bit ``sc`` and 8 six-bit ``mn`` each: bytes
+    0-3 hold ``sc`` 0-3 in their low 6 bits and the top 2 bits of ``sc`` 4-7, bytes 4-7 the same for
+    ``mn``, bytes 8-11 the low 4 bits of ``sc`` 4-7 (low nibble) and of ``mn`` 4-7 (high nibble)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _low_high(qs: np.ndarray, width: int) -> np.ndarray:
+    """The nibbles of k-quant code bytes in value order: per run of ``width`` bytes, the low nibbles
+    are ``width`` consecutive values and the high nibbles the next ``width``."""
+    runs = qs.reshape(*qs.shape[:-1], -1, 1, width)
+    return np.concatenate([runs & 0x0F, runs >> 4], axis=-2).reshape(*qs.shape[:-1], -1)
 
 
 def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
-    """GGUF Q4_0 / Q4_1 / Q8_0 blocks as a ``w4a8``-format :class:`QuantArray`, codes bit for bit:
-    ``d * code + m`` with Q4_0's ``m = -8 d`` and Q8_0's codes stored as ``q + 128`` (``m = -128 d``),
-    so every weight dequantizes to the file's value."""
-    q = from_gguf_blocks(ggml_type, data, shape)
-    d = np.asarray(q.scale, np.float16)
-    if ggml_type == "Q4_1":
-        return QuantArray(q.quant, d, np.asarray(q.offset, np.float16), bits=4, group_size=32, act_bits=8)
-    if ggml_type == "Q4_0":
-        return QuantArray(q.quant, d, (d.astype(np.float32) * -8).astype(np.float16), bits=4, group_size=32, act_bits=8)
-    codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
-    return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+    """GGUF blocks as a ``w4a8``-format :class:`QuantArray`, codes and scales bit for bit, so every
+    weight dequantizes to the file's value:
+
+    * Q4_1 as it is (``d * code + m``), Q4_0 with ``m = -8 d``;
+    * 8-bit codes: Q8_0's stored as ``q + 128`` (``m = -128 d``), Q5_0's and Q5_1's 5-bit codes one
+      per byte (``m = -16 d``, and the file's ``m``);
+    * Q4_K: ``scale`` / ``offset`` the float16 ``d`` / ``dmin`` per super-block of 256, ``sub_scale``
+      / ``sub_offset`` the uint8 6-bit ``sc`` / ``mn`` per 32, ``W = d sc code - dmin mn``; the 4-bit
+      codes repacked per group of 32 into the nibble order of Q4_0 (the file packs 64 values per 32
+      bytes, low nibbles first): a permutation of nibbles;
+    * Q5_K: the same scales, the 5-bit codes one per byte;
+    * Q6_K: 6-bit codes one per byte with zero point 32, ``d`` per super-block, the int8 ``sc`` per
+      16 (``W = d sc (code - 32)``), no offset.
+
+    Rows that are not whole blocks, data of another size than ``shape`` implies and NaN or infinite
+    float16 scales raise :class:`ModelFormatError` (the caller adds the tensor's name)."""
+    if ggml_type not in WXA8_GGUF_TYPES:
+        raise UnsupportedQuantizationError(
+            f"GGUF type {ggml_type} has no exact w4a8 form (known: {', '.join(sorted(WXA8_GGUF_TYPES))})"
+        )
+    out, cols = shape
+    if ggml_type in GGUF_DIRECT_TYPES:
+        q = from_gguf_blocks(ggml_type, data, shape)
+        d = np.asarray(q.scale, np.float16)
+        if ggml_type == "Q4_1":
+            return QuantArray(q.quant, d, np.asarray(q.offset, np.float16), bits=4, group_size=32, act_bits=8)
+        if ggml_type == "Q4_0":
+            m = (d.astype(np.float32) * -8).astype(np.float16)
+            return QuantArray(q.quant, d, m, bits=4, group_size=32, act_bits=8)
+        codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
+        return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+    blocks = _gguf_blocks(ggml_type, data, shape)
+    nb = cols // _GGUF_BLOCK[ggml_type][0]
+    if ggml_type in ("Q5_0", "Q5_1"):
+        d = _f16(blocks, 0, ggml_type)
+        if ggml_type == "Q5_0":
+            m, codes = (d.astype(np.float32) * -16).astype(np.float16), _q5_codes(blocks, 2)
+        else:
+            m, codes = _f16(blocks, 2, ggml_type), _q5_codes(blocks, 4)
+        return QuantArray(codes.reshape(out, cols), d, m, bits=8, group_size=32, act_bits=8)
+    if ggml_type == "Q6_K":
+        d = _f16(blocks, 208, ggml_type)
+        shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
+        high = (blocks[..., 128:192].reshape(out, nb, 2, 1, 32) >> shifts) & 0x03  # [out, nb, 2, 4, 32]
+        codes = _low_high(blocks[..., 0:128], 64) | (high.reshape(out, nb, KQ_BLOCK) << 4)
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(out, cols // 16)
+        return QuantArray(
+            codes.reshape(out, cols),
+            d,
+            None,
+            bits=8,
+            group_size=32,
+            zero_point=32,
+            act_bits=8,
+            sub_scale=sc,
+            sub_group=16,
+        )
+    d, dmin = _f16(blocks, 0, ggml_type), _f16(blocks, 2, ggml_type)
+    sc, mn = _kquant_scales(blocks[..., 4:16])
+    sub = dict(sub_scale=sc.reshape(out, cols // 32), sub_offset=mn.reshape(out, cols // 32), sub_group=32)
+    if ggml_type == "Q4_K":
+        codes = _low_high(blocks[..., 16:144], 32).reshape(out, cols // 32, 32)
+        packed = _pack_nibbles(codes, 32).reshape(out, cols // 2)
+        return QuantArray(packed, d, dmin, bits=4, group_size=32, act_bits=8, **sub)
+    high = (blocks[..., 16:48].reshape(out, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01
+    codes = _low_high(blocks[..., 48:176], 32) | (high.reshape(out, nb, KQ_BLOCK) << 4)
+    return QuantArray(codes.reshape(out, cols), d, dmin, bits=8, group_size=32, act_bits=8, **sub)
+
+
+def storage_format(w: QuantArray) -> tuple:
+    """What matrices must share to be stacked into one :class:`QuantArray`: the static fields and
+    which array fields are present, with their dtypes."""
+    arrays = (w.quant, w.in_scale, *(getattr(w, f) for f in ROW_FIELDS))
+    dtypes = tuple(None if a is None else np.dtype(a.dtype).str for a in arrays)
+    return (w.bits, w.group_size, w.zero_point, w.act_bits, w.panel, w.sub_group, dtypes)
+
+
+def kernel_form(w: QuantArray) -> QuantArray:
+    """A k-quant in the one form the native kernels read (``cpu_kernels.h``, KMatrix), the same values:
+    16-wide sub-groups, no zero point, ``W = (scale sc) code - (offset mn)`` with ``scale`` / ``offset``
+    float16 per super-block, ``sc`` int8 and ``mn`` int16 per 16. Q4_K / Q5_K: their ``d``, ``dmin``,
+    ``sc`` and ``mn`` each repeated per 16; Q6_K: ``offset = d`` and ``mn = 32 sc`` (so ``d sc (code -
+    32)``). Every product is exact in float32. Other matrices come back unchanged."""
+    if not w.sub_group or (w.sub_group == 16 and w.zero_point == 0 and w.offset is not None):
+        return w
+    sc = np.asarray(w.sub_scale)
+    if w.sub_group == 16:  # Q6_K
+        assert w.zero_point == 32 and w.offset is None, "a Q6_K-form k-quant has zero point 32 and no offset"
+        sc = sc.astype(np.int8)
+        return dataclasses.replace(
+            w, offset=np.asarray(w.scale), sub_scale=sc, sub_offset=32 * sc.astype(np.int16), zero_point=0
+        )
+    return dataclasses.replace(
+        w,
+        sub_scale=np.repeat(sc, 2, axis=-1).astype(np.int8),
+        sub_offset=np.repeat(np.asarray(w.sub_offset), 2, axis=-1).astype(np.int16),
+        sub_group=16,
+    )
+
+
+def common_format(mats: list[QuantArray]) -> list[QuantArray]:
+    """Row-major ``w4a8`` matrices of one weight in several layers, in one storage format where the
+    file's types differ by layer (llama.cpp's Q4_K_M gives ``attn_v`` and ``ffn_down`` Q6_K in some
+    layers and Q4_K, or Q8_0 and Q5_0, in others), each converted exactly: k-quants to
+    :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes one per byte
+    where some layers have 4-bit and others 8-bit codes. Other mixes (k-quants with 32-group forms)
+    come back unchanged for the caller to refuse."""
+    if not all(w.wxa8 and not w.panel for w in mats):
+        return mats
+    mats = [kernel_form(w) for w in mats]
+    if len({storage_format(w) for w in mats}) == 1 or len({w.sub_group for w in mats}) > 1:
+        return mats
+    return [_as_bytes(w) for w in mats]
+
+
+def _as_bytes(w: QuantArray) -> QuantArray:
+    """``w`` with 4-bit codes stored one per byte (the same values)."""
+    if w.bits == 8:
+        return w
+    packed = np.asarray(w.quant)
+    g = packed.reshape(*packed.shape[:-1], -1, ACT_GROUP // 2)
+    codes = np.concatenate([g & 0x0F, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return dataclasses.replace(w, quant=codes, bits=8)
+
+
+# -- w4a8: group-quantized weights for int8 activations ----------------------------------------------
 
 
 def quantize_wxa8(w: np.ndarray, bits: int) -> QuantArray:
@@ -364,52 +630,49 @@ def to_panels(w: QuantArray) -> QuantArray:
     """A group-quantized (``w4a8``-format) matrix in the native kernels' panel layout, host side:
     for each 16 output rows and group of 32 inputs, the rows' code bytes become ``gb / 4`` runs of 16
     dwords (dword ``r`` of run ``t`` = bytes ``4t .. 4t+3`` of row ``r``'s group; ``gb`` = 16 code bytes
-    per group for 4-bit, 32 for 8-bit), and the 16 rows' scales and offsets of a group are
-    consecutive. A permutation only: the same bytes, the same size. Matrices whose row count is not
-    a multiple of 16 are returned as they are."""
+    per group for 4-bit, 32 for 8-bit), and in every per-row field (scales, offsets, k-quant
+    sub-scales) the 16 rows' values of a column are consecutive. A permutation only: the same bytes,
+    the same size. Matrices whose row count is not a multiple of 16 are returned as they are."""
     *lead, n, nbytes = w.quant.shape
-    if w.panel or n % PANEL or w.offset is None:
+    if w.panel or n % PANEL or not w.wxa8:
         return w
-    groups = w.scale.shape[-1]
+    groups = w.shape[-1] // ACT_GROUP
     gb = nbytes // groups
     q = np.asarray(w.quant).reshape(*lead, n // PANEL, PANEL, groups, gb // 4, 4)
     q = np.moveaxis(q, -4, -2)  # [..., panels, groups, gb/4, 16, 4]
 
-    def scales(a: jax.Array | np.ndarray) -> np.ndarray:
-        a = np.asarray(a).reshape(*lead, n // PANEL, PANEL, groups)
-        return np.ascontiguousarray(np.swapaxes(a, -1, -2)).reshape(*lead, n, groups)
+    def rows(a: jax.Array | np.ndarray) -> np.ndarray:
+        a = np.asarray(a)
+        a = a.reshape(*lead, n // PANEL, PANEL, a.shape[-1])
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2)).reshape(*lead, n, -1)
 
-    q = np.ascontiguousarray(q).reshape(*lead, n, nbytes)
-    return dataclasses.replace(w, quant=q, scale=scales(w.scale), offset=scales(w.offset), panel=PANEL)
+    return _map_rows(w, rows, quant=np.ascontiguousarray(q).reshape(*lead, n, nbytes), panel=PANEL)
 
 
 def from_panels(w: QuantArray) -> QuantArray:
     """The row-major form of a panel-layout matrix (the inverse of :func:`to_panels`, in jnp so it
     also runs inside a jitted step, for the XLA formulations)."""
     *lead, n, nbytes = w.quant.shape
-    groups = w.scale.shape[-1]
+    groups = w.shape[-1] // ACT_GROUP
     gb = nbytes // groups
     q = jnp.moveaxis(w.quant.reshape(*lead, n // PANEL, groups, gb // 4, PANEL, 4), -2, -4)
 
-    def scales(a: jax.Array) -> jax.Array:
-        return jnp.swapaxes(a.reshape(*lead, n // PANEL, groups, PANEL), -1, -2).reshape(*lead, n, groups)
+    def rows(a: jax.Array) -> jax.Array:
+        cols = a.shape[-1]
+        return jnp.swapaxes(a.reshape(*lead, n // PANEL, cols, PANEL), -1, -2).reshape(*lead, n, cols)
 
-    assert w.offset is not None
-    return dataclasses.replace(
-        w, quant=q.reshape(*lead, n, nbytes), scale=scales(w.scale), offset=scales(w.offset), panel=0
-    )
+    return _map_rows(w, rows, quant=q.reshape(*lead, n, nbytes), panel=0)
 
 
 def _panel_rows(w: QuantArray, ids: jax.Array) -> QuantArray:
     """Rows ``ids`` of an unstacked panel-layout matrix, row-major (embedding lookups)."""
     n, nbytes = w.quant.shape
-    groups = w.scale.shape[-1]
+    groups = w.shape[-1] // ACT_GROUP
     gb = nbytes // groups
     p, r = ids // PANEL, ids % PANEL
     q = w.quant.reshape(n // PANEL, groups, gb // 4, PANEL, 4)[p, :, :, r, :]  # [ids, groups, gb/4, 4]
-    assert w.offset is not None
 
-    def scales(a: jax.Array) -> jax.Array:
-        return a.reshape(n // PANEL, groups, PANEL)[p, :, r]
+    def rows(a: jax.Array) -> jax.Array:
+        return a.reshape(n // PANEL, a.shape[-1], PANEL)[p, :, r]
 
-    return dataclasses.replace(w, quant=q.reshape(-1, nbytes), scale=scales(w.scale), offset=scales(w.offset), panel=0)
+    return _map_rows(w, rows, quant=q.reshape(-1, nbytes), panel=0)

@@ -22,7 +22,7 @@ from ruvllm_jax import native
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import AdapterCache, plan_adapters
 from ruvllm_jax.model import KVState, LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, bucket, forward_step
-from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
+from ruvllm_jax.quant import QUANTIZATIONS, WXA8_GGUF_TYPES, weight_nbytes
 from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weights
 
 log = structlog.get_logger("ruvllm_jax")
@@ -59,14 +59,14 @@ def enable_compilation_cache() -> Path | None:
 
 
 def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
-    """What ``quantization="auto"`` means here: ``w4a8`` for a GGUF whose matrices are Q4_0 / Q4_1
-    blocks on one CPU device with the native kernels' vector path (the file's own weights,
-    multiplied the way llama.cpp multiplies them, and this backend's fastest CPU form), else
-    ``none``."""
+    """What ``quantization="auto"`` means here: ``w4a8`` for a GGUF whose matrices are mostly blocks
+    the ``w4a8`` form holds exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on one CPU device
+    with a vector variant of the native kernels (the file's own weights, multiplied the way
+    llama.cpp multiplies them, and this backend's fastest CPU form), else ``none``."""
     tp = str(options.extra.get("tensor_parallel", 1))
     if (
         checkpoint.format == "gguf"
-        and checkpoint.quantization in ("Q4_0", "Q4_1")
+        and checkpoint.quantization in WXA8_GGUF_TYPES
         and options.dtype == "float32"
         and tp == "1"
         and not options.extra.get("keep_gguf_blocks")

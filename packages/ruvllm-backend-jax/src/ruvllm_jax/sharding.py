@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ruvllm.errors import BackendError
 from ruvllm_jax.model import KVState, LayerWeights, ModelSpec, Weights
-from ruvllm_jax.quant import QuantArray
+from ruvllm_jax.quant import KQ_BLOCK, QuantArray
 
 log = structlog.get_logger("ruvllm_jax.sharding")
 
@@ -92,8 +92,9 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
         out_axis, in_axis = axes
         cols = value.shape[-1]
         in_mesh = _mesh_axis(in_axis, spec, mesh)
-        # A group must not straddle two shards.
-        if in_mesh is not None and (cols // mesh.shape[in_mesh]) % value.group_size:
+        # A group (a k-quant's super-block) must not straddle two shards.
+        block = KQ_BLOCK if value.sub_group else value.group_size
+        if in_mesh is not None and (cols // mesh.shape[in_mesh]) % block:
             in_axis = None
         if value.panel:
             # Panel layout: a stored row is not an output row; only whole panels may be split.
@@ -111,6 +112,8 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
             quant=put(value.quant, mat),
             scale=put(value.scale, sc),
             offset=put(value.offset, sc),
+            sub_scale=put(value.sub_scale, sc),
+            sub_offset=put(value.sub_offset, sc),
             in_scale=put(value.in_scale, vec),
         )
     return jax.device_put(value, NamedSharding(mesh, _spec_for(axes, spec, mesh, stacked)))

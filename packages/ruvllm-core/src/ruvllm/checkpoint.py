@@ -129,7 +129,36 @@ def _fast_gguf_reader(path: Path) -> Any:
         def data(self, value: np.ndarray) -> None:
             self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            _check_tensor_extents(path, start_offs, fields, len(self._plain))
+            super()._build_tensors(start_offs, fields)
+
     return _Reader(path, "r")
+
+
+def _check_tensor_extents(path: Path, start: int, fields: list, size: int) -> None:
+    """Every tensor's rows are whole blocks of its type and its data lies inside the file: otherwise
+    the gguf library fails without naming the tensor, or (truncated at the end) hands back fewer
+    bytes than the shape implies."""
+    import gguf
+
+    for f in fields:
+        _, name_data, _, dims, raw_type, offset = f.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        try:
+            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+        except ValueError:
+            continue  # an unknown type: the library's own error says which
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if len(dims) and int(dims[0]) % block:
+            raise ModelFormatError(
+                f"{path}: tensor {name} ({qtype.name}) has rows of {int(dims[0])} values, not whole blocks of {block}"
+            )
+        end = start + int(offset[0]) + int(np.prod(dims, dtype=np.uint64)) // block * type_size
+        if end > size:
+            raise ModelFormatError(
+                f"{path}: tensor {name} is truncated: its {qtype.name} data ends at byte {end}, the file has {size}"
+            )
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -139,6 +168,8 @@ class GGUFCheckpoint(Checkpoint):
         self.path = Path(path)
         try:
             self._reader = _fast_gguf_reader(self.path)
+        except ModelFormatError:
+            raise
         except Exception as exc:  # the gguf library raises ValueError, struct.error, IndexError...
             raise ModelFormatError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self._tensors = {}

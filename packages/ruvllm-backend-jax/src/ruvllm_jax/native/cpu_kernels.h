@@ -55,13 +55,14 @@ struct GroupMatrix {
   bool panel;
 };
 
-// k-quants (GGUF Q4_K, Q5_K, Q6_K; see ruvllm_jax.quant), always in the panel layout: codes as for
-// GroupMatrix (4-bit packed or one byte each) and two-level factors per half group h (16 weights):
-//   w = (D * sc[h]) * code + (Dm * mn[h])
+// k-quants (GGUF Q4_K, Q5_K, Q6_K; ruvllm_jax.quant.kernel_form), always in the panel layout: codes
+// as for GroupMatrix (4-bit packed or one byte each) and two-level factors per half group h (16
+// weights):
+//   w = (D * sc[h]) * code - (Dm * mn[h])
 // with D, Dm float16 per super-block of 256 inputs and sc int8, mn int16 per 16 inputs (Q4_K / Q5_K:
-// D = d, sc = the 6-bit scale, Dm = -dmin, mn = the 6-bit min; Q6_K: D = Dm = d, sc = its scale,
-// mn = -32 sc). Every product is exact in float32, so the weights are the file's values. Per group g
-// and half h: acc = fma(p_h, (D * sc) * dx, acc); acc = fma(Dm * mn, sx16, acc).
+// D = d, sc = the 6-bit scale, Dm = dmin, mn = the 6-bit min; Q6_K: D = Dm = d, sc = its scale,
+// mn = 32 sc). Every product is exact in float32, so the weights are the file's values. Per group g
+// and half h: acc = fma(p_h, (D * sc) * dx, acc); acc = fma(-(Dm * mn), sx16, acc).
 // Panel layout of the factors: [N / 16, columns, 16] (for each panel and column, its 16 rows).
 struct KMatrix {
   const uint8_t* q;     // panel layout, as GroupMatrix

@@ -170,7 +170,7 @@ void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1)
           const float dh = D * static_cast<float>(w.sc[k]);
           const float mh = Dm * static_cast<float>(w.mn[k]);
           acc = fmaf(static_cast<float>(p[h]), dh * dx, acc);
-          acc = fmaf(mh, x.sx16[m * 2 * x.Gp + 2 * g + h], acc);
+          acc = fmaf(-mh, x.sx16[m * 2 * x.Gp + 2 * g + h], acc);
         }
       }
       w.y[m * w.N + n] = acc;
@@ -441,7 +441,7 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
       for (int m = 0; m < MB; ++m) {
         const __m512 s = _mm512_mul_ps(dh, _mm512_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
         facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][m]), s, facc[m]);
-        facc[m] = _mm512_fmadd_ps(mh, _mm512_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m]);
+        facc[m] = _mm512_fnmadd_ps(mh, _mm512_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m]);
       }
     }
   }
@@ -634,7 +634,7 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
         for (int m = 0; m < MB; ++m) {
           const __m256 s = _mm256_mul_ps(dh, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
           facc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][m]), s, facc[m][r]);
-          facc[m][r] = _mm256_fmadd_ps(mh, _mm256_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m][r]);
+          facc[m][r] = _mm256_fnmadd_ps(mh, _mm256_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m][r]);
         }
       }
     }
