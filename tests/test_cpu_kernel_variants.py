@@ -264,3 +264,23 @@ def test_kquant_call_mixes_plain_and_kquant_matrices_and_indexes_layers():
         np.testing.assert_array_equal(np.asarray(got[1]), _wxa8(x, plain, native.isa()))
     with pytest.raises(Exception, match="layer index out of range"):
         jax.block_until_ready(native.kxa8_group(jnp.asarray(x), jnp.int32(2), [stacked]))
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_activation_quantization_equals_scalar(isa):
+    """Each variant quantizes activations with its own vector code (division and round-half-to-even
+    as the scalar loop's): inputs with all-zero groups, exact halves and scales from 0.01 to 100 give
+    the scalar variant's products bit for bit, through a random matrix and through one whose codes
+    are all 1 (each output then is the sum of the groups' dx * sum(codes))."""
+    _supported(isa)
+    rng = np.random.default_rng(21)
+    w = to_panels(quantize_wxa8(rng.standard_normal((16, 1024)).astype(np.float32), 4))
+    ones = to_panels(QuantArray(np.full((16, 1024), 0x11, np.uint8)[:, :512], w.scale * 0 + 1, w.offset * 0, bits=4,
+                                group_size=32, act_bits=8))  # fmt: skip
+    x = (rng.standard_normal((7, 1024)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
+    x[1, :64] = 0.0
+    x[2, ::3] = np.round(x[2, ::3])  # exact halves after scaling hit round-half-to-even
+    x[3, :32] = np.arange(32) - 15.5
+    for m in (w, ones):  # the "ones" matrix sums the codes of each group: the codes themselves
+        want = _wxa8(x, m, "scalar")
+        np.testing.assert_array_equal(_wxa8(x, m, isa), want)

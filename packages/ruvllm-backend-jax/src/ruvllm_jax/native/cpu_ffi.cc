@@ -292,29 +292,8 @@ struct GroupActsBuf {
     isum.assign(M * Gp, 0);
     isum16.assign(M * 2 * Gp, 0);
     sx16.assign(M * 2 * Gp, 0.f);
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* xg = x + m * K + g * 32;
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xg[j]));
-        const float d = amax / 127.0f;
-        int32_t half[2] = {0, 0};
-        int8_t* qg = q.data() + m * K + g * 32;
-        for (int j = 0; j < 32; ++j) {
-          float r = amax > 0.f ? std::nearbyint(xg[j] / d) : 0.f;
-          r = std::fmin(std::fmax(r, -127.f), 127.f);
-          qg[j] = static_cast<int8_t>(r);
-          half[j / 16] += qg[j];
-        }
-        const int32_t sum = half[0] + half[1];
-        dx[m * Gp + g] = d;
-        sx[m * Gp + g] = d * static_cast<float>(sum);
-        isum[m * Gp + g] = sum;
-        for (int h = 0; h < 2; ++h) {
-          isum16[m * 2 * Gp + 2 * g + h] = half[h];
-          sx16[m * 2 * Gp + 2 * g + h] = d * static_cast<float>(half[h]);
-        }
-      }
+    kernels()->quantize_groups(x, M, K, {q.data(), dx.data(), sx.data(), sx16.data(), isum.data(), isum16.data(), Gp});
+    for (int64_t m = 0; with_q4 && m < M; ++m) {
       for (int64_t p = 0; with_q4 && p + 1 < G; p += 2) {
         const int8_t* a = q.data() + m * K + p * 32;
         const int8_t* b = a + 32;

@@ -84,8 +84,20 @@ struct DecodeJob {
   float scale;
 };
 
+// Activations quantized per group of 32 (rows of K = 32 G): codes, dx, sx, isum ([M, Gp]) and the
+// half-group isum16, sx16 ([M, 2 Gp]); padding groups are left as the caller set them. Per group:
+// dx = max|x| / 127, code = nearbyint(x / dx) clipped to +-127 (zeros for an all-zero group), the
+// same values whatever the variant.
+struct GroupActsOut {
+  int8_t* q;
+  float *dx, *sx, *sx16;
+  int32_t *isum, *isum16;
+  int64_t Gp;
+};
+
 struct KernelTable {
   const char* name;
+  void (*quantize_groups)(const float* x, int64_t M, int64_t K, const GroupActsOut& out);
   // y[:, n0:n1] of one w8a8 matrix.
   void (*w8a8_rows)(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1);
   // y[:, n0:n1] of one row-major wxa8 matrix.

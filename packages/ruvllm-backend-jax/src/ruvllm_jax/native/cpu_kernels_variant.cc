@@ -42,6 +42,7 @@ namespace {
 
 using ruvllm::DecodeJob;
 using ruvllm::GroupActs;
+using ruvllm::GroupActsOut;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
 using ruvllm::KMatrix;
@@ -76,6 +77,38 @@ inline float half_to_float(uint16_t h) {
 // ---------------------------------------------------------------------------------------------------
 // Scalar loops: the reference every vector path is tested against, and the fallback for shapes a
 // vector path does not take.
+
+inline void store_group(const GroupActsOut& o, int64_t m, int64_t g, float d, int32_t h0, int32_t h1) {
+  const int64_t i = m * o.Gp + g, i16 = m * 2 * o.Gp + 2 * g;
+  o.dx[i] = d;
+  o.sx[i] = d * static_cast<float>(h0 + h1);
+  o.isum[i] = h0 + h1;
+  o.isum16[i16] = h0;
+  o.isum16[i16 + 1] = h1;
+  o.sx16[i16] = d * static_cast<float>(h0);
+  o.sx16[i16 + 1] = d * static_cast<float>(h1);
+}
+
+void quantize_groups_scalar(const float* x, int64_t M, int64_t K, const GroupActsOut& o) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xg[j]));
+      const float d = amax / 127.0f;
+      int32_t half[2] = {0, 0};
+      int8_t* qg = o.q + m * K + g * 32;
+      for (int j = 0; j < 32; ++j) {
+        float r = amax > 0.f ? nearbyintf(xg[j] / d) : 0.f;
+        r = fminf(fmaxf(r, -127.f), 127.f);
+        qg[j] = static_cast<int8_t>(r);
+        half[j / 16] += qg[j];
+      }
+      store_group(o, m, g, d, half[0], half[1]);
+    }
+  }
+}
 
 void w8a8_scalar(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -449,6 +482,35 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
 }
 #define RUVLLM_KPANEL_MB 8
 
+// Activation quantization, 16 lanes at a time: division and round-to-nearest-even as the scalar
+// loop's, so the same codes.
+void quantize_groups_vec(const float* x, int64_t M, int64_t K, const GroupActsOut& o) {
+  const int64_t G = K / 32;
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * 32;
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.0f;
+      int8_t* qg = o.q + m * K + g * 32;
+      if (!(amax > 0.f)) {
+        memset(qg, 0, 32);
+        store_group(o, m, g, d, 0, 0);
+        continue;
+      }
+      const __m512 dv = _mm512_set1_ps(d);
+      const __m512i ia = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+          _mm512_roundscale_ps(_mm512_div_ps(a, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+      const __m512i ib = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+          _mm512_roundscale_ps(_mm512_div_ps(b, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qg), _mm512_cvtsepi32_epi8(ia));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + 16), _mm512_cvtsepi32_epi8(ib));
+      store_group(o, m, g, d, _mm512_reduce_add_epi32(ia), _mm512_reduce_add_epi32(ib));
+    }
+  }
+}
+
 #elif RUVLLM_AVX2
 // 256-bit paths: AVX2 multiplies bytes with vpmaddubsw (unsigned x signed, pairs summed to int16)
 // and vpmaddwd against ones (pairs of int16 summed to int32), four products per int32 lane as one
@@ -646,7 +708,49 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
 }
 #define RUVLLM_KPANEL_MB 4
 
+// Activation quantization, 8 lanes at a time (see the AVX-512 one).
+void quantize_groups_vec(const float* x, int64_t M, int64_t K, const GroupActsOut& o) {
+  const int64_t G = K / 32;
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * 32;
+      __m256 v[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xg + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.0f;
+      int8_t* qg = o.q + m * K + g * 32;
+      if (!(amax > 0.f)) {
+        memset(qg, 0, 32);
+        store_group(o, m, g, d, 0, 0);
+        continue;
+      }
+      const __m256 dv = _mm256_set1_ps(d);
+      __m256i iv[4];
+      for (int i = 0; i < 4; ++i)
+        iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+            _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg), packed);
+      store_group(o, m, g, d, hsum_epi32(_mm256_add_epi32(iv[0], iv[1])), hsum_epi32(_mm256_add_epi32(iv[2], iv[3])));
+    }
+  }
+}
+
 #else
+void quantize_groups_vec(const float* x, int64_t M, int64_t K, const GroupActsOut& o) {
+  quantize_groups_scalar(x, M, K, o);
+}
 void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) { w8a8_scalar(x, w, n0, n1); }
 void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) { group_scalar(x, w, n0, n1); }
 #endif
@@ -704,7 +808,8 @@ void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
 void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { kpanel_scalar(x, w, p0, p1); }
 #endif
 
-const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), w8a8_vec, group_vec, panel_vec, kpanel_vec, decode_one};
+const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), quantize_groups_vec, w8a8_vec, group_vec, panel_vec,
+                            kpanel_vec, decode_one};
 
 }  // namespace
 
