@@ -187,7 +187,7 @@ def _panel_rows(a: np.ndarray) -> np.ndarray:
 def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k: bool) -> dict[str, np.ndarray]:
     """Row-major codes and factors in the ranges GGUF's Q4_K / Q5_K (6-bit sc and mn) and Q6_K
     (int8 sc, mn = 32 sc) produce, in ``quant.kernel_form``."""
-    top = 16 if bits == 4 else (64 if q6k else 32)
+    top = {4: 16, 5: 32, 8: 64 if q6k else 32}[bits]
     codes = rng.integers(0, top, (out, cols)).astype(np.uint8)
     d = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
     if q6k:
@@ -200,37 +200,56 @@ def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k
     return dict(codes=codes, D=d, Dm=dmin, sc=sc, mn=mn)
 
 
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``[N, K]`` in cpu_kernels.h's row-major layout: per group of 32, 4-bit: byte j = code j
+    (low nibble) | code j + 16 (high nibble); 5-bit: those nibbles, then a little-endian uint32 of
+    the codes' bit 4; 8-bit: one byte per code."""
+    out, cols = codes.shape
+    if bits == 8:
+        return codes
+    c = codes.reshape(out, cols // 32, 32)
+    nibbles = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
+    if bits == 4:
+        return nibbles.reshape(out, -1).astype(np.uint8)
+    high = ((c >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    mask = high.sum(-1, dtype=np.uint32)[..., None].astype("<u4").view(np.uint8)
+    return np.concatenate([nibbles.astype(np.uint8), mask], -1).reshape(out, -1)
+
+
+def _panel_codes(packed: np.ndarray, groups: int) -> np.ndarray:
+    """cpu_kernels.h's panel_byte: per 16 rows and group, gb / 4 runs of 16 dwords, one per row."""
+    out, nbytes = packed.shape
+    gb = nbytes // groups
+    runs = packed.reshape(out // 16, 16, groups, gb // 4, 4).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(runs).reshape(out, nbytes)
+
+
 def _kquant_operands(k: dict[str, np.ndarray], bits: int) -> tuple[jax.Array, ...]:
-    out, cols = k["codes"].shape
-    g = cols // 32
-    if bits == 4:  # GGUF's nibble order per group: byte j = code j (low) | code j + 16 (high)
-        c = k["codes"].reshape(out, g, 32)
-        packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(out, cols // 2)
-    else:
-        packed = k["codes"]
-    gb = packed.shape[1] // g  # code bytes per row and group
-    # cpu_kernels.h's panel_byte: per 16 rows and group, gb / 4 runs of 16 dwords (one per row).
-    codes = np.ascontiguousarray(packed.reshape(out // 16, 16, g, gb // 4, 4).transpose(0, 2, 3, 1, 4))
-    codes = codes.reshape(out, -1)
+    codes = _panel_codes(_pack(k["codes"], bits), k["codes"].shape[1] // 32)
     return (jnp.asarray(codes), *(jnp.asarray(_panel_rows(k[f])) for f in ("D", "Dm", "sc", "mn")))
 
 
-def _reference_kquant(x: np.ndarray, k: dict[str, np.ndarray]) -> np.ndarray:
-    """float64: activations quantized per group of 32 (written out), weights dequantized exactly."""
+def _quantized_activations(x: np.ndarray) -> np.ndarray:
+    """float64 of ``x`` quantized per group of 32 as the kernels do (written out)."""
     rows, cols = x.shape
     xg = x.astype(np.float32).reshape(rows, cols // 32, 32)
     amax = np.abs(xg).max(-1)
     dx = (amax / np.float32(127)).astype(np.float32)
     safe = np.where(amax > 0, dx, np.float32(1))
     xq = np.where(amax[..., None] > 0, np.clip(np.rint(xg / safe[..., None]), -127, 127), 0)
-    xdq = (xq * dx[..., None].astype(np.float64)).reshape(rows, cols)
+    return (xq * dx[..., None].astype(np.float64)).reshape(rows, cols)
+
+
+def _reference_kquant(x: np.ndarray, k: dict[str, np.ndarray]) -> np.ndarray:
+    """float64: activations quantized per group of 32 (written out), weights dequantized exactly."""
+    xdq = _quantized_activations(x)
     up = lambda a, n: np.repeat(a.astype(np.float64), n, axis=1)  # noqa: E731
     w = up(k["D"], 256) * up(k["sc"], 16) * k["codes"] - up(k["Dm"], 256) * up(k["mn"], 16)
     return xdq @ w.T
 
 
 @pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
-@pytest.mark.parametrize(("bits", "q6k"), [(4, False), (8, False), (8, True)])
+@pytest.mark.parametrize(("bits", "q6k"), [(4, False), (5, False), (8, False), (8, True)])
 def test_kquant_kernel_matches_reference_and_scalar(isa, bits, q6k):
     _supported(isa)
     rng = np.random.default_rng(bits + 10 * q6k)
@@ -284,3 +303,29 @@ def test_activation_quantization_equals_scalar(isa):
     for m in (w, ones):  # the "ones" matrix sums the codes of each group: the codes themselves
         want = _wxa8(x, m, "scalar")
         np.testing.assert_array_equal(_wxa8(x, m, isa), want)
+
+
+@pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
+def test_5bit_panel_kernel_matches_reference_and_scalar(isa):
+    """Q5_0 / Q5_1 codes packed as nibbles plus a plane of high bits (cpu_kernels.h): every code of
+    0..31, in plain groups (d * code + m per 32)."""
+    _supported(isa)
+    rng = np.random.default_rng(55)
+    for out, cols in ((16, 32), (48, 576), (32, 1536)):
+        codes = rng.integers(0, 32, (out, cols)).astype(np.uint8)
+        codes[0, :32] = np.arange(32)
+        d = rng.uniform(1e-3, 2e-2, (out, cols // 32)).astype(np.float16)
+        m = (-16 * d.astype(np.float32)).astype(np.float16)
+        ops = [(jnp.asarray(_panel_codes(_pack(codes, 5), cols // 32)), jnp.asarray(_panel_rows(d)),
+                jnp.asarray(_panel_rows(m)))]  # fmt: skip
+        w = np.repeat(d.astype(np.float64), 32, 1) * codes + np.repeat(m.astype(np.float64), 32, 1)
+        for rows in (1, 2, 4, 5, 9, 19):
+            x = rng.standard_normal((rows, cols)).astype(np.float32)
+            with native.use_isa(isa):
+                got = np.asarray(native.wxa8_group(jnp.asarray(x), jnp.int32(0), ops, panel=True)[0])
+            want = _quantized_activations(x) @ w.T
+            np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
+            if isa != "scalar":
+                with native.use_isa("scalar"):
+                    ref = np.asarray(native.wxa8_group(jnp.asarray(x), jnp.int32(0), ops, panel=True)[0])
+                np.testing.assert_array_equal(got, ref, err_msg=f"{isa} {rows}x{out}x{cols}")

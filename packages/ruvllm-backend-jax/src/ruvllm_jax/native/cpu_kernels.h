@@ -30,7 +30,10 @@ struct RowMatrix {
 };
 
 // wxa8: weights in groups of 32 along the input (GGUF blocks), activations quantized to int8 per
-// group of 32 (dx = max|x| / 127). A weight is d * code + m with an unsigned 4-bit or 8-bit code.
+// group of 32 (dx = max|x| / 127). A weight is d * code + m with an unsigned 4-, 5- or 8-bit code.
+// Code bytes per row and group (gb): 4-bit 16 (byte j: code j low nibble, code j + 16 high nibble),
+// 8-bit 32 (one per code), 5-bit 20 (the 4-bit layout of the low 4 bits, then a little-endian
+// uint32 whose bit j is bit 4 of code j).
 //   y[m, n] = sum_g (p[m, n, g] * (d[n, g] * dx[m, g]) + m[n, g] * sx[m, g]),  p = codes . xq
 // the integer dot p exact in int32, then the two float multiply-adds per group in that order, so
 // every variant's panel kernel gives the same float32 result, bit for bit.
@@ -46,7 +49,7 @@ struct GroupActs {
 };
 
 struct GroupMatrix {
-  const uint8_t* q;     // [N, K / 2] (4-bit) or [N, K] (8-bit), row-major or panel layout
+  const uint8_t* q;     // [N, G * gb], row-major or panel layout
   const uint16_t* d;    // [N, G] float16 bits
   const uint16_t* mn;   // [N, G] float16 bits
   float* y;             // [M, N]
@@ -110,12 +113,25 @@ struct KernelTable {
   void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
 };
 
-// Byte of code jb (0..gb-1) of row n, group g in the 16-row panel layout: for panel n / 16 and
-// group g, the 16 rows' code bytes are gb / 4 runs of 16 dwords, dword r of run t holding bytes
-// 4t .. 4t+3 of row r's group (gb = 16 for 4-bit, 32 for 8-bit). Scales: 16 per (panel, group).
+static inline int64_t group_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : 32; }
+
+// Byte jb (0..gb-1) of row n, group g in the 16-row panel layout: for panel n / 16 and group g, the
+// 16 rows' code bytes are gb / 4 runs of 16 dwords, dword r of run t holding bytes 4t .. 4t+3 of
+// row r's group. Scales: 16 per (panel, group).
 static inline int64_t panel_byte(int64_t n, int64_t g, int64_t jb, int64_t G, int bits) {
-  const int64_t gb = bits == 4 ? 16 : 32;
+  const int64_t gb = group_bytes(bits);
   return (n / 16) * 16 * G * gb + g * gb * 16 + (jb / 4) * 64 + (n % 16) * 4 + jb % 4;
+}
+
+// Code j (0..31) of row n, group g, read byte by byte (the scalar loops' view of every layout).
+static inline int32_t code_at(const uint8_t* q, int bits, bool panel, int64_t n, int64_t g, int j, int64_t G) {
+  const int64_t gb = group_bytes(bits);
+  auto byte = [&](int64_t jb) { return q[panel ? panel_byte(n, g, jb, G, bits) : (n * G + g) * gb + jb]; };
+  if (bits == 8) return byte(j);
+  const uint8_t b = byte(j & 15);
+  const int32_t low = j < 16 ? (b & 0x0F) : (b >> 4);
+  if (bits == 4) return low;
+  return low | (((byte(16 + j / 8) >> (j % 8)) & 1) << 4);
 }
 
 }  // namespace ruvllm

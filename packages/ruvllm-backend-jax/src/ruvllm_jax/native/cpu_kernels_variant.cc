@@ -131,14 +131,7 @@ void group_scalar(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t 
         int32_t p = 0;
         const int8_t* xq = x.q + m * K + g * 32;
         for (int j = 0; j < 32; ++j) {
-          int32_t code;
-          if (w.bits == 4) {
-            const uint8_t byte = w.q[n * (K / 2) + g * 16 + (j & 15)];
-            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            code = w.q[n * K + g * 32 + j];
-          }
-          p += code * static_cast<int32_t>(xq[j]);
+          p += ruvllm::code_at(w.q, w.bits, false, n, g, j, G) * static_cast<int32_t>(xq[j]);
         }
         acc += half_to_float(w.d[n * G + g]) * x.dx[m * x.Gp + g] * static_cast<float>(p) +
                half_to_float(w.mn[n * G + g]) * x.sx[m * x.Gp + g];
@@ -157,14 +150,7 @@ void panel_scalar(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t 
         int32_t p = 0;
         const int8_t* xq = x.q + m * x.K + g * 32;
         for (int j = 0; j < 32; ++j) {
-          int32_t code;
-          if (w.bits == 4) {
-            const uint8_t byte = w.q[panel_byte(n, g, j & 15, G, 4)];
-            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            code = w.q[panel_byte(n, g, j, G, 8)];
-          }
-          p += code * static_cast<int32_t>(xq[j]);
+          p += ruvllm::code_at(w.q, w.bits, true, n, g, j, G) * static_cast<int32_t>(xq[j]);
         }
         const int64_t si = (n / 16) * 16 * G + g * 16 + n % 16;
         acc = fmaf(static_cast<float>(p), half_to_float(w.d[si]) * x.dx[m * x.Gp + g], acc);
@@ -186,14 +172,7 @@ void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1)
         int32_t p[2] = {0, 0};
         const int8_t* xq = x.q + m * x.K + g * 32;
         for (int j = 0; j < 32; ++j) {
-          int32_t code;
-          if (w.bits == 4) {
-            const uint8_t byte = w.q[panel_byte(n, g, j & 15, G, 4)];
-            code = j < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            code = w.q[panel_byte(n, g, j, G, 8)];
-          }
-          p[j / 16] += code * static_cast<int32_t>(xq[j]);
+          p[j / 16] += ruvllm::code_at(w.q, w.bits, true, n, g, j, G) * static_cast<int32_t>(xq[j]);
         }
         const float D = half_to_float(w.D[(P * SB + g / 8) * 16 + r]);
         const float Dm = half_to_float(w.Dm[(P * SB + g / 8) * 16 + r]);
@@ -378,9 +357,33 @@ void group_rows_bits(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64
 }
 
 void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) {
-  if (x.G % 2 != 0 || (w.bits == 4 && x.q4 == nullptr)) return group_scalar(x, w, n0, n1);
+  if (x.G % 2 != 0 || w.bits == 5 || (w.bits == 4 && x.q4 == nullptr)) return group_scalar(x, w, n0, n1);
   if (w.bits == 4) return group_rows_bits<4>(x, w, n0, n1);
   return group_rows_bits<8>(x, w, n0, n1);
+}
+
+// 5-bit codes: bit 4 of codes 4t .. 4t+3 (half 0) and 16+4t .. (half 1) of each of the 16 rows, from
+// the rows' high-bit dwords h, as 0x10 in the byte of each code: the four bits index a 16-entry
+// table of dwords.
+inline __m512i high_bits_512(__m512i h, int shift) {
+  const __m512i table = _mm512_setr_epi32(0x00000000, 0x00000010, 0x00001000, 0x00001010, 0x00100000, 0x00100010,
+                                          0x00101000, 0x00101010, 0x10000000, 0x10000010, 0x10001000, 0x10001010,
+                                          0x10100000, 0x10100010, 0x10101000, 0x10101010);
+  return _mm512_permutexvar_epi32(_mm512_srli_epi32(h, shift), table);
+}
+
+// Codes 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) of the 16 rows of a 4- or 5-bit panel group.
+template <int BITS>
+inline void nibble_codes_512(const uint8_t* gp, int t, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i z = _mm512_loadu_si512(gp + t * 64);
+  lo = _mm512_and_si512(z, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
+  if (BITS == 5) {
+    const __m512i h = _mm512_loadu_si512(gp + 256);
+    lo = _mm512_or_si512(lo, high_bits_512(h, 4 * t));
+    hi = _mm512_or_si512(hi, high_bits_512(h, 16 + 4 * t));
+  }
 }
 
 // Panel layout: one vpdpbusd forms four products for each of the 16 rows against a broadcast dword
@@ -389,22 +392,17 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K;
-  constexpr int64_t GB = BITS == 4 ? 16 : 32;  // code bytes per row and group
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;  // code bytes per row and group
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
   const uint16_t* mp = w.mn + p * 16 * G;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 facc[MB];
   for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* gp = base + g * GB * 16;
     __m512i wv[8];
-    if (BITS == 4) {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i z = _mm512_loadu_si512(gp + t * 64);
-        wv[t] = _mm512_and_si512(z, low4);                            // codes 4t .. 4t+3
-        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);  // codes 16+4t .. 16+4t+3
-      }
+    if (BITS != 8) {  // codes 4t .. 4t+3 (half 0), 16+4t .. 16+4t+3 (half 1)
+      for (int t = 0; t < 4; ++t) nibble_codes_512<BITS>(gp, t, wv[t], wv[4 + t]);
     } else {
       for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
     }
@@ -435,9 +433,8 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
 template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
-  constexpr int64_t GB = BITS == 4 ? 16 : 32;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 facc[MB];
   for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
   __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
@@ -448,12 +445,8 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
     }
     const uint8_t* gp = base + g * GB * 16;
     __m512i wv[8];
-    if (BITS == 4) {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i z = _mm512_loadu_si512(gp + t * 64);
-        wv[t] = _mm512_and_si512(z, low4);                            // codes 4t .. 4t+3 (half 0)
-        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);  // codes 16+4t .. (half 1)
-      }
+    if (BITS != 8) {  // codes 4t .. 4t+3 (half 0), 16+4t .. 16+4t+3 (half 1)
+      for (int t = 0; t < 4; ++t) nibble_codes_512<BITS>(gp, t, wv[t], wv[4 + t]);
     } else {
       for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
     }
@@ -542,6 +535,33 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// 5-bit codes (see high_bits_512): bit 4 of codes 4t .. 4t+3 (upper: 16+4t ..) of 8 rows, from their
+// high-bit dwords h, as 0x10 in each code's byte: each dword's byte holding the four bits is copied
+// to its four bytes, and byte k keeps its own bit.
+inline __m256i high_bits_256(__m256i h, int t, bool upper) {
+  const int bi = (upper ? 2 : 0) + (t >> 1);
+  const __m256i ctrl = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0,
+                                                        4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+                                       _mm256_set1_epi8(static_cast<char>(bi)));
+  const __m256i sel = _mm256_set1_epi32(static_cast<int>(0x08040201u << ((t & 1) * 4)));
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(h, ctrl), sel);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(0x10));
+}
+
+// Codes 4t .. 4t+3 (lo) and 16+4t .. (hi) of 8 rows (half r of the panel) of a 4- or 5-bit group.
+template <int BITS>
+inline void nibble_codes_256(const uint8_t* gp, int t, int r, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
+  lo = _mm256_and_si256(z, low4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+  if (BITS == 5) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + r * 32));
+    lo = _mm256_or_si256(lo, high_bits_256(h, t, false));
+    hi = _mm256_or_si256(hi, high_bits_256(h, t, true));
+  }
+}
+
 // w8a8, 4 weight rows x MB activation rows; signed x signed as |w| times x with w's sign (weights
 // are in [-127, 127], so |w| fits a byte and no pair sum saturates).
 template <int MB>
@@ -588,11 +608,10 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K;
-  constexpr int64_t GB = BITS == 4 ? 16 : 32;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
   const uint16_t* mp = w.mn + p * 16 * G;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 facc[MB][2];
   for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -603,12 +622,11 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
       acc[m][0] = acc[m][1] = _mm256_setzero_si256();
       xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
     }
-    if (BITS == 4) {
+    if (BITS != 8) {  // codes up to 31: no vpmaddubsw pair sum saturates
       for (int t = 0; t < 4; ++t) {
         for (int h = 0; h < 2; ++h) {
-          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(z, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+          __m256i lo, hi;
+          nibble_codes_256<BITS>(gp, t, h, lo, hi);
           for (int m = 0; m < MB; ++m) {
             acc[m][h] = dot4(acc[m][h], lo, _mm256_set1_epi32(xd[m][t]));
             acc[m][h] = dot4(acc[m][h], hi, _mm256_set1_epi32(xd[m][4 + t]));
@@ -652,9 +670,8 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
 template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
-  constexpr int64_t GB = BITS == 4 ? 16 : 32;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 facc[MB][2];
   for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -664,11 +681,10 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
     for (int r = 0; r < 2; ++r) {  // rows 8r .. 8r+7
       __m256i acc[2][MB];
       for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_si256();
-      if (BITS == 4) {
+      if (BITS != 8) {
         for (int t = 0; t < 4; ++t) {
-          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
-          const __m256i lo = _mm256_and_si256(z, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
+          __m256i lo, hi;
+          nibble_codes_256<BITS>(gp, t, r, lo, hi);
           for (int m = 0; m < MB; ++m) {
             acc[0][m] = dot4(acc[0][m], lo, _mm256_set1_epi32(xd[m][t]));
             acc[1][m] = dot4(acc[1][m], hi, _mm256_set1_epi32(xd[m][4 + t]));
@@ -748,11 +764,17 @@ void quantize_groups_vec(const float* x, int64_t M, int64_t K, const GroupActsOu
 }
 
 #else
+// aarch64's baseline has NEON, so there the scalar variant (the reference) is told apart by its name.
+#define RUVLLM_SCALAR_VARIANT_scalar 1
+#if defined(__aarch64__) && defined(__ARM_NEON) && !RUVLLM_CAT(RUVLLM_SCALAR_VARIANT_, RUVLLM_VARIANT)
+#include "cpu_kernels_neon.inc"
+#else
 void quantize_groups_vec(const float* x, int64_t M, int64_t K, const GroupActsOut& o) {
   quantize_groups_scalar(x, M, K, o);
 }
 void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) { w8a8_scalar(x, w, n0, n1); }
 void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) { group_scalar(x, w, n0, n1); }
+#endif
 #endif
 
 #ifdef RUVLLM_PANEL_MB
@@ -776,6 +798,7 @@ void panel_bits(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1
 
 void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
   if (w.bits == 4) return panel_bits<4>(x, w, p0, p1);
+  if (w.bits == 5) return panel_bits<5>(x, w, p0, p1);
   return panel_bits<8>(x, w, p0, p1);
 }
 #else
@@ -802,6 +825,7 @@ void kpanel_bits(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
 
 void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
   if (w.bits == 4) return kpanel_bits<4>(x, w, p0, p1);
+  if (w.bits == 5) return kpanel_bits<5>(x, w, p0, p1);
   return kpanel_bits<8>(x, w, p0, p1);
 }
 #else
