@@ -3,7 +3,7 @@ the JAX backend's ``w4a8`` form, two-level scales and all:
 
 * every type converts to codes and scales that dequantize to exactly ``gguf.quants.dequantize``'s
   values (the independent reference), over random bytes and quantized data, odd row counts, K = 256,
-  512 and 1536;
+  512 and 1536; Q5_0 / Q5_1 / Q5_K in the packed 5-bit form the native kernels read (cpu_kernels.h);
 * the XLA formulation matches a float64 NumPy reference of the arithmetic it states;
 * the panel layout is a permutation that reads back, and layers of different types stack exactly;
 * corrupt or truncated blocks are a one-line ModelFormatError naming the tensor;
@@ -35,6 +35,7 @@ from ruvllm_jax.quant import (
     linear,
     take_rows,
     to_panels,
+    unpack_codes,
     wxa8_from_gguf_blocks,
 )
 
@@ -76,8 +77,16 @@ def test_blocks_dequantize_to_ggufs_values(ggml_type, out, cols, kind):
     w = wxa8_from_gguf_blocks(ggml_type, data, (out, cols))
     np.testing.assert_array_equal(_dequantized(w), _file_values(ggml_type, data, (out, cols)))
     assert w.wxa8 and w.act_bits == 8 and w.group_size == 32 and w.shape == (out, cols)
-    if ggml_type in ("Q5_0", "Q5_1"):  # the existing 8-bit group form the native kernels multiply
-        assert (w.bits, w.sub_group, w.sub_scale, w.quant.dtype) == (8, 0, None, np.uint8)
+    if ggml_type.startswith("Q5"):  # 20 bytes per group of 32: nibbles, then a word of fifth bits
+        assert w.bits == 5 and w.quant.dtype == np.uint8 and w.quant.shape == (out, cols // 32 * 20)
+        np.testing.assert_array_equal(_codes(w), np.asarray(unpack_codes(w)))
+        assert int(_codes(w).max()) < 32
+    if ggml_type in ("Q5_0", "Q5_1"):  # plain groups of 32: the file's bytes, qh after qs
+        assert (w.sub_group, w.sub_scale) == (0, None)
+        at = 2 if ggml_type == "Q5_0" else 4
+        blocks = data.reshape(out, cols // 32, -1)
+        want = np.concatenate([blocks[..., at + 4 : at + 20], blocks[..., at : at + 4]], axis=-1)
+        np.testing.assert_array_equal(np.asarray(w.quant), want.reshape(out, -1))
         return
     assert w.scale.dtype == np.float16 and w.scale.shape == (out, cols // 256)
     if ggml_type == "Q6_K":
@@ -90,7 +99,6 @@ def test_blocks_dequantize_to_ggufs_values(ggml_type, out, cols, kind):
     for sub in (w.sub_scale, w.sub_offset):
         assert sub.dtype == np.uint8 and sub.shape == (out, cols // 32) and int(sub.max()) < 64
     if ggml_type == "Q5_K":
-        assert w.bits == 8 and w.quant.shape == (out, cols) and int(np.asarray(w.quant).max()) < 32
         return
     # Q4_K: the file's nibbles, permuted within each row, two per byte.
     assert w.bits == 4 and w.quant.shape == (out, cols // 2)
@@ -103,18 +111,20 @@ def test_blocks_dequantize_to_ggufs_values(ggml_type, out, cols, kind):
 
 
 def test_memory_stays_close_to_the_files():
-    """Bytes per weight: the file's, plus 1/32 for Q4_K's sub-scales held one per byte, and the
-    unpacked fifth / sixth bit for Q5_K / Q6_K (codes one per byte)."""
+    """Bytes per weight: the file's, plus 1/32 for Q4_K's and Q5_K's sub-scales held one per byte,
+    Q5_0's float16 offset (2 bytes per 32: it is ``-16 d``, the kernels read it as Q5_1's), and the
+    unpacked sixth bit for Q6_K (codes one per byte). Q5_0: 0.625 (codes) + 0.125 (scale, offset)."""
     out, cols = 16, 1536
     got = {}
-    for t in (*KQUANTS, "Q5_0"):
+    for t in (*KQUANTS, "Q5_0", "Q5_1"):
         data = _blocks(t, out, cols, seed=1)
         got[t] = (wxa8_from_gguf_blocks(t, data, (out, cols)).nbytes / (out * cols), data.nbytes / (out * cols))
     assert got == {
         "Q4_K": (0.578125, 0.5625),
-        "Q5_K": (1.078125, 0.6875),
+        "Q5_K": (0.703125, 0.6875),
         "Q6_K": (1.0703125, 0.8203125),
-        "Q5_0": (1.125, 0.6875),
+        "Q5_0": (0.75, 0.6875),
+        "Q5_1": (0.75, 0.75),
     }
 
 
@@ -122,29 +132,57 @@ def test_memory_stays_close_to_the_files():
 
 
 def _codes(w: QuantArray) -> np.ndarray:
-    """int64 codes ``[out, in]``, unpacked here (low nibble: value ``j`` of a group of 32, high: ``j + 16``)."""
+    """int64 codes ``[out, in]`` of a row-major matrix, unpacked here from the layout (low nibble:
+    value ``j`` of a group of 32, high: ``j + 16``; 5-bit: 16 such bytes, then a little-endian uint32
+    whose bit ``j`` is value ``j``'s fifth bit)."""
     q = np.asarray(w.quant).astype(np.int64)
+    out = q.shape[0]
     if w.bits == 8:
         return q
-    g = q.reshape(q.shape[0], -1, 16)
-    return np.concatenate([g & 15, g >> 4], axis=-1).reshape(q.shape[0], -1)
+    if w.bits == 4:
+        g = q.reshape(out, -1, 16)
+        return np.concatenate([g & 15, g >> 4], axis=-1).reshape(out, -1)
+    g = q.reshape(out, -1, 20)
+    word = g[..., 16] | (g[..., 17] << 8) | (g[..., 18] << 16) | (g[..., 19] << 24)
+    fifth = (word[..., None] >> np.arange(32)) & 1
+    low = np.concatenate([g[..., :16] & 15, g[..., :16] >> 4], axis=-1)
+    return (low | (fifth << 4)).reshape(out, -1)
 
 
-def _reference_kquant(x: np.ndarray, w: QuantArray) -> np.ndarray:
-    """float64 of ``sum_h (d sc_h) dx_g (p_h - zp isum_h) - (dmin mn_h) dx_g isum_h``, the activation
-    quantization (int8 per 32, half to even) written out, integer sums in int64."""
+def _reference_groups(x: np.ndarray, w: QuantArray) -> np.ndarray:
+    """float64 of ``sum_g d dx (codes . xq) + m sx`` for the plain 32-group form (as test_jax_native's
+    reference, the codes unpacked by :func:`_codes`)."""
+    rows, k = x.shape
+    xq, dx = _quantized_activations(x)
+    c = _codes(w).reshape(-1, k // 32, 32)
+    p = np.einsum("rgk,ogk->rog", xq.reshape(rows, k // 32, 32), c).astype(np.float64)
+    sx = dx * xq.reshape(rows, k // 32, 32).sum(-1)
+    return np.einsum("rog,og,rg->ro", p, np.asarray(w.scale, np.float64), dx) + sx @ np.asarray(w.offset, np.float64).T
+
+
+def _quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 codes ``[rows, K]`` and float64 scales ``[rows, K / 32]`` of ``x`` quantized per 32 as the
+    backend does (half to even)."""
     rows, k = x.shape
     xg = x.astype(np.float32).reshape(rows, k // 32, 32)
     amax = np.abs(xg).max(-1)
     dx = (amax / np.float32(127)).astype(np.float32)
     safe = np.where(amax > 0, dx, np.float32(1))
     xq = np.where(amax[..., None] > 0, np.clip(np.rint(xg / safe[..., None]), -127, 127), 0).astype(np.int64)
+    return xq.reshape(rows, k), dx.astype(np.float64)
+
+
+def _reference_kquant(x: np.ndarray, w: QuantArray) -> np.ndarray:
+    """float64 of ``sum_h (d sc_h) dx_g (p_h - zp isum_h) - (dmin mn_h) dx_g isum_h``, the activation
+    quantization (int8 per 32, half to even) written out, integer sums in int64."""
+    rows, k = x.shape
+    xq, dx = _quantized_activations(x)
     sg = w.sub_group
     codes = _codes(w)
     xh, ch = xq.reshape(rows, k // sg, sg), codes.reshape(codes.shape[0], k // sg, sg)
     p = np.einsum("rhk,ohk->roh", xh, ch)
     isum = xh.sum(-1)
-    dxh = np.repeat(dx.astype(np.float64), 32 // sg, axis=-1)
+    dxh = np.repeat(dx, 32 // sg, axis=-1)
     per = 256 // sg
     d = np.repeat(np.asarray(w.scale, np.float64), per, -1) * np.asarray(w.sub_scale, np.float64)
     y = np.einsum("roh,oh,rh->ro", (p - w.zero_point * isum[:, None, :]).astype(np.float64), d, dxh)
@@ -154,20 +192,29 @@ def _reference_kquant(x: np.ndarray, w: QuantArray) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("form", [*KQUANTS, "Q4_K in the kernel form", "Q6_K in the kernel form"])
+#: Forms of the tests below: the file's types as converted, and the k-quants in the kernel form.
+FORMS = [*KQUANTS, "Q5_0", "Q5_1", "Q4_K in the kernel form", "Q5_K in the kernel form", "Q6_K in the kernel form"]
+
+
+def _form(form: str, out: int, cols: int, seed: int) -> QuantArray:
+    w = wxa8_from_gguf_blocks(form[:4], _blocks(form[:4], out, cols, seed=seed), (out, cols))
+    if form.endswith("kernel form"):
+        w = kernel_form(w)
+        assert (w.sub_group, w.zero_point) == (16, 0) and w.offset is not None
+    return w
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("rows", "out", "cols"), [(1, 7, 256), (3, 32, 512), (9, 33, 1536)])
 def test_xla_formulation_matches_float64_reference(form, rows, out, cols):
     """The same sums; float32 rounding of the scale products and of the sum over sub-groups is all
     that differs (2e-6 of the largest output, as for the 32-group form in test_jax_native)."""
-    w = wxa8_from_gguf_blocks(form[:4], _blocks(form[:4], out, cols, seed=rows), (out, cols))
-    if form not in KQUANTS:
-        w = kernel_form(w)
-        assert (w.sub_group, w.zero_point) == (16, 0) and w.offset is not None
+    w = _form(form, out, cols, seed=rows)
     rng = np.random.default_rng(rows * out)
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero activation group
     x[-1, 5] *= 50.0  # an outlier
-    want = _reference_kquant(x, w)
+    want = (_reference_kquant if w.sub_group else _reference_groups)(x, w)
     tol = 2e-6 * np.abs(want).max()
     for stored in (w, to_panels(w)):
         got = np.asarray(jax.jit(lambda x, w=stored: linear(x, w))(x), np.float64)
@@ -180,12 +227,10 @@ def test_xla_formulation_matches_float64_reference(form, rows, out, cols):
 # -- panels and stacking ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("form", [*KQUANTS, "Q4_K in the kernel form", "Q6_K in the kernel form"])
+@pytest.mark.parametrize("form", FORMS)
 def test_panel_layout_round_trips(form):
     out, cols = 48, 512
-    w = wxa8_from_gguf_blocks(form[:4], _blocks(form[:4], out, cols, seed=2), (out, cols))
-    if form not in KQUANTS:
-        w = kernel_form(w)
+    w = _form(form, out, cols, seed=2)
     p = to_panels(w)
     assert p.panel == 16 and p.nbytes == w.nbytes and p.quant.shape == w.quant.shape
     assert sorted(np.asarray(p.quant).ravel()) == sorted(np.asarray(w.quant).ravel())
@@ -203,13 +248,29 @@ def test_panel_layout_round_trips(form):
     assert to_panels(wxa8_from_gguf_blocks(form[:4], _blocks(form[:4], 40, cols, seed=3), (40, cols))).panel == 0
 
 
+@pytest.mark.parametrize("ggml_type", ["Q5_0", "Q5_K"])
+def test_5bit_panels_are_the_kernels_layout(ggml_type):
+    """cpu_kernels.h's panel_byte for 20 bytes per group: per 16 rows and group, 5 runs of 16 dwords,
+    dword ``r`` of run ``t`` = bytes ``4t .. 4t+3`` of row ``r``'s group (runs 0-3 the nibbles, run 4
+    the words of fifth bits)."""
+    out, cols = 32, 512
+    w = wxa8_from_gguf_blocks(ggml_type, _blocks(ggml_type, out, cols, seed=6), (out, cols))
+    q, p = np.asarray(w.quant), np.asarray(to_panels(w).quant).reshape(out // 16, cols // 32, 5, 16, 4)
+    for panel, g, t, r in [(0, 0, 0, 0), (0, 3, 4, 15), (1, 15, 2, 7), (1, 9, 4, 0)]:
+        np.testing.assert_array_equal(p[panel, g, t, r], q[16 * panel + r, 20 * g + 4 * t : 20 * g + 4 * t + 4])
+
+
 @pytest.mark.parametrize(
     ("ggml_types", "want"),
     [
         (("Q4_K", "Q4_K"), (4, 16, 0)),  # one type: 4-bit codes, the kernel form's factors
-        (("Q4_K", "Q5_K", "Q4_K"), (8, 16, 0)),  # Q4_K's codes one per byte
+        (("Q5_K", "Q5_K"), (5, 16, 0)),  # 5-bit codes as they are
+        (("Q4_K", "Q5_K", "Q4_K"), (5, 16, 0)),  # Q4_K's codes in the 5-bit form, fifth bits zero
         (("Q4_K", "Q6_K", "Q5_K", "Q6_K"), (8, 16, 0)),  # llama.cpp Q4_K_M's ffn_down: factors per layer
-        (("Q5_0", "Q8_0"), (8, 0, 0)),  # Q4_K_M's fallback for short rows: the 8-bit group form
+        (("Q5_0", "Q5_1"), (5, 0, 0)),
+        (("Q4_0", "Q5_0", "Q4_1", "Q5_1"), (5, 0, 0)),
+        (("Q5_0", "Q8_0"), (8, 0, 0)),  # Q4_K_M's fallback for short rows (attn_v): the 8-bit group form
+        (("Q4_1", "Q5_0", "Q8_0"), (8, 0, 0)),
     ],
 )
 def test_layers_of_different_types_stack_exactly(ggml_types, want):
@@ -354,14 +415,19 @@ def test_tiny_q4_k_m_loads_in_w4a8_with_the_files_weights(tiny_q4_k_m):
 def test_smollm2_q4_k_m_loads_in_w4a8_close_to_float32(smollm2_path):
     """SmolLM2's rows of 576 are not whole super-blocks: as in llama.cpp's Q4_K_M of it, only
     ffn_down (rows of 1536) takes k-quants, Q4_K / Q5_K / Q6_K by layer, stacked in the kernel form; the
-    rest is Q5_0 / Q8_0. Measured: KL 0.0039 nats, top-1 92.6% (50 of 54 positions)."""
+    rest is Q5_0 (5-bit codes, 0.75 bytes per weight) / Q8_0 (attn_v in some layers, so all of attn_v
+    8-bit). Measured: KL 0.0039 nats, top-1 92.6% (50 of 54 positions)."""
     path = cached_q4_k_m(smollm2_path)
     ckpt = open_checkpoint(path)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     downs = [types[f"blk.{i}.ffn_down.weight"] for i in range(30)]
     model = load_jax(ckpt, quantization="w4a8", extra={"native": False})
-    down = model.weights.layers.down_proj
+    lw = model.weights.layers
+    down = lw.down_proj
     assert (down.bits, down.sub_group, down.zero_point, down.panel) == (8, 16, 0, 16)
+    assert {types[f"blk.{i}.attn_v.weight"] for i in range(30)} == {"Q5_0", "Q8_0"}
+    assert (lw.q_proj.bits, lw.q_proj.sub_group, lw.q_proj.panel, lw.v_proj.bits) == (5, 0, 16, 8)
+    assert lw.q_proj.nbytes == 0.75 * np.prod(lw.q_proj.shape)
     layers = [downs.index(t) for t in KQUANTS]
     _assert_layers_are_the_files(model, ckpt, layers, ("down_proj",))
     _assert_layers_are_the_files(model, ckpt, [0], ("q_proj", "v_proj"))

@@ -10,6 +10,9 @@ Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
 * int4: ``quant`` uint8 ``[out, in // 2]``; inside each group of ``group`` weights, byte ``j`` holds
   weight ``j`` in its low nibble and weight ``j + group // 2`` in its high nibble (GGUF's Q4 layout, so
   Q4_0 / Q4_1 blocks load as they are). ``W = (nibble - zero_point) * scale (+ offset)``.
+* 5-bit (``bits=5``, ``w4a8`` only): ``quant`` uint8 ``[out, in // 32 * 20]``, 20 bytes per group of 32:
+  the codes' low 4 bits in the int4 order (16 bytes), then a little-endian uint32 whose bit ``j`` is
+  code ``j``'s fifth bit (GGUF Q5_0's ``qs`` and ``qh``, swapped). See :func:`unpack_codes`.
 * k-quants (GGUF Q4_K / Q5_K / Q6_K, ``sub_group`` > 0): two-level scales, as in the file. ``scale``
   (and ``offset``) are float16 ``[out, in // 256]``, one per super-block; ``sub_scale`` (and
   ``sub_offset``) are small integers ``[out, in // sub_group]``; ``W = scale * sub_scale * (code -
@@ -52,6 +55,7 @@ class QuantArray:
     scale: jax.Array
     #: Per-group additive term (GGUF Q4_1's minimum); None for symmetric formats.
     offset: jax.Array | None = None
+    #: Code width: 8 (one per byte), 4 (two per byte) or 5 (``w4a8`` only; see the module docstring).
     bits: int = field(default=8, metadata=dict(static=True))
     group_size: int = field(default=0, metadata=dict(static=True))
     #: Subtracted from the stored integer before scaling (8 for symmetric 4-bit, else 0).
@@ -75,7 +79,7 @@ class QuantArray:
     @property
     def shape(self) -> tuple[int, ...]:
         *lead, cols = self.quant.shape
-        return (*lead, cols * (8 // self.bits))
+        return (*lead, cols * 8 // self.bits)
 
     @property
     def nbytes(self) -> int:
@@ -93,9 +97,7 @@ class QuantArray:
         the matmul's operand load, never kept)."""
         if self.panel:
             return from_panels(self).dequantize(dtype)
-        q = self.quant
-        if self.bits == 4:
-            q = _unpack_nibbles(q, self.group_size)
+        q = unpack_codes(self)
         if self.sub_group:
             return _dequantize_kquant(self, q).astype(dtype)
         *lead, out, cols = q.shape
@@ -110,12 +112,48 @@ class QuantArray:
         return w
 
 
+def _xp(a: Any) -> Any:
+    """The array module for ``a``: NumPy for host arrays (at load), else jnp (inside jitted steps)."""
+    return np if isinstance(a, np.ndarray) else jnp
+
+
 def _unpack_nibbles(packed: jax.Array, group: int) -> jax.Array:
     """uint8 ``[..., out, in // 2]`` -> uint8 ``[..., out, in]`` in the GGUF Q4 in-group order."""
     *lead, out, half = packed.shape
     g = packed.reshape(*lead, out, half // (group // 2), group // 2)
-    both = jnp.concatenate([g & 0x0F, g >> 4], axis=-1)
+    both = _xp(packed).concatenate([g & 0x0F, g >> 4], axis=-1)
     return both.reshape(*lead, out, half * 2)
+
+
+#: Bytes per group of 32 codes in the 5-bit form: 16 of low nibbles, 4 of fifth bits.
+Q5_GROUP_BYTES = 20
+
+
+def unpack_codes(w: QuantArray) -> jax.Array | np.ndarray:
+    """``w``'s row-major codes one per byte, ``[..., out, in]``, whatever their width (4, 5 or 8 bits).
+    NumPy in, NumPy out (at load, on the host); else jnp, so it fuses into a jitted step."""
+    q = w.quant
+    if w.bits == 8:
+        return q
+    if w.bits == 4:
+        return _unpack_nibbles(q, w.group_size)
+    xp = _xp(q)
+    *lead, out, nbytes = q.shape
+    g = q.reshape(*lead, out, nbytes // Q5_GROUP_BYTES, Q5_GROUP_BYTES)
+    low = _unpack_nibbles(g[..., :16], 32)
+    # Byte b of the fifth-bit word holds codes 8b .. 8b+7, lowest bit first.
+    high = (g[..., 16:, None] >> xp.arange(8, dtype=xp.uint8)) & 1
+    return (low | (high.reshape(low.shape) << 4)).reshape(*lead, out, nbytes // Q5_GROUP_BYTES * 32)
+
+
+def _pack_codes5(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes below 32, ``[..., out, in]`` -> the 5-bit form ``[..., out, in // 32 * 20]`` (host
+    side; the inverse of :func:`unpack_codes`)."""
+    *lead, out, cols = codes.shape
+    g = codes.reshape(*lead, out, cols // 32, 32)
+    high = np.packbits((g >> 4) & 1, axis=-1, bitorder="little")  # 4 bytes: the little-endian word
+    packed = np.concatenate([_pack_nibbles(g & 0x0F, 32), high], axis=-1)
+    return packed.reshape(*lead, out, cols // 32 * Q5_GROUP_BYTES)
 
 
 #: Per-output-row fields: indexed, stacked and laid out in panels the way the codes' rows are.
@@ -217,10 +255,10 @@ def _linear_wxa8(x: jax.Array, w: QuantArray) -> jax.Array:
         w = from_panels(w)
     lead, cols = x.shape[:-1], x.shape[-1]
     xq, dx, sx = quantize_activation_groups(x.reshape(-1, cols))
-    codes = _unpack_nibbles(w.quant, w.group_size) if w.bits == 4 else w.quant
+    codes = unpack_codes(w)
     out = codes.shape[0]
     groups = cols // ACT_GROUP
-    cg = codes.reshape(out, groups, ACT_GROUP).astype(jnp.int8 if w.bits == 4 else jnp.int16)
+    cg = codes.reshape(out, groups, ACT_GROUP).astype(jnp.int8 if w.bits < 8 else jnp.int16)
     # [groups, rows, 32] x [groups, out, 32] -> [groups, rows, out], exact in int32.
     p = lax.dot_general(
         jnp.transpose(xq, (1, 0, 2)).astype(cg.dtype),
@@ -248,7 +286,7 @@ def _linear_kquant(x: jax.Array, w: QuantArray) -> jax.Array:
     xq, dx, _ = quantize_activation_groups(x.reshape(-1, cols))
     rows, sg = xq.shape[0], w.sub_group
     subs = cols // sg
-    codes = _unpack_nibbles(w.quant, ACT_GROUP) if w.bits == 4 else w.quant
+    codes = unpack_codes(w)
     out = codes.shape[0]
     xh = xq.reshape(rows, subs, sg)
     # Codes are below 64 in every k-quant: int8 x int8 -> [subs, rows, out], exact in int32.
@@ -453,13 +491,12 @@ def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -
     return QuantArray(np.ascontiguousarray(packed), d, m, bits=4, group_size=32, zero_point=0)
 
 
-def _q5_codes(blocks: np.ndarray, at: int) -> np.ndarray:
-    """Q5_0 / Q5_1 codes ``[out, blocks, 32]`` from the 4-byte ``qh`` at byte ``at`` (bit ``j`` of the
-    little-endian word: code ``j``'s fifth bit) and the 16 bytes after it (low nibbles: codes 0-15,
-    high nibbles: codes 16-31)."""
-    qs = blocks[..., at + 4 : at + 20]
-    high = np.unpackbits(blocks[..., at : at + 4], axis=-1, bitorder="little")
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)
+def _q5_groups(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0 / Q5_1 codes in the 5-bit form, ``[out, blocks * 20]``: the block's 4-byte ``qh`` at byte
+    ``at`` (bit ``j`` of the little-endian word: code ``j``'s fifth bit) and the 16 ``qs`` bytes after
+    it (low nibbles: codes 0-15, high nibbles: codes 16-31) are that form's two parts, swapped."""
+    qh, qs = blocks[..., at : at + 4], blocks[..., at + 4 : at + 20]
+    return np.concatenate([qs, qh], axis=-1).reshape(blocks.shape[0], -1)
 
 
 def _kquant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -484,13 +521,13 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
     weight dequantizes to the file's value:
 
     * Q4_1 as it is (``d * code + m``), Q4_0 with ``m = -8 d``;
-    * 8-bit codes: Q8_0's stored as ``q + 128`` (``m = -128 d``), Q5_0's and Q5_1's 5-bit codes one
-      per byte (``m = -16 d``, and the file's ``m``);
+    * Q8_0's 8-bit codes stored as ``q + 128`` (``m = -128 d``);
+    * Q5_0 / Q5_1 in the 5-bit form, their bytes reordered (``m = -16 d``, and the file's ``m``);
     * Q4_K: ``scale`` / ``offset`` the float16 ``d`` / ``dmin`` per super-block of 256, ``sub_scale``
       / ``sub_offset`` the uint8 6-bit ``sc`` / ``mn`` per 32, ``W = d sc code - dmin mn``; the 4-bit
       codes repacked per group of 32 into the nibble order of Q4_0 (the file packs 64 values per 32
       bytes, low nibbles first): a permutation of nibbles;
-    * Q5_K: the same scales, the 5-bit codes one per byte;
+    * Q5_K: the same scales, the 5-bit codes in the 5-bit form (per group of 32, as Q5_0's);
     * Q6_K: 6-bit codes one per byte with zero point 32, ``d`` per super-block, the int8 ``sc`` per
       16 (``W = d sc (code - 32)``), no offset.
 
@@ -516,10 +553,10 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
     if ggml_type in ("Q5_0", "Q5_1"):
         d = _f16(blocks, 0, ggml_type)
         if ggml_type == "Q5_0":
-            m, codes = (d.astype(np.float32) * -16).astype(np.float16), _q5_codes(blocks, 2)
+            m, packed = (d.astype(np.float32) * -16).astype(np.float16), _q5_groups(blocks, 2)
         else:
-            m, codes = _f16(blocks, 2, ggml_type), _q5_codes(blocks, 4)
-        return QuantArray(codes.reshape(out, cols), d, m, bits=8, group_size=32, act_bits=8)
+            m, packed = _f16(blocks, 2, ggml_type), _q5_groups(blocks, 4)
+        return QuantArray(packed, d, m, bits=5, group_size=32, act_bits=8)
     if ggml_type == "Q6_K":
         d = _f16(blocks, 208, ggml_type)
         shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
@@ -546,7 +583,7 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
         return QuantArray(packed, d, dmin, bits=4, group_size=32, act_bits=8, **sub)
     high = (blocks[..., 16:48].reshape(out, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01
     codes = _low_high(blocks[..., 48:176], 32) | (high.reshape(out, nb, KQ_BLOCK) << 4)
-    return QuantArray(codes.reshape(out, cols), d, dmin, bits=8, group_size=32, act_bits=8, **sub)
+    return QuantArray(_pack_codes5(codes.reshape(out, cols)), d, dmin, bits=5, group_size=32, act_bits=8, **sub)
 
 
 def storage_format(w: QuantArray) -> tuple:
@@ -584,25 +621,26 @@ def common_format(mats: list[QuantArray]) -> list[QuantArray]:
     """Row-major ``w4a8`` matrices of one weight in several layers, in one storage format where the
     file's types differ by layer (llama.cpp's Q4_K_M gives ``attn_v`` and ``ffn_down`` Q6_K in some
     layers and Q4_K, or Q8_0 and Q5_0, in others), each converted exactly: k-quants to
-    :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes one per byte
-    where some layers have 4-bit and others 8-bit codes. Other mixes (k-quants with 32-group forms)
-    come back unchanged for the caller to refuse."""
+    :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes to the widest
+    form any layer has (4-bit codes fit the 5-bit form with zero fifth bits; with 8-bit codes in some
+    layers all are stored one per byte). Other mixes (k-quants with 32-group forms) come back
+    unchanged for the caller to refuse."""
     if not all(w.wxa8 and not w.panel for w in mats):
         return mats
     mats = [kernel_form(w) for w in mats]
     if len({storage_format(w) for w in mats}) == 1 or len({w.sub_group for w in mats}) > 1:
         return mats
-    return [_as_bytes(w) for w in mats]
+    bits = max(w.bits for w in mats)
+    return [_with_bits(w, bits) for w in mats]
 
 
-def _as_bytes(w: QuantArray) -> QuantArray:
-    """``w`` with 4-bit codes stored one per byte (the same values)."""
-    if w.bits == 8:
+def _with_bits(w: QuantArray, bits: int) -> QuantArray:
+    """Row-major ``w`` with its codes in the ``bits``-wide form (5 or 8, no narrower than its own;
+    the same values)."""
+    if w.bits == bits:
         return w
-    packed = np.asarray(w.quant)
-    g = packed.reshape(*packed.shape[:-1], -1, ACT_GROUP // 2)
-    codes = np.concatenate([g & 0x0F, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    return dataclasses.replace(w, quant=codes, bits=8)
+    codes = np.asarray(unpack_codes(w))
+    return dataclasses.replace(w, quant=codes if bits == 8 else _pack_codes5(codes), bits=bits)
 
 
 # -- w4a8: group-quantized weights for int8 activations ----------------------------------------------
@@ -630,8 +668,9 @@ def to_panels(w: QuantArray) -> QuantArray:
     """A group-quantized (``w4a8``-format) matrix in the native kernels' panel layout, host side:
     for each 16 output rows and group of 32 inputs, the rows' code bytes become ``gb / 4`` runs of 16
     dwords (dword ``r`` of run ``t`` = bytes ``4t .. 4t+3`` of row ``r``'s group; ``gb`` = 16 code bytes
-    per group for 4-bit, 32 for 8-bit), and in every per-row field (scales, offsets, k-quant
-    sub-scales) the 16 rows' values of a column are consecutive. A permutation only: the same bytes,
+    per group for 4-bit, 20 for 5-bit (runs 0-3 the nibbles, run 4 the fifth bits), 32 for 8-bit),
+    and in every per-row field (scales, offsets, k-quant sub-scales) the 16 rows' values of a column
+    are consecutive. A permutation only: the same bytes,
     the same size. Matrices whose row count is not a multiple of 16 are returned as they are."""
     *lead, n, nbytes = w.quant.shape
     if w.panel or n % PANEL or not w.wxa8:
