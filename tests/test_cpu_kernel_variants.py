@@ -187,7 +187,7 @@ def _panel_rows(a: np.ndarray) -> np.ndarray:
 def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k: bool) -> dict[str, np.ndarray]:
     """Row-major codes and factors in the ranges GGUF's Q4_K / Q5_K (6-bit sc and mn) and Q6_K
     (int8 sc, mn = 32 sc) produce, in ``quant.kernel_form``."""
-    top = {4: 16, 5: 32, 8: 64 if q6k else 32}[bits]
+    top = {4: 16, 5: 32, 6: 64, 8: 64 if q6k else 32}[bits]
     codes = rng.integers(0, top, (out, cols)).astype(np.uint8)
     d = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
     if q6k:
@@ -203,7 +203,7 @@ def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes ``[N, K]`` in cpu_kernels.h's row-major layout: per group of 32, 4-bit: byte j = code j
     (low nibble) | code j + 16 (high nibble); 5-bit: those nibbles, then a little-endian uint32 of
-    the codes' bit 4; 8-bit: one byte per code."""
+    the codes' bit 4; 6-bit: then another of their bit 5; 8-bit: one byte per code."""
     out, cols = codes.shape
     if bits == 8:
         return codes
@@ -211,9 +211,11 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     nibbles = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
     if bits == 4:
         return nibbles.reshape(out, -1).astype(np.uint8)
-    high = ((c >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-    mask = high.sum(-1, dtype=np.uint32)[..., None].astype("<u4").view(np.uint8)
-    return np.concatenate([nibbles.astype(np.uint8), mask], -1).reshape(out, -1)
+    planes = [nibbles.astype(np.uint8)]
+    for bit in range(4, bits):
+        high = ((c >> bit) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+        planes.append(high.sum(-1, dtype=np.uint32)[..., None].astype("<u4").view(np.uint8))
+    return np.concatenate(planes, -1).reshape(out, -1)
 
 
 def _panel_codes(packed: np.ndarray, groups: int) -> np.ndarray:
@@ -249,7 +251,7 @@ def _reference_kquant(x: np.ndarray, k: dict[str, np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
-@pytest.mark.parametrize(("bits", "q6k"), [(4, False), (5, False), (8, False), (8, True)])
+@pytest.mark.parametrize(("bits", "q6k"), [(4, False), (5, False), (6, True), (8, False), (8, True)])
 def test_kquant_kernel_matches_reference_and_scalar(isa, bits, q6k):
     _supported(isa)
     rng = np.random.default_rng(bits + 10 * q6k)
@@ -306,17 +308,18 @@ def test_activation_quantization_equals_scalar(isa):
 
 
 @pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
-def test_5bit_panel_kernel_matches_reference_and_scalar(isa):
-    """Q5_0 / Q5_1 codes packed as nibbles plus a plane of high bits (cpu_kernels.h): every code of
-    0..31, in plain groups (d * code + m per 32)."""
+@pytest.mark.parametrize("bits", [5, 6])
+def test_packed_5_and_6_bit_panel_kernel_matches_reference_and_scalar(isa, bits):
+    """Codes packed as nibbles plus one or two planes of high bits (cpu_kernels.h): every code of
+    0..2^bits - 1, in plain groups (d * code + m per 32)."""
     _supported(isa)
-    rng = np.random.default_rng(55)
+    rng = np.random.default_rng(55 + bits)
     for out, cols in ((16, 32), (48, 576), (32, 1536)):
-        codes = rng.integers(0, 32, (out, cols)).astype(np.uint8)
-        codes[0, :32] = np.arange(32)
+        codes = rng.integers(0, 1 << bits, (out, cols)).astype(np.uint8)
+        codes[0, :32] = np.arange(32) * ((1 << bits) - 1) // 31
         d = rng.uniform(1e-3, 2e-2, (out, cols // 32)).astype(np.float16)
         m = (-16 * d.astype(np.float32)).astype(np.float16)
-        ops = [(jnp.asarray(_panel_codes(_pack(codes, 5), cols // 32)), jnp.asarray(_panel_rows(d)),
+        ops = [(jnp.asarray(_panel_codes(_pack(codes, bits), cols // 32)), jnp.asarray(_panel_rows(d)),
                 jnp.asarray(_panel_rows(m)))]  # fmt: skip
         w = np.repeat(d.astype(np.float64), 32, 1) * codes + np.repeat(m.astype(np.float64), 32, 1)
         for rows in (1, 2, 4, 5, 9, 19):

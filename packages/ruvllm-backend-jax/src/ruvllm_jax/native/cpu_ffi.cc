@@ -390,8 +390,9 @@ ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32>
     int bits;
     if (qd.back() == K / 2) bits = 4;
     else if (qd.back() == K / 8 * 5) bits = 5;
+    else if (qd.back() == K / 4 * 3) bits = 6;
     else if (qd.back() == K) bits = 8;
-    else return ffi::Error::InvalidArgument("ruvllm_wxa8: code bytes per row are not K / 2, 5 K / 8 or K");
+    else return ffi::Error::InvalidArgument("ruvllm_wxa8: code bytes per row are not K / 2, 5 K / 8, 3 K / 4 or K");
     const int64_t row_bytes = qd.back();
     const int64_t L = static_cast<int64_t>(q->element_count()) / (N * row_bytes);
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_wxa8: layer index out of range");
@@ -458,8 +459,9 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
     int bits;
     if (qd.back() == K / 2) bits = 4;
     else if (qd.back() == K / 8 * 5) bits = 5;
+    else if (qd.back() == K / 4 * 3) bits = 6;
     else if (qd.back() == K) bits = 8;
-    else return ffi::Error::InvalidArgument("ruvllm_kxa8: code bytes per row are not K / 2, 5 K / 8 or K");
+    else return ffi::Error::InvalidArgument("ruvllm_kxa8: code bytes per row are not K / 2, 5 K / 8, 3 K / 4 or K");
     const int64_t row_bytes = qd.back();
     const int64_t L = static_cast<int64_t>(q->element_count()) / (N * row_bytes);
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_kxa8: layer index out of range");

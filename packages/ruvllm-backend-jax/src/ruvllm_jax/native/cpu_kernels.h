@@ -33,7 +33,7 @@ struct RowMatrix {
 // group of 32 (dx = max|x| / 127). A weight is d * code + m with an unsigned 4-, 5- or 8-bit code.
 // Code bytes per row and group (gb): 4-bit 16 (byte j: code j low nibble, code j + 16 high nibble),
 // 8-bit 32 (one per code), 5-bit 20 (the 4-bit layout of the low 4 bits, then a little-endian
-// uint32 whose bit j is bit 4 of code j).
+// uint32 whose bit j is bit 4 of code j), 6-bit 24 (the same, then a uint32 of the codes' bit 5).
 //   y[m, n] = sum_g (p[m, n, g] * (d[n, g] * dx[m, g]) + m[n, g] * sx[m, g]),  p = codes . xq
 // the integer dot p exact in int32, then the two float multiply-adds per group in that order, so
 // every variant's panel kernel gives the same float32 result, bit for bit.
@@ -113,7 +113,7 @@ struct KernelTable {
   void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
 };
 
-static inline int64_t group_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : 32; }
+static inline int64_t group_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : bits == 6 ? 24 : 32; }
 
 // Byte jb (0..gb-1) of row n, group g in the 16-row panel layout: for panel n / 16 and group g, the
 // 16 rows' code bytes are gb / 4 runs of 16 dwords, dword r of run t holding bytes 4t .. 4t+3 of
@@ -131,7 +131,9 @@ static inline int32_t code_at(const uint8_t* q, int bits, bool panel, int64_t n,
   const uint8_t b = byte(j & 15);
   const int32_t low = j < 16 ? (b & 0x0F) : (b >> 4);
   if (bits == 4) return low;
-  return low | (((byte(16 + j / 8) >> (j % 8)) & 1) << 4);
+  const int32_t b4 = ((byte(16 + j / 8) >> (j % 8)) & 1) << 4;
+  if (bits == 5) return low | b4;
+  return low | b4 | (((byte(20 + j / 8) >> (j % 8)) & 1) << 5);
 }
 
 }  // namespace ruvllm

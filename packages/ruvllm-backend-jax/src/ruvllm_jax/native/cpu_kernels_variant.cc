@@ -357,7 +357,8 @@ void group_rows_bits(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64
 }
 
 void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) {
-  if (x.G % 2 != 0 || w.bits == 5 || (w.bits == 4 && x.q4 == nullptr)) return group_scalar(x, w, n0, n1);
+  if (x.G % 2 != 0 || w.bits == 5 || w.bits == 6 || (w.bits == 4 && x.q4 == nullptr))
+    return group_scalar(x, w, n0, n1);
   if (w.bits == 4) return group_rows_bits<4>(x, w, n0, n1);
   return group_rows_bits<8>(x, w, n0, n1);
 }
@@ -372,17 +373,23 @@ inline __m512i high_bits_512(__m512i h, int shift) {
   return _mm512_permutexvar_epi32(_mm512_srli_epi32(h, shift), table);
 }
 
-// Codes 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) of the 16 rows of a 4- or 5-bit panel group.
+// Codes 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) of the 16 rows of a 4-, 5- or 6-bit panel group
+// (bit 5: the second plane's 0x10, doubled).
 template <int BITS>
 inline void nibble_codes_512(const uint8_t* gp, int t, __m512i& lo, __m512i& hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i z = _mm512_loadu_si512(gp + t * 64);
   lo = _mm512_and_si512(z, low4);
   hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
-  if (BITS == 5) {
+  if (BITS >= 5) {
     const __m512i h = _mm512_loadu_si512(gp + 256);
     lo = _mm512_or_si512(lo, high_bits_512(h, 4 * t));
     hi = _mm512_or_si512(hi, high_bits_512(h, 16 + 4 * t));
+  }
+  if (BITS == 6) {
+    const __m512i h = _mm512_loadu_si512(gp + 320);
+    lo = _mm512_or_si512(lo, _mm512_slli_epi32(high_bits_512(h, 4 * t), 1));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi32(high_bits_512(h, 16 + 4 * t), 1));
   }
 }
 
@@ -392,7 +399,7 @@ inline void nibble_codes_512(const uint8_t* gp, int t, __m512i& lo, __m512i& hi)
 template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K;
-  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;  // code bytes per row and group
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;  // code bytes per row and group
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
   const uint16_t* mp = w.mn + p * 16 * G;
@@ -433,7 +440,7 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
 template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
-  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   __m512 facc[MB];
   for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
@@ -548,17 +555,23 @@ inline __m256i high_bits_256(__m256i h, int t, bool upper) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(0x10));
 }
 
-// Codes 4t .. 4t+3 (lo) and 16+4t .. (hi) of 8 rows (half r of the panel) of a 4- or 5-bit group.
+// Codes 4t .. 4t+3 (lo) and 16+4t .. (hi) of 8 rows (half r of the panel) of a 4-, 5- or 6-bit
+// group.
 template <int BITS>
 inline void nibble_codes_256(const uint8_t* gp, int t, int r, __m256i& lo, __m256i& hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
   lo = _mm256_and_si256(z, low4);
   hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
-  if (BITS == 5) {
+  if (BITS >= 5) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + r * 32));
     lo = _mm256_or_si256(lo, high_bits_256(h, t, false));
     hi = _mm256_or_si256(hi, high_bits_256(h, t, true));
+  }
+  if (BITS == 6) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 320 + r * 32));
+    lo = _mm256_or_si256(lo, _mm256_slli_epi32(high_bits_256(h, t, false), 1));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi32(high_bits_256(h, t, true), 1));
   }
 }
 
@@ -608,7 +621,7 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K;
-  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
   const uint16_t* mp = w.mn + p * 16 * G;
@@ -622,7 +635,7 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
       acc[m][0] = acc[m][1] = _mm256_setzero_si256();
       xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
     }
-    if (BITS != 8) {  // codes up to 31: no vpmaddubsw pair sum saturates
+    if (BITS != 8) {  // codes up to 63: no vpmaddubsw pair sum saturates
       for (int t = 0; t < 4; ++t) {
         for (int h = 0; h < 2; ++h) {
           __m256i lo, hi;
@@ -670,7 +683,7 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
 template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
-  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 32;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   __m256 facc[MB][2];
   for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
@@ -799,6 +812,7 @@ void panel_bits(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1
 void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
   if (w.bits == 4) return panel_bits<4>(x, w, p0, p1);
   if (w.bits == 5) return panel_bits<5>(x, w, p0, p1);
+  if (w.bits == 6) return panel_bits<6>(x, w, p0, p1);
   return panel_bits<8>(x, w, p0, p1);
 }
 #else
@@ -826,6 +840,7 @@ void kpanel_bits(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
 void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
   if (w.bits == 4) return kpanel_bits<4>(x, w, p0, p1);
   if (w.bits == 5) return kpanel_bits<5>(x, w, p0, p1);
+  if (w.bits == 6) return kpanel_bits<6>(x, w, p0, p1);
   return kpanel_bits<8>(x, w, p0, p1);
 }
 #else
