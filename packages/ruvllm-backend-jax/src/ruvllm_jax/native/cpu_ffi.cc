@@ -603,26 +603,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8, WxA8Impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmWxA8Panel, WxA8PanelImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmKxA8Panel, KxA8PanelImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+// The grouped products: (x float32, layer int32, weight operands..., outputs...).
+#define RUVLLM_GROUPED_HANDLER(name, impl)                                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                            \
+                                ffi::Ffi::Bind()                                                       \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                      \
+                                    .RemainingArgs()                                                   \
+                                    .RemainingRets())
+RUVLLM_GROUPED_HANDLER(RuvllmWxA8, WxA8Impl);
+RUVLLM_GROUPED_HANDLER(RuvllmWxA8Panel, WxA8PanelImpl);
+RUVLLM_GROUPED_HANDLER(RuvllmKxA8Panel, KxA8PanelImpl);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()

@@ -790,60 +790,48 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 #endif
 #endif
 
-#ifdef RUVLLM_PANEL_MB
-// Blocks of RUVLLM_PANEL_MB activation rows, then the rest in one smaller block.
+#if defined(RUVLLM_PANEL_MB) && defined(RUVLLM_KPANEL_MB)
+// One block of MB activation rows against one panel, plain or k-quant.
 template <int BITS, int MB>
-void panel_tail(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m, int left) {
+void block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m) { panel_block<BITS, MB>(x, w, p, m); }
+template <int BITS, int MB>
+void block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m) { kpanel_block<BITS, MB>(x, w, p, m); }
+
+// The last block, of fewer than the widest number of rows.
+template <int BITS, int MB, typename Mat>
+void tail_block(const GroupActs& x, const Mat& w, int64_t p, int64_t m, int left) {
   if constexpr (MB > 0) {
-    if (left == MB) return panel_block<BITS, MB>(x, w, p, m);
-    panel_tail<BITS, MB - 1>(x, w, p, m, left);
+    if (left == MB) return block<BITS, MB>(x, w, p, m);
+    tail_block<BITS, MB - 1>(x, w, p, m, left);
   }
 }
 
-template <int BITS>
-void panel_bits(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
+// Blocks of MBMAX activation rows, then the rest in one smaller block.
+template <int BITS, int MBMAX, typename Mat>
+void panel_blocks(const GroupActs& x, const Mat& w, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     int64_t m = 0;
-    for (; m + RUVLLM_PANEL_MB <= x.M; m += RUVLLM_PANEL_MB) panel_block<BITS, RUVLLM_PANEL_MB>(x, w, p, m);
-    if (m < x.M) panel_tail<BITS, RUVLLM_PANEL_MB - 1>(x, w, p, m, static_cast<int>(x.M - m));
+    for (; m + MBMAX <= x.M; m += MBMAX) block<BITS, MBMAX>(x, w, p, m);
+    if (m < x.M) tail_block<BITS, MBMAX - 1>(x, w, p, m, static_cast<int>(x.M - m));
   }
+}
+
+template <int MBMAX, typename Mat>
+void panels(const GroupActs& x, const Mat& w, int64_t p0, int64_t p1) {
+  if (w.bits == 4) return panel_blocks<4, MBMAX>(x, w, p0, p1);
+  if (w.bits == 5) return panel_blocks<5, MBMAX>(x, w, p0, p1);
+  if (w.bits == 6) return panel_blocks<6, MBMAX>(x, w, p0, p1);
+  return panel_blocks<8, MBMAX>(x, w, p0, p1);
 }
 
 void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) {
-  if (w.bits == 4) return panel_bits<4>(x, w, p0, p1);
-  if (w.bits == 5) return panel_bits<5>(x, w, p0, p1);
-  if (w.bits == 6) return panel_bits<6>(x, w, p0, p1);
-  return panel_bits<8>(x, w, p0, p1);
+  panels<RUVLLM_PANEL_MB>(x, w, p0, p1);
+}
+void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
+  panels<RUVLLM_KPANEL_MB>(x, w, p0, p1);
 }
 #else
 void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1) { panel_scalar(x, w, p0, p1); }
-#endif
-
-#ifdef RUVLLM_KPANEL_MB
-template <int BITS, int MB>
-void kpanel_tail(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m, int left) {
-  if constexpr (MB > 0) {
-    if (left == MB) return kpanel_block<BITS, MB>(x, w, p, m);
-    kpanel_tail<BITS, MB - 1>(x, w, p, m, left);
-  }
-}
-
-template <int BITS>
-void kpanel_bits(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
-    int64_t m = 0;
-    for (; m + RUVLLM_KPANEL_MB <= x.M; m += RUVLLM_KPANEL_MB) kpanel_block<BITS, RUVLLM_KPANEL_MB>(x, w, p, m);
-    if (m < x.M) kpanel_tail<BITS, RUVLLM_KPANEL_MB - 1>(x, w, p, m, static_cast<int>(x.M - m));
-  }
-}
-
-void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) {
-  if (w.bits == 4) return kpanel_bits<4>(x, w, p0, p1);
-  if (w.bits == 5) return kpanel_bits<5>(x, w, p0, p1);
-  if (w.bits == 6) return kpanel_bits<6>(x, w, p0, p1);
-  return kpanel_bits<8>(x, w, p0, p1);
-}
-#else
 void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { kpanel_scalar(x, w, p0, p1); }
 #endif
 
