@@ -13,6 +13,9 @@ Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
 * 5-bit (``bits=5``, ``w4a8`` only): ``quant`` uint8 ``[out, in // 32 * 20]``, 20 bytes per group of 32:
   the codes' low 4 bits in the int4 order (16 bytes), then a little-endian uint32 whose bit ``j`` is
   code ``j``'s fifth bit (GGUF Q5_0's ``qs`` and ``qh``, swapped). See :func:`unpack_codes`.
+* 6-bit (``bits=6``, ``w4a8`` only, GGUF Q6_K's codes): ``quant`` uint8 ``[out, in // 32 * 24]``, the
+  5-bit form's 20 bytes per group, then another little-endian uint32 whose bit ``j`` is code ``j``'s
+  sixth bit.
 * k-quants (GGUF Q4_K / Q5_K / Q6_K, ``sub_group`` > 0): two-level scales, as in the file. ``scale``
   (and ``offset``) are float16 ``[out, in // 256]``, one per super-block; ``sub_scale`` (and
   ``sub_offset``) are small integers ``[out, in // sub_group]``; ``W = scale * sub_scale * (code -
@@ -55,7 +58,7 @@ class QuantArray:
     scale: jax.Array
     #: Per-group additive term (GGUF Q4_1's minimum); None for symmetric formats.
     offset: jax.Array | None = None
-    #: Code width: 8 (one per byte), 4 (two per byte) or 5 (``w4a8`` only; see the module docstring).
+    #: Code width: 8 (one per byte), 4 (two per byte), 5 or 6 (``w4a8`` only; see the module docstring).
     bits: int = field(default=8, metadata=dict(static=True))
     group_size: int = field(default=0, metadata=dict(static=True))
     #: Subtracted from the stored integer before scaling (8 for symmetric 4-bit, else 0).
@@ -125,13 +128,9 @@ def _unpack_nibbles(packed: jax.Array, group: int) -> jax.Array:
     return both.reshape(*lead, out, half * 2)
 
 
-#: Bytes per group of 32 codes in the 5-bit form: 16 of low nibbles, 4 of fifth bits.
-Q5_GROUP_BYTES = 20
-
-
 def unpack_codes(w: QuantArray) -> jax.Array | np.ndarray:
-    """``w``'s row-major codes one per byte, ``[..., out, in]``, whatever their width (4, 5 or 8 bits).
-    NumPy in, NumPy out (at load, on the host); else jnp, so it fuses into a jitted step."""
+    """``w``'s row-major codes one per byte, ``[..., out, in]``, whatever their width (4, 5, 6 or 8
+    bits). NumPy in, NumPy out (at load, on the host); else jnp, so it fuses into a jitted step."""
     q = w.quant
     if w.bits == 8:
         return q
@@ -139,21 +138,27 @@ def unpack_codes(w: QuantArray) -> jax.Array | np.ndarray:
         return _unpack_nibbles(q, w.group_size)
     xp = _xp(q)
     *lead, out, nbytes = q.shape
-    g = q.reshape(*lead, out, nbytes // Q5_GROUP_BYTES, Q5_GROUP_BYTES)
-    low = _unpack_nibbles(g[..., :16], 32)
-    # Byte b of the fifth-bit word holds codes 8b .. 8b+7, lowest bit first.
-    high = (g[..., 16:, None] >> xp.arange(8, dtype=xp.uint8)) & 1
-    return (low | (high.reshape(low.shape) << 4)).reshape(*lead, out, nbytes // Q5_GROUP_BYTES * 32)
+    gb = 4 * w.bits  # bytes per group of 32: 16 of low nibbles, then a 4-byte plane per higher bit
+    g = q.reshape(*lead, out, nbytes // gb, gb)
+    codes = _unpack_nibbles(g[..., :16], 32)
+    for plane, at in enumerate(range(16, gb, 4)):
+        # Byte b of a plane (a little-endian word) holds bit 4 + plane of codes 8b .. 8b+7, lowest first.
+        bit = (g[..., at : at + 4, None] >> xp.arange(8, dtype=xp.uint8)) & 1
+        codes = codes | (bit.reshape(codes.shape) << (4 + plane))
+    return codes.reshape(*lead, out, nbytes // gb * 32)
 
 
-def _pack_codes5(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes below 32, ``[..., out, in]`` -> the 5-bit form ``[..., out, in // 32 * 20]`` (host
-    side; the inverse of :func:`unpack_codes`)."""
+def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes below ``2**bits``, ``[..., out, in]`` -> the ``bits``-wide form of groups of 32
+    (host side; the inverse of :func:`unpack_codes`)."""
+    if bits == 8:
+        return codes
     *lead, out, cols = codes.shape
     g = codes.reshape(*lead, out, cols // 32, 32)
-    high = np.packbits((g >> 4) & 1, axis=-1, bitorder="little")  # 4 bytes: the little-endian word
-    packed = np.concatenate([_pack_nibbles(g & 0x0F, 32), high], axis=-1)
-    return packed.reshape(*lead, out, cols // 32 * Q5_GROUP_BYTES)
+    # Bits 4 .. bits-1 as 4-byte planes: packbits' little bit order is the little-endian word's.
+    planes = [np.packbits((g >> b) & 1, axis=-1, bitorder="little") for b in range(4, bits)]
+    packed = np.concatenate([_pack_nibbles(g & 0x0F, 32), *planes], axis=-1)
+    return packed.reshape(*lead, out, cols // 8 * bits)
 
 
 #: Per-output-row fields: indexed, stacked and laid out in panels the way the codes' rows are.
@@ -528,8 +533,8 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
       codes repacked per group of 32 into the nibble order of Q4_0 (the file packs 64 values per 32
       bytes, low nibbles first): a permutation of nibbles;
     * Q5_K: the same scales, the 5-bit codes in the 5-bit form (per group of 32, as Q5_0's);
-    * Q6_K: 6-bit codes one per byte with zero point 32, ``d`` per super-block, the int8 ``sc`` per
-      16 (``W = d sc (code - 32)``), no offset.
+    * Q6_K: the 6-bit codes in the 6-bit form with zero point 32, ``d`` per super-block, the int8
+      ``sc`` per 16 (``W = d sc (code - 32)``), no offset.
 
     Rows that are not whole blocks, data of another size than ``shape`` implies and NaN or infinite
     float16 scales raise :class:`ModelFormatError` (the caller adds the tensor's name)."""
@@ -564,10 +569,10 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
         codes = _low_high(blocks[..., 0:128], 64) | (high.reshape(out, nb, KQ_BLOCK) << 4)
         sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(out, cols // 16)
         return QuantArray(
-            codes.reshape(out, cols),
+            _pack_codes(codes.reshape(out, cols), 6),
             d,
             None,
-            bits=8,
+            bits=6,
             group_size=32,
             zero_point=32,
             act_bits=8,
@@ -578,12 +583,11 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
     sc, mn = _kquant_scales(blocks[..., 4:16])
     sub = dict(sub_scale=sc.reshape(out, cols // 32), sub_offset=mn.reshape(out, cols // 32), sub_group=32)
     if ggml_type == "Q4_K":
-        codes = _low_high(blocks[..., 16:144], 32).reshape(out, cols // 32, 32)
-        packed = _pack_nibbles(codes, 32).reshape(out, cols // 2)
+        packed = _pack_codes(_low_high(blocks[..., 16:144], 32).reshape(out, cols), 4)
         return QuantArray(packed, d, dmin, bits=4, group_size=32, act_bits=8, **sub)
     high = (blocks[..., 16:48].reshape(out, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01
     codes = _low_high(blocks[..., 48:176], 32) | (high.reshape(out, nb, KQ_BLOCK) << 4)
-    return QuantArray(_pack_codes5(codes.reshape(out, cols)), d, dmin, bits=5, group_size=32, act_bits=8, **sub)
+    return QuantArray(_pack_codes(codes.reshape(out, cols), 5), d, dmin, bits=5, group_size=32, act_bits=8, **sub)
 
 
 def storage_format(w: QuantArray) -> tuple:
@@ -622,9 +626,9 @@ def common_format(mats: list[QuantArray]) -> list[QuantArray]:
     file's types differ by layer (llama.cpp's Q4_K_M gives ``attn_v`` and ``ffn_down`` Q6_K in some
     layers and Q4_K, or Q8_0 and Q5_0, in others), each converted exactly: k-quants to
     :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes to the widest
-    form any layer has (4-bit codes fit the 5-bit form with zero fifth bits; with 8-bit codes in some
-    layers all are stored one per byte). Other mixes (k-quants with 32-group forms) come back
-    unchanged for the caller to refuse."""
+    form any layer has (4 < 5 < 6 < 8 bits: narrower codes fit a wider form with zero high bits, so
+    Q4_K / Q5_K with Q6_K are stored 6-bit; with 8-bit codes in some layers all are stored one per
+    byte). Other mixes (k-quants with 32-group forms) come back unchanged for the caller to refuse."""
     if not all(w.wxa8 and not w.panel for w in mats):
         return mats
     mats = [kernel_form(w) for w in mats]
@@ -635,12 +639,11 @@ def common_format(mats: list[QuantArray]) -> list[QuantArray]:
 
 
 def _with_bits(w: QuantArray, bits: int) -> QuantArray:
-    """Row-major ``w`` with its codes in the ``bits``-wide form (5 or 8, no narrower than its own;
+    """Row-major ``w`` with its codes in the ``bits``-wide form (5, 6 or 8, no narrower than its own;
     the same values)."""
     if w.bits == bits:
         return w
-    codes = np.asarray(unpack_codes(w))
-    return dataclasses.replace(w, quant=codes if bits == 8 else _pack_codes5(codes), bits=bits)
+    return dataclasses.replace(w, quant=_pack_codes(np.asarray(unpack_codes(w)), bits), bits=bits)
 
 
 # -- w4a8: group-quantized weights for int8 activations ----------------------------------------------
@@ -668,7 +671,8 @@ def to_panels(w: QuantArray) -> QuantArray:
     """A group-quantized (``w4a8``-format) matrix in the native kernels' panel layout, host side:
     for each 16 output rows and group of 32 inputs, the rows' code bytes become ``gb / 4`` runs of 16
     dwords (dword ``r`` of run ``t`` = bytes ``4t .. 4t+3`` of row ``r``'s group; ``gb`` = 16 code bytes
-    per group for 4-bit, 20 for 5-bit (runs 0-3 the nibbles, run 4 the fifth bits), 32 for 8-bit),
+    per group for 4-bit, 20 for 5-bit (runs 0-3 the nibbles, run 4 the fifth bits), 24 for 6-bit (run
+    5 the sixth bits), 32 for 8-bit),
     and in every per-row field (scales, offsets, k-quant sub-scales) the 16 rows' values of a column
     are consecutive. A permutation only: the same bytes,
     the same size. Matrices whose row count is not a multiple of 16 are returned as they are."""
