@@ -186,17 +186,17 @@ def _panel_rows(a: np.ndarray) -> np.ndarray:
 
 def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k: bool) -> dict[str, np.ndarray]:
     """Row-major codes and factors in the ranges GGUF's Q4_K / Q5_K (6-bit sc and mn) and Q6_K
-    (int8 sc, mn = 32 sc) produce, in ``quant.kernel_form``."""
+    (int8 sc, mn = sc under 32 d) produce, in ``quant.kernel_form``."""
     top = {4: 16, 5: 32, 6: 64, 8: 64 if q6k else 32}[bits]
     codes = rng.integers(0, top, (out, cols)).astype(np.uint8)
     d = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
     if q6k:
         sc = rng.integers(-128, 128, (out, cols // 16)).astype(np.int8)
-        return dict(codes=codes, D=d, Dm=d, sc=sc, mn=32 * sc.astype(np.int16))
+        return dict(codes=codes, D=d, Dm=(32 * d.astype(np.float32)).astype(np.float16), sc=sc, mn=sc)
     m6 = rng.integers(0, 64, (out, cols // 32))
     s6 = rng.integers(0, 64, (out, cols // 32))
     dmin = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)
-    sc, mn = np.repeat(s6, 2, 1).astype(np.int8), np.repeat(m6, 2, 1).astype(np.int16)
+    sc, mn = np.repeat(s6, 2, 1).astype(np.int8), np.repeat(m6, 2, 1).astype(np.int8)
     return dict(codes=codes, D=d, Dm=dmin, sc=sc, mn=mn)
 
 

@@ -443,9 +443,9 @@ void check_kpanel(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
         const std::vector<uint8_t> q = panels(codes(r, N, K, bits), N, K, bits);
         const std::vector<uint16_t> D = halves(r, N * SB), Dm = halves(r, N * SB);
         std::vector<int8_t> sc(N * 2 * G);
-        std::vector<int16_t> mn(N * 2 * G);
+        std::vector<int8_t> mn(N * 2 * G);
         for (auto& v : sc) v = static_cast<int8_t>(r.range(-128, 127));
-        for (auto& v : mn) v = static_cast<int16_t>(r.range(-4096, 4096));
+        for (auto& v : mn) v = static_cast<int8_t>(r.range(-128, 127));
         for (int64_t M : kRows) {
           std::vector<float> x = activations(r, M, K);
           GroupActsBuf a;

@@ -601,22 +601,25 @@ def storage_format(w: QuantArray) -> tuple:
 def kernel_form(w: QuantArray) -> QuantArray:
     """A k-quant in the one form the native kernels read (``cpu_kernels.h``, KMatrix), the same values:
     16-wide sub-groups, no zero point, ``W = (scale sc) code - (offset mn)`` with ``scale`` / ``offset``
-    float16 per super-block, ``sc`` int8 and ``mn`` int16 per 16. Q4_K / Q5_K: their ``d``, ``dmin``,
-    ``sc`` and ``mn`` each repeated per 16; Q6_K: ``offset = d`` and ``mn = 32 sc`` (so ``d sc (code -
-    32)``). Every product is exact in float32. Other matrices come back unchanged."""
+    float16 per super-block, ``sc`` and ``mn`` int8 per 16. Q4_K / Q5_K: their ``d``, ``dmin``, ``sc``
+    and ``mn`` each repeated per 16; Q6_K: ``offset = 32 d`` and ``mn = sc`` (so ``d sc (code - 32)``).
+    Every product is exact in float32. Other matrices come back unchanged."""
     if not w.sub_group or (w.sub_group == 16 and w.zero_point == 0 and w.offset is not None):
         return w
     sc = np.asarray(w.sub_scale)
     if w.sub_group == 16:  # Q6_K
         assert w.zero_point == 32 and w.offset is None, "a Q6_K-form k-quant has zero point 32 and no offset"
+        d = np.asarray(w.scale)
+        with np.errstate(over="ignore"):
+            d32 = (d.astype(np.float32) * 32).astype(np.float16)  # a power of two: exact unless it overflows
+        if not np.all(np.isfinite(d32)):
+            raise BackendError("a Q6_K super-block scale above 2047 has no exact w4a8 form (load with quantization none)")
         sc = sc.astype(np.int8)
-        return dataclasses.replace(
-            w, offset=np.asarray(w.scale), sub_scale=sc, sub_offset=32 * sc.astype(np.int16), zero_point=0
-        )
+        return dataclasses.replace(w, offset=d32, sub_scale=sc, sub_offset=sc, zero_point=0)
     return dataclasses.replace(
         w,
         sub_scale=np.repeat(sc, 2, axis=-1).astype(np.int8),
-        sub_offset=np.repeat(np.asarray(w.sub_offset), 2, axis=-1).astype(np.int16),
+        sub_offset=np.repeat(np.asarray(w.sub_offset), 2, axis=-1).astype(np.int8),
         sub_group=16,
     )
 

@@ -274,7 +274,7 @@ def wxa8_group(
 
 def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
     """``x @ W_i.T`` for panel-layout matrices given as 5-tuples: k-quants ``(codes, D float16
-    [L?, N, K/256], Dm float16 [L?, N, K/256], sc int8 [L?, N, K/16], mn int16 [L?, N, K/16])`` (see
+    [L?, N, K/256], Dm float16 [L?, N, K/256], sc int8 [L?, N, K/16], mn int8 [L?, N, K/16])`` (see
     ``cpu_kernels.h``, KMatrix) or plain group-quantized ``(codes, d, m)`` (3-tuples), mixed freely;
     ``x`` is quantized once for all of them."""
     _lib()
@@ -283,9 +283,9 @@ def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ..
     operands: list[jax.Array] = []
     for w in weights:
         if len(w) == 3:
-            w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int16))
+            w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int8))
         q, a, b, sc, mn = w
-        operands += [q, a.astype(jnp.float16), b.astype(jnp.float16), sc.astype(jnp.int8), mn.astype(jnp.int16)]
+        operands += [q, a.astype(jnp.float16), b.astype(jnp.float16), sc, mn]  # int8, or the kernel refuses them
     call = jax.ffi.ffi_call(KXA8_PANEL_TARGET, results)
     return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *operands))
 

@@ -426,7 +426,7 @@ ffi::Error WxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
 }
 
 // ruvllm_kxa8_panel: like ruvllm_wxa8_panel, with operand 5-tuples (codes, a, b, sc, mn) per output:
-// a k-quant matrix (cpu_kernels.h, KMatrix: D, Dm float16, sc int8, mn int16) or, with sc and mn
+// a k-quant matrix (cpu_kernels.h, KMatrix: D, Dm float16, sc and mn int8) or, with sc and mn
 // empty, a plain group-quantized one (d, m float16), so a group sharing an input may mix both.
 ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
                          ffi::RemainingRets outs) {
@@ -451,8 +451,8 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
       return ffi::Error::InvalidArgument("ruvllm_kxa8: bad operand");
     if (q->element_type() != ffi::DataType::U8 || a->element_type() != ffi::DataType::F16 ||
         b->element_type() != ffi::DataType::F16 || sc->element_type() != ffi::DataType::S8 ||
-        mn->element_type() != ffi::DataType::S16 || (*y)->element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("ruvllm_kxa8: expected uint8 codes, float16 factors, int8 sc, int16 mn");
+        mn->element_type() != ffi::DataType::S8 || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("ruvllm_kxa8: expected uint8 codes, float16 factors, int8 sc and mn");
     const auto qd = q->dimensions();
     if (qd.size() < 2) return ffi::Error::InvalidArgument("ruvllm_kxa8: codes must be [.., out, bytes]");
     const int64_t N = qd[qd.size() - 2];
@@ -484,7 +484,7 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
         static_cast<int64_t>(mn->element_count()) != L * N * 2 * G)
       return ffi::Error::InvalidArgument("ruvllm_kxa8: k-quant factors have the wrong sizes");
     kmats.push_back(ruvllm::KMatrix{codes, ap + l * N * SB, bp + l * N * SB, sc->typed_data<int8_t>() + l * N * 2 * G,
-                                    mn->typed_data<int16_t>() + l * N * 2 * G, (*y)->typed_data<float>(), N, bits});
+                                    mn->typed_data<int8_t>() + l * N * 2 * G, (*y)->typed_data<float>(), N, bits});
   }
   thread_local GroupActsBuf acts;
   acts.quantize(x.typed_data(), M, K, false);

@@ -62,9 +62,9 @@ struct GroupMatrix {
 // as for GroupMatrix (4-bit packed or one byte each) and two-level factors per half group h (16
 // weights):
 //   w = (D * sc[h]) * code - (Dm * mn[h])
-// with D, Dm float16 per super-block of 256 inputs and sc int8, mn int16 per 16 inputs (Q4_K / Q5_K:
-// D = d, sc = the 6-bit scale, Dm = dmin, mn = the 6-bit min; Q6_K: D = Dm = d, sc = its scale,
-// mn = 32 sc). Every product is exact in float32, so the weights are the file's values. Per group g
+// with D, Dm float16 per super-block of 256 inputs and sc, mn int8 per 16 inputs (Q4_K / Q5_K:
+// D = d, sc = the 6-bit scale, Dm = dmin, mn = the 6-bit min; Q6_K: D = d, Dm = 32 d, sc = mn = its
+// scale). Every product is exact in float32, so the weights are the file's values. Per group g
 // and half h: acc = fma(p_h, (D * sc) * dx, acc); acc = fma(-(Dm * mn), sx16, acc).
 // Panel layout of the factors: [N / 16, columns, 16] (for each panel and column, its 16 rows).
 struct KMatrix {
@@ -72,7 +72,7 @@ struct KMatrix {
   const uint16_t* D;    // [N / 16, K / 256, 16] float16 bits
   const uint16_t* Dm;   // [N / 16, K / 256, 16] float16 bits
   const int8_t* sc;     // [N / 16, K / 16, 16]
-  const int16_t* mn;    // [N / 16, K / 16, 16]
+  const int8_t* mn;     // [N / 16, K / 16, 16]
   float* y;             // [M, N]
   int64_t N;
   int bits;

@@ -469,7 +469,7 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
     for (int h = 0; h < 2; ++h) {
       const int64_t k = (p * 2 * G + 2 * g + h) * 16;
       const __m512 scv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + k))));
-      const __m512 mnv = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + k))));
+      const __m512 mnv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + k))));
       const __m512 dh = _mm512_mul_ps(Dv, scv), mh = _mm512_mul_ps(Dmv, mnv);
       for (int m = 0; m < MB; ++m) {
         const __m512 s = _mm512_mul_ps(dh, _mm512_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
@@ -720,7 +720,7 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
       for (int h = 0; h < 2; ++h) {
         const int64_t k = (p * 2 * G + 2 * g + h) * 16 + r * 8;
         const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
-        const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + k))));
+        const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + k))));
         const __m256 dh = _mm256_mul_ps(Dv, scv), mh = _mm256_mul_ps(Dmv, mnv);
         for (int m = 0; m < MB; ++m) {
           const __m256 s = _mm256_mul_ps(dh, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
