@@ -613,7 +613,9 @@ def kernel_form(w: QuantArray) -> QuantArray:
         with np.errstate(over="ignore"):
             d32 = (d.astype(np.float32) * 32).astype(np.float16)  # a power of two: exact unless it overflows
         if not np.all(np.isfinite(d32)):
-            raise BackendError("a Q6_K super-block scale above 2047 has no exact w4a8 form (load with quantization none)")
+            raise BackendError(
+                "a Q6_K super-block scale above 2047 has no exact w4a8 form (load with quantization none)"
+            )
         sc = sc.astype(np.int8)
         return dataclasses.replace(w, offset=d32, sub_scale=sc, sub_offset=sc, zero_point=0)
     return dataclasses.replace(
