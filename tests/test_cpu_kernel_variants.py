@@ -332,3 +332,27 @@ def test_packed_5_and_6_bit_panel_kernel_matches_reference_and_scalar(isa, bits)
                 with native.use_isa("scalar"):
                     ref = np.asarray(native.wxa8_group(jnp.asarray(x), jnp.int32(0), ops, panel=True)[0])
                 np.testing.assert_array_equal(got, ref, err_msg=f"{isa} {rows}x{out}x{cols}")
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "RUVLLM_LOG": "ERROR", "JAX_PLATFORMS": "cpu", **env}
+    cmd = [sys.executable, "-m", "ruvllm", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=300)
+
+
+def test_info_names_block_types_auto_form_and_kernel_variant():
+    isa = native.supported_isas()[1] if len(native.supported_isas()) > 1 else "scalar"
+    out = _cli("info", "smollm2", RUVLLM_CPU_ISA=isa)
+    assert out.returncode == 0, out.stderr
+    rows = {line[:26].strip(): line[27:].strip() for line in out.stdout.splitlines()}  # f"{k:<26} {v}"
+    assert rows["block types"] == "Q4_1 x210"
+    assert rows["jax: quantization auto"] == ("w4a8" if isa != "scalar" else "none")
+    assert rows["jax: cpu kernels"].startswith(f"{isa} (this CPU runs: scalar")
+
+
+def test_cli_with_an_unsupported_cpu_isa_is_a_one_line_error():
+    out = _cli("generate", "smollm2", "Hi", "--max-tokens", "1", "--backend", "jax", RUVLLM_CPU_ISA="sse9")
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "RUVLLM_CPU_ISA=sse9" in lines[0], out.stderr

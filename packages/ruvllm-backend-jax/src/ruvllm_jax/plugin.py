@@ -30,8 +30,23 @@ def register_backends(register: Callable[[BackendInfo], None]) -> None:
             "tensor parallelism; Pallas attention kernels on CUDA",
             priority=100,
             available=_jax_importable,
+            describe=_describe,
         )
     )
+
+
+def _describe(checkpoint: Checkpoint) -> list[tuple[str, str]]:
+    """What ``ruvllm info`` says of this backend here: the form ``auto`` loads the weights in and the
+    CPU kernels (ISA variant, threads) that would multiply them."""
+    from ruvllm_jax import native
+    from ruvllm_jax.runner import auto_quantization
+
+    rows = [("quantization auto", auto_quantization(checkpoint, LoadOptions(quantization="auto")))]
+    if native.available():
+        rows.append(("cpu kernels", f"{native.isa()} (this CPU runs: {', '.join(native.supported_isas())})"))
+    else:
+        rows.append(("cpu kernels", f"none: {native.unavailable_reason()}"))
+    return rows
 
 
 @hookimpl

@@ -26,6 +26,9 @@ class BackendInfo:
     #: Higher wins when the user names no backend (``available()`` must be true).
     priority: int = 0
     available: Callable[[], bool] = lambda: True
+    #: ``(label, value)`` rows ``ruvllm info`` prints for this backend on this machine and a checkpoint
+    #: (what ``quantization="auto"`` resolves to, which CPU kernels run...); None: nothing to say.
+    describe: Callable[[Any], list[tuple[str, str]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -107,6 +108,11 @@ class Checkpoint(ABC):
     @abstractmethod
     def quantization(self) -> str:
         """The dominant storage type of the weight matrices (e.g. ``Q4_1``, ``BF16``)."""
+
+    def matrix_types(self) -> Counter[str]:
+        """How many projection matrices are stored in each quantized block type (GGUF); empty for
+        formats that store plain floats."""
+        return Counter()
 
     @property
     def size_bytes(self) -> int:
@@ -239,12 +245,12 @@ class GGUFCheckpoint(Checkpoint):
 
     @cached_property
     def quantization(self) -> str:
-        from collections import Counter
-
-        counts = Counter(
-            t.tensor_type.name for n, t in self._tensors.items() if n.endswith("proj.weight")
-        )
+        counts = self.matrix_types()
         return counts.most_common(1)[0][0] if counts else "F32"
+
+    def matrix_types(self) -> Counter[str]:
+        """How many of the projection matrices are stored in each GGUF type (``Q5_0``: 166, ...)."""
+        return Counter(t.tensor_type.name for n, t in self._tensors.items() if n.endswith("proj.weight"))
 
     def tokenizer(self) -> Tokenizer:
         from ruvllm.tokenizer import Tokenizer
