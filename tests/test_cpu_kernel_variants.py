@@ -186,7 +186,7 @@ def _panel_rows(a: np.ndarray) -> np.ndarray:
 
 def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k: bool) -> dict[str, np.ndarray]:
     """Row-major codes and factors in the ranges GGUF's Q4_K / Q5_K (6-bit sc and mn) and Q6_K
-    (int8 sc, mn = sc under 32 d) produce, in ``quant.kernel_form``."""
+    (int8 sc, mn = sc under 32 d) produce, in ``gguf_blocks.kernel_form``."""
     top = {4: 16, 5: 32, 6: 64, 8: 64 if q6k else 32}[bits]
     codes = rng.integers(0, top, (out, cols)).astype(np.uint8)
     d = rng.uniform(1e-4, 2e-2, (out, cols // 256)).astype(np.float16)

@@ -28,18 +28,9 @@ from _kquant_files import cached_q4_k_m, quantize, requantize_gguf
 from ruvllm.checkpoint import _fast_gguf_reader, open_checkpoint
 from ruvllm.errors import BackendError, ModelFormatError
 from ruvllm_jax import native
+from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES, kernel_form, wxa8_from_gguf_blocks
 from ruvllm_jax.loading import _stack
-from ruvllm_jax.quant import (
-    WXA8_GGUF_TYPES,
-    QuantArray,
-    from_panels,
-    kernel_form,
-    linear,
-    take_rows,
-    to_panels,
-    unpack_codes,
-    wxa8_from_gguf_blocks,
-)
+from ruvllm_jax.quant import QuantArray, from_panels, linear, take_rows, to_panels, unpack_codes
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 #: Byte offsets of each type's float16 fields inside a block.

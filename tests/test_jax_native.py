@@ -26,6 +26,7 @@ from _jax_fixtures import SMOLLM2_PROMPTS, GreedyDecoder, jax_model_at, load_jax
 from ruvllm.backend import ForwardBatch, SequenceChunk
 from ruvllm_jax import native
 from ruvllm_jax.attention import reference_paged_attention
+from ruvllm_jax.gguf_blocks import wxa8_from_gguf_blocks
 from ruvllm_jax.quant import (
     QuantArray,
     _linear_w8a8,
@@ -36,7 +37,6 @@ from ruvllm_jax.quant import (
     quantize_wxa8,
     take_rows,
     to_panels,
-    wxa8_from_gguf_blocks,
 )
 
 
@@ -114,7 +114,7 @@ def test_wxa8_group_indexes_stacked_layers_and_shares_the_input():
 
 def test_wxa8_keeps_gguf_blocks_bit_for_bit():
     """Q4_1, Q4_0 and Q8_0 blocks become codes + scale + offset that dequantize to the file's values."""
-    from ruvllm_jax.quant import from_gguf_blocks
+    from ruvllm_jax.gguf_blocks import from_gguf_blocks
 
     rng = np.random.default_rng(5)
     out, cols = 4, 64

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ruvllm_jax.quant import QuantArray, from_gguf_blocks, linear, quantize_int4, quantize_int8, take_rows
+from ruvllm_jax.gguf_blocks import from_gguf_blocks
+from ruvllm_jax.quant import QuantArray, linear, quantize_int4, quantize_int8, take_rows
 
 
 def _dequant(q: QuantArray) -> np.ndarray:

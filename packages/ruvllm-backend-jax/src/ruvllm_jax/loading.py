@@ -11,23 +11,17 @@ import structlog
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
-from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
-from ruvllm_jax.quant import (
+from ruvllm_jax.gguf_blocks import (
     GGUF_DIRECT_TYPES,
-    ROW_FIELDS,
     WXA8_GGUF_TYPES,
-    QuantArray,
     common_format,
     from_gguf_blocks,
     kernel_form,
-    quantize,
-    quantize_int8,
-    quantize_w8a8,
-    quantize_wxa8,
     storage_format,
-    to_panels,
     wxa8_from_gguf_blocks,
 )
+from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
+from ruvllm_jax.quant import ROW_FIELDS, QuantArray, quantize, quantize_int8, quantize_w8a8, quantize_wxa8, to_panels
 
 _MATRICES = {
     "q_proj": "self_attn.q_proj.weight",

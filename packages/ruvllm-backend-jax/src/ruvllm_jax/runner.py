@@ -19,10 +19,11 @@ from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChu
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm_jax import native
+from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import AdapterCache, plan_adapters
 from ruvllm_jax.model import KVState, LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, bucket, forward_step
-from ruvllm_jax.quant import QUANTIZATIONS, WXA8_GGUF_TYPES, weight_nbytes
+from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weights
 
 log = structlog.get_logger("ruvllm_jax")

@@ -58,7 +58,7 @@ struct GroupMatrix {
   bool panel;
 };
 
-// k-quants (GGUF Q4_K, Q5_K, Q6_K; ruvllm_jax.quant.kernel_form), always in the panel layout: codes
+// k-quants (GGUF Q4_K, Q5_K, Q6_K; ruvllm_jax.gguf_blocks.kernel_form), always in the panel layout: codes
 // as for GroupMatrix (4-bit packed or one byte each) and two-level factors per half group h (16
 // weights):
 //   w = (D * sc[h]) * code - (Dm * mn[h])

@@ -1,0 +1,238 @@
+"""GGUF blocks as :class:`~ruvllm_jax.quant.QuantArray`, every weight exactly the file's value, and
+the layers of one weight in one storage form when the file's types differ by layer.
+
+``from_gguf_blocks`` keeps Q8_0 / Q4_0 / Q4_1 for the weight-only paths; ``wxa8_from_gguf_blocks``
+turns those and Q5_0 / Q5_1 and the k-quants Q4_K / Q5_K / Q6_K into the ``w4a8`` form the native
+kernels multiply; ``kernel_form`` and ``common_format`` bring k-quants and mixed stacks to the one
+form the kernels read. Corrupt blocks (non-finite scales) and data of the wrong size are
+:class:`ModelFormatError` here; the loader adds the tensor's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ruvllm.errors import BackendError, ModelFormatError, UnsupportedQuantizationError
+from ruvllm_jax.quant import KQ_BLOCK, ROW_FIELDS, QuantArray, pack_codes, unpack_codes
+
+#: GGUF block types that map onto :class:`QuantArray` without re-quantizing.
+GGUF_DIRECT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+#: GGUF's k-quants: super-blocks of 256 values with integer sub-scales.
+KQUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+#: GGUF block types the ``w4a8`` form holds exactly (:func:`wxa8_from_gguf_blocks`); Q5_0 / Q5_1 are
+#: what llama.cpp's Q4_K_M / Q5_K_M fall back to for rows that are not whole super-blocks.
+WXA8_GGUF_TYPES = GGUF_DIRECT_TYPES | KQUANT_TYPES | {"Q5_0", "Q5_1"}
+#: (values, bytes) per block.
+_GGUF_BLOCK = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (KQ_BLOCK, 144),
+    "Q5_K": (KQ_BLOCK, 176),
+    "Q6_K": (KQ_BLOCK, 210),
+}
+
+
+def _gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``data`` as uint8 ``[out, blocks, block bytes]``: a size ``shape`` does not imply is a corrupt
+    or truncated tensor, never something to reshape into other weights."""
+    out, cols = shape
+    block, nbytes = _GGUF_BLOCK[ggml_type]
+    if cols % block:
+        raise ModelFormatError(f"{ggml_type} rows of {cols} values are not whole blocks of {block}")
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    want = out * (cols // block) * nbytes
+    if raw.size != want:
+        raise ModelFormatError(
+            f"{ggml_type} data of {raw.size} bytes does not match its shape {out} x {cols} ({want} bytes)"
+        )
+    return raw.reshape(out, cols // block, nbytes)
+
+
+def _f16(blocks: np.ndarray, at: int, ggml_type: str) -> np.ndarray:
+    """The float16 field at byte ``at`` of every block, ``[out, blocks]``; a NaN or infinite scale
+    marks a corrupt block (it would turn every output it touches into NaN)."""
+    v = blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+    bad = np.argwhere(~np.isfinite(v))
+    if len(bad):
+        row, blk = (int(i) for i in bad[0])
+        raise ModelFormatError(f"{ggml_type} block {blk} of row {row} has a non-finite scale ({v[row, blk]})")
+    return v
+
+
+def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
+    """A :class:`QuantArray` holding GGUF Q8_0 / Q4_0 / Q4_1 blocks (``data`` uint8, one row of
+    blocks per output row) bit for bit: the values it dequantizes to are the file's."""
+    out, cols = shape
+    if ggml_type not in GGUF_DIRECT_TYPES:
+        raise UnsupportedQuantizationError(f"GGUF type {ggml_type} cannot be kept quantized (only Q8_0, Q4_0, Q4_1)")
+    rows = _gguf_blocks(ggml_type, data, shape)
+    d = _f16(rows, 0, ggml_type)
+    if ggml_type == "Q8_0":
+        q = rows[..., 2:34].copy().view(np.int8).reshape(out, cols)
+        return QuantArray(q, d, None, bits=8, group_size=32)
+    if ggml_type == "Q4_0":
+        packed = rows[..., 2:18].reshape(out, cols // 2)
+        return QuantArray(np.ascontiguousarray(packed), d, None, bits=4, group_size=32, zero_point=8)
+    m = _f16(rows, 2, ggml_type)
+    packed = rows[..., 4:20].reshape(out, cols // 2)
+    return QuantArray(np.ascontiguousarray(packed), d, m, bits=4, group_size=32, zero_point=0)
+
+
+def _q5_groups(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0 / Q5_1 codes in the 5-bit form, ``[out, blocks * 20]``: the block's 4-byte ``qh`` at byte
+    ``at`` (bit ``j`` of the little-endian word: code ``j``'s fifth bit) and the 16 ``qs`` bytes after
+    it (low nibbles: codes 0-15, high nibbles: codes 16-31) are that form's two parts, swapped."""
+    qh, qs = blocks[..., at : at + 4], blocks[..., at + 4 : at + 20]
+    return np.concatenate([qs, qh], axis=-1).reshape(blocks.shape[0], -1)
+
+
+def _kquant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of Q4_K / Q5_K blocks -> 8 six-bit ``sc`` and 8 six-bit ``mn`` each: bytes
+    0-3 hold ``sc`` 0-3 in their low 6 bits and the top 2 bits of ``sc`` 4-7, bytes 4-7 the same for
+    ``mn``, bytes 8-11 the low 4 bits of ``sc`` 4-7 (low nibble) and of ``mn`` 4-7 (high nibble)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _low_high(qs: np.ndarray, width: int) -> np.ndarray:
+    """The nibbles of k-quant code bytes in value order: per run of ``width`` bytes, the low nibbles
+    are ``width`` consecutive values and the high nibbles the next ``width``."""
+    runs = qs.reshape(*qs.shape[:-1], -1, 1, width)
+    return np.concatenate([runs & 0x0F, runs >> 4], axis=-2).reshape(*qs.shape[:-1], -1)
+
+
+def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
+    """GGUF blocks as a ``w4a8``-format :class:`QuantArray`, codes and scales bit for bit, so every
+    weight dequantizes to the file's value:
+
+    * Q4_1 as it is (``d * code + m``), Q4_0 with ``m = -8 d``;
+    * Q8_0's 8-bit codes stored as ``q + 128`` (``m = -128 d``);
+    * Q5_0 / Q5_1 in the 5-bit form, their bytes reordered (``m = -16 d``, and the file's ``m``);
+    * Q4_K: ``scale`` / ``offset`` the float16 ``d`` / ``dmin`` per super-block of 256, ``sub_scale``
+      / ``sub_offset`` the uint8 6-bit ``sc`` / ``mn`` per 32, ``W = d sc code - dmin mn``; the 4-bit
+      codes repacked per group of 32 into the nibble order of Q4_0 (the file packs 64 values per 32
+      bytes, low nibbles first): a permutation of nibbles;
+    * Q5_K: the same scales, the 5-bit codes in the 5-bit form (per group of 32, as Q5_0's);
+    * Q6_K: the 6-bit codes in the 6-bit form with zero point 32, ``d`` per super-block, the int8
+      ``sc`` per 16 (``W = d sc (code - 32)``), no offset.
+
+    Rows that are not whole blocks, data of another size than ``shape`` implies and NaN or infinite
+    float16 scales raise :class:`ModelFormatError` (the caller adds the tensor's name)."""
+    if ggml_type not in WXA8_GGUF_TYPES:
+        raise UnsupportedQuantizationError(
+            f"GGUF type {ggml_type} has no exact w4a8 form (known: {', '.join(sorted(WXA8_GGUF_TYPES))})"
+        )
+    out, cols = shape
+    if ggml_type in GGUF_DIRECT_TYPES:
+        q = from_gguf_blocks(ggml_type, data, shape)
+        d = np.asarray(q.scale, np.float16)
+        if ggml_type == "Q4_1":
+            return QuantArray(q.quant, d, np.asarray(q.offset, np.float16), bits=4, group_size=32, act_bits=8)
+        if ggml_type == "Q4_0":
+            m = (d.astype(np.float32) * -8).astype(np.float16)
+            return QuantArray(q.quant, d, m, bits=4, group_size=32, act_bits=8)
+        codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
+        return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+    blocks = _gguf_blocks(ggml_type, data, shape)
+    nb = cols // _GGUF_BLOCK[ggml_type][0]
+    if ggml_type in ("Q5_0", "Q5_1"):
+        d = _f16(blocks, 0, ggml_type)
+        if ggml_type == "Q5_0":
+            m, packed = (d.astype(np.float32) * -16).astype(np.float16), _q5_groups(blocks, 2)
+        else:
+            m, packed = _f16(blocks, 2, ggml_type), _q5_groups(blocks, 4)
+        return QuantArray(packed, d, m, bits=5, group_size=32, act_bits=8)
+    if ggml_type == "Q6_K":
+        d = _f16(blocks, 208, ggml_type)
+        shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
+        high = (blocks[..., 128:192].reshape(out, nb, 2, 1, 32) >> shifts) & 0x03  # [out, nb, 2, 4, 32]
+        codes = _low_high(blocks[..., 0:128], 64) | (high.reshape(out, nb, KQ_BLOCK) << 4)
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(out, cols // 16)
+        return QuantArray(
+            pack_codes(codes.reshape(out, cols), 6),
+            d,
+            None,
+            bits=6,
+            group_size=32,
+            zero_point=32,
+            act_bits=8,
+            sub_scale=sc,
+            sub_group=16,
+        )
+    d, dmin = _f16(blocks, 0, ggml_type), _f16(blocks, 2, ggml_type)
+    sc, mn = _kquant_scales(blocks[..., 4:16])
+    sub = dict(sub_scale=sc.reshape(out, cols // 32), sub_offset=mn.reshape(out, cols // 32), sub_group=32)
+    if ggml_type == "Q4_K":
+        packed = pack_codes(_low_high(blocks[..., 16:144], 32).reshape(out, cols), 4)
+        return QuantArray(packed, d, dmin, bits=4, group_size=32, act_bits=8, **sub)
+    high = (blocks[..., 16:48].reshape(out, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01
+    codes = _low_high(blocks[..., 48:176], 32) | (high.reshape(out, nb, KQ_BLOCK) << 4)
+    return QuantArray(pack_codes(codes.reshape(out, cols), 5), d, dmin, bits=5, group_size=32, act_bits=8, **sub)
+
+
+def storage_format(w: QuantArray) -> tuple:
+    """What matrices must share to be stacked into one :class:`QuantArray`: the static fields and
+    which array fields are present, with their dtypes."""
+    arrays = (w.quant, w.in_scale, *(getattr(w, f) for f in ROW_FIELDS))
+    dtypes = tuple(None if a is None else np.dtype(a.dtype).str for a in arrays)
+    return (w.bits, w.group_size, w.zero_point, w.act_bits, w.panel, w.sub_group, dtypes)
+
+
+def kernel_form(w: QuantArray) -> QuantArray:
+    """A k-quant in the one form the native kernels read (``cpu_kernels.h``, KMatrix), the same values:
+    16-wide sub-groups, no zero point, ``W = (scale sc) code - (offset mn)`` with ``scale`` / ``offset``
+    float16 per super-block, ``sc`` and ``mn`` int8 per 16. Q4_K / Q5_K: their ``d``, ``dmin``, ``sc``
+    and ``mn`` each repeated per 16; Q6_K: ``offset = 32 d`` and ``mn = sc`` (so ``d sc (code - 32)``).
+    Every product is exact in float32. Other matrices come back unchanged."""
+    if not w.sub_group or (w.sub_group == 16 and w.zero_point == 0 and w.offset is not None):
+        return w
+    sc = np.asarray(w.sub_scale)
+    if w.sub_group == 16:  # Q6_K
+        assert w.zero_point == 32 and w.offset is None, "a Q6_K-form k-quant has zero point 32 and no offset"
+        d = np.asarray(w.scale)
+        with np.errstate(over="ignore"):
+            d32 = (d.astype(np.float32) * 32).astype(np.float16)  # a power of two: exact unless it overflows
+        if not np.all(np.isfinite(d32)):
+            raise BackendError(
+                "a Q6_K super-block scale above 2047 has no exact w4a8 form (load with quantization none)"
+            )
+        sc = sc.astype(np.int8)
+        return dataclasses.replace(w, offset=d32, sub_scale=sc, sub_offset=sc, zero_point=0)
+    return dataclasses.replace(
+        w,
+        sub_scale=np.repeat(sc, 2, axis=-1).astype(np.int8),
+        sub_offset=np.repeat(np.asarray(w.sub_offset), 2, axis=-1).astype(np.int8),
+        sub_group=16,
+    )
+
+
+def common_format(mats: list[QuantArray]) -> list[QuantArray]:
+    """Row-major ``w4a8`` matrices of one weight in several layers, in one storage format where the
+    file's types differ by layer (llama.cpp's Q4_K_M gives ``attn_v`` and ``ffn_down`` Q6_K in some
+    layers and Q4_K, or Q8_0 and Q5_0, in others), each converted exactly: k-quants to
+    :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes to the widest
+    form any layer has (4 < 5 < 6 < 8 bits: narrower codes fit a wider form with zero high bits, so
+    Q4_K / Q5_K with Q6_K are stored 6-bit; with 8-bit codes in some layers all are stored one per
+    byte). Other mixes (k-quants with 32-group forms) come back unchanged for the caller to refuse."""
+    if not all(w.wxa8 and not w.panel for w in mats):
+        return mats
+    mats = [kernel_form(w) for w in mats]
+    if len({storage_format(w) for w in mats}) == 1 or len({w.sub_group for w in mats}) > 1:
+        return mats
+    bits = max(w.bits for w in mats)
+    return [_with_bits(w, bits) for w in mats]
+
+
+def _with_bits(w: QuantArray, bits: int) -> QuantArray:
+    """Row-major ``w`` with its codes in the ``bits``-wide form (5, 6 or 8, no narrower than its own;
+    the same values)."""
+    if w.bits == bits:
+        return w
+    return dataclasses.replace(w, quant=pack_codes(np.asarray(unpack_codes(w)), bits), bits=bits)
