@@ -21,6 +21,27 @@ import pytest
 STARTUP_TIMEOUT = 120.0
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_ready(base: str, proc: Any, log: Any, timeout: float) -> None:
+    """Poll ``base``/ready until it answers 200; fail with the server's log (a path) if the process
+    ``proc`` exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.25)
+
+
 @dataclass
 class LiveServer:
     base_url: str

@@ -11,15 +11,14 @@ with the backend coming from that wheel, still without a compiler on PATH.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+from _server_fixtures import free_port, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,9 +85,7 @@ print(native.isa(), ",".join(native.supported_isas()))
 def test_server_answers_from_the_wheel_without_a_compiler(wheel_dir, smollm2_path, tmp_path):
     env = _no_compiler_env(wheel_dir)
     env["RUVLLM_LOG"] = "INFO"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = tmp_path / "serve.log"
     base = f"http://127.0.0.1:{port}"
     with open(log, "wb") as err:
@@ -98,16 +95,7 @@ def test_server_answers_from_the_wheel_without_a_compiler(wheel_dir, smollm2_pat
             stdout=subprocess.DEVNULL, stderr=err, env=env,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.25)
+        wait_until_ready(base, proc, log, 300)
         r = httpx.post(
             base + "/v1/chat/completions",
             json={"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,15 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _server_fixtures import free_port, wait_until_ready
 
 SECRET = "sk-cli-secret-123"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -36,7 +30,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, smollm2_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
@@ -45,16 +39,7 @@ def served(tmp_path_factory, smollm2_path):
             stdout=subprocess.DEVNULL, stderr=err, env=_env(),
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.25)
+    wait_until_ready(base, proc, log, 180)
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()

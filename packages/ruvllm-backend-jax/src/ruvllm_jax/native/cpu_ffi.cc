@@ -363,6 +363,28 @@ void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>&
   pool.run(run_part);
 }
 
+// Rows, stacked layers and code width of a grouped matrix's codes [L?, N, bytes] for K inputs
+// (bytes per row: 4-bit K / 2, 5-bit 5 K / 8, 6-bit 3 K / 4, 8-bit K), with the layer index checked.
+struct CodeLayout {
+  int64_t N = 0, L = 0, row_bytes = 0;
+  int bits = 0;
+};
+
+ffi::Error code_layout(const ffi::AnyBuffer& q, int64_t K, int64_t layer, const std::string& who, CodeLayout& c) {
+  const auto qd = q.dimensions();
+  if (qd.size() < 2) return ffi::Error::InvalidArgument(who + ": codes must be [.., out, bytes]");
+  c.N = qd[qd.size() - 2];
+  c.row_bytes = qd.back();
+  if (c.row_bytes == K / 2) c.bits = 4;
+  else if (c.row_bytes == K / 8 * 5) c.bits = 5;
+  else if (c.row_bytes == K / 4 * 3) c.bits = 6;
+  else if (c.row_bytes == K) c.bits = 8;
+  else return ffi::Error::InvalidArgument(who + ": code bytes per row are not K / 2, 5 K / 8, 3 K / 4 or K");
+  c.L = c.N * c.row_bytes == 0 ? 0 : static_cast<int64_t>(q.element_count()) / (c.N * c.row_bytes);
+  if (layer < 0 || layer >= c.L) return ffi::Error::InvalidArgument(who + ": layer index out of range");
+  return ffi::Error::Success();
+}
+
 ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                       ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
@@ -384,18 +406,10 @@ ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32>
     if (q->element_type() != ffi::DataType::U8 || d->element_type() != ffi::DataType::F16 ||
         mn->element_type() != ffi::DataType::F16 || (*y)->element_type() != ffi::DataType::F32)
       return ffi::Error::InvalidArgument("ruvllm_wxa8: codes must be uint8 with float16 scales and offsets");
-    const auto qd = q->dimensions();
-    if (qd.size() < 2) return ffi::Error::InvalidArgument("ruvllm_wxa8: codes must be [.., out, bytes]");
-    const int64_t N = qd[qd.size() - 2];
-    int bits;
-    if (qd.back() == K / 2) bits = 4;
-    else if (qd.back() == K / 8 * 5) bits = 5;
-    else if (qd.back() == K / 4 * 3) bits = 6;
-    else if (qd.back() == K) bits = 8;
-    else return ffi::Error::InvalidArgument("ruvllm_wxa8: code bytes per row are not K / 2, 5 K / 8, 3 K / 4 or K");
-    const int64_t row_bytes = qd.back();
-    const int64_t L = static_cast<int64_t>(q->element_count()) / (N * row_bytes);
-    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_wxa8: layer index out of range");
+    CodeLayout c;
+    if (ffi::Error e = code_layout(*q, K, l, "ruvllm_wxa8", c); e.failure()) return e;
+    const int64_t N = c.N, L = c.L, row_bytes = c.row_bytes;
+    const int bits = c.bits;
     if (static_cast<int64_t>(d->element_count()) != L * N * G || static_cast<int64_t>(mn->element_count()) != L * N * G)
       return ffi::Error::InvalidArgument("ruvllm_wxa8: one scale and offset per group of 32 expected");
     if (static_cast<int64_t>((*y)->element_count()) != M * N)
@@ -453,18 +467,10 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
         b->element_type() != ffi::DataType::F16 || sc->element_type() != ffi::DataType::S8 ||
         mn->element_type() != ffi::DataType::S8 || (*y)->element_type() != ffi::DataType::F32)
       return ffi::Error::InvalidArgument("ruvllm_kxa8: expected uint8 codes, float16 factors, int8 sc and mn");
-    const auto qd = q->dimensions();
-    if (qd.size() < 2) return ffi::Error::InvalidArgument("ruvllm_kxa8: codes must be [.., out, bytes]");
-    const int64_t N = qd[qd.size() - 2];
-    int bits;
-    if (qd.back() == K / 2) bits = 4;
-    else if (qd.back() == K / 8 * 5) bits = 5;
-    else if (qd.back() == K / 4 * 3) bits = 6;
-    else if (qd.back() == K) bits = 8;
-    else return ffi::Error::InvalidArgument("ruvllm_kxa8: code bytes per row are not K / 2, 5 K / 8, 3 K / 4 or K");
-    const int64_t row_bytes = qd.back();
-    const int64_t L = static_cast<int64_t>(q->element_count()) / (N * row_bytes);
-    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("ruvllm_kxa8: layer index out of range");
+    CodeLayout c;
+    if (ffi::Error e = code_layout(*q, K, l, "ruvllm_kxa8", c); e.failure()) return e;
+    const int64_t N = c.N, L = c.L, row_bytes = c.row_bytes;
+    const int bits = c.bits;
     if (N % 16 != 0) return ffi::Error::InvalidArgument("ruvllm_kxa8: the panel layout needs a multiple of 16 rows");
     if (static_cast<int64_t>((*y)->element_count()) != M * N)
       return ffi::Error::InvalidArgument("ruvllm_kxa8: output shape mismatch");
