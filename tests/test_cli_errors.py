@@ -80,3 +80,9 @@ def test_unknown_backend(smollm2_path: Path) -> None:
 def test_bad_sampling_values(flag: str, value: str, smollm2_path: Path) -> None:
     proc = run_cli("generate", "smollm2", "hi", "--backend", "candle-compat", flag, value)
     assert_one_line_error(proc, flag.lstrip("-").replace("-", "_"))
+
+
+def test_threads_on_a_backend_that_cannot_apply_them() -> None:
+    """candle-compat's BLAS fixes its threads at import: ``--threads`` is refused, not ignored."""
+    proc = run_cli("generate", "smollm2", "hi", "--backend", "candle-compat", "--threads", "2", "--max-tokens", "1")
+    assert_one_line_error(proc, "candle-compat takes no backend options (got threads)", "OPENBLAS_NUM_THREADS")

@@ -79,6 +79,12 @@ class CandleCompatModel:
             )
         if options.dtype != "float32":
             raise BackendError(f"candle-compat computes in float32 only (asked for dtype {options.dtype!r})")
+        if options.extra:
+            # threads included: NumPy's BLAS fixes its pool at import (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
+            raise BackendError(
+                f"candle-compat takes no backend options (got {', '.join(sorted(options.extra))}); "
+                "set OPENBLAS_NUM_THREADS for its BLAS threads"
+            )
         cfg = checkpoint.config
         if cfg.architecture not in LLAMA_FAMILY:
             raise UnsupportedArchitectureError(

@@ -1,8 +1,8 @@
 """The ``candle-compat`` backend's hooks: it comes in through the same entry-point door as any
 third-party backend (``[project.entry-points.ruvllm] candle-compat = "ruvllm_candle_compat.plugin"``).
 
-``LoadOptions.extra["threads"]`` is not applied: NumPy's BLAS takes its thread count from
-``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` at import time.
+It takes no ``LoadOptions.extra`` (``threads`` included, refused by name): NumPy's BLAS takes its
+thread count from ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` at import time.
 """
 
 from __future__ import annotations

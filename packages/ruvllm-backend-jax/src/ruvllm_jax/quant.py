@@ -72,8 +72,10 @@ class QuantArray:
     #: 16: codes, scales and offsets are stored in the native kernels' 16-row panel layout (see
     #: :func:`to_panels`); 0: plain row-major.
     panel: int = field(default=0, metadata=dict(static=True))
-    #: k-quants: per-sub-group integer factors of ``scale`` (uint8 6-bit for Q4_K / Q5_K, int8 for
-    #: Q6_K) and of ``offset`` (uint8 6-bit), ``[..., out, in // sub_group]``.
+    #: k-quants: per-sub-group integer factors of ``scale`` and ``offset``, ``[..., out, in //
+    #: sub_group]``: as in the file (uint8 6-bit for Q4_K / Q5_K, int8 for Q6_K) from
+    #: :func:`~ruvllm_jax.gguf_blocks.wxa8_from_gguf_blocks`, int8 per 16 in the form the loader keeps
+    #: and the kernels read (:func:`~ruvllm_jax.gguf_blocks.kernel_form`).
     sub_scale: jax.Array | None = None
     sub_offset: jax.Array | None = None
     #: Inputs per ``sub_scale`` (32 for Q4_K / Q5_K, 16 for Q6_K); 0: not a k-quant.

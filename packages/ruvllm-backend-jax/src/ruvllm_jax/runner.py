@@ -79,18 +79,6 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
     return "none"
 
 
-def _set_native_threads(value: object) -> None:
-    """``threads``: the native CPU kernels' pool size (XLA keeps its own pool)."""
-    try:
-        n = int(str(value))
-    except ValueError:
-        raise BackendError(f"jax backend: threads must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise BackendError(f"jax backend: threads must be a positive integer, got {value!r}")
-    if native.available():
-        native.set_threads(n)
-
-
 def on_cuda() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and "cuda" in str(getattr(dev.client, "platform_version", "")).lower()
@@ -161,8 +149,10 @@ class JaxModel:
             raise BackendError(
                 f"jax backend: tensor_parallel must be an integer, got {options.extra['tensor_parallel']!r}"
             ) from None
-        if "threads" in options.extra:
-            _set_native_threads(options.extra["threads"])
+        if "threads" in options.extra:  # the native kernels' pool (XLA keeps its own)
+            threads = native.parse_threads(options.extra["threads"], "jax backend: threads")
+            if native.available():
+                native.set_threads(threads)
         compilation_cache = enable_compilation_cache()
         spec = ModelSpec.from_config(checkpoint.config, options.dtype)
         mesh = make_mesh(tp)

@@ -94,19 +94,20 @@ def default_threads() -> int:
     return max(1, min(n, limit) if limit else n)
 
 
-def _threads_setting(requested: int | None) -> int:
-    if requested is not None:
-        return requested
+def parse_threads(value: object, what: str) -> int:
+    """A thread count from a flag, option or environment variable ``what``: a positive integer."""
+    try:
+        n = int(str(value))
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise BackendError(f"{what} must be a positive integer, got {value!r}")
+    return n
+
+
+def _default_threads_setting() -> int:
     env = os.environ.get("RUVLLM_THREADS")
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise BackendError(f"RUVLLM_THREADS must be a positive integer, got {env!r}") from None
-        if n < 1:
-            raise BackendError(f"RUVLLM_THREADS must be a positive integer, got {env!r}")
-        return n
-    return default_threads()
+    return parse_threads(env, "RUVLLM_THREADS") if env else default_threads()
 
 
 def _load() -> None:
@@ -138,7 +139,7 @@ def _load() -> None:
     lib.ruvllm_set_threads.argtypes = [ctypes.c_int]
     _state["lib"] = lib
     _select(lib, os.environ.get("RUVLLM_CPU_ISA", "auto").strip().lower() or "auto")
-    lib.ruvllm_set_threads(_threads_setting(None))
+    lib.ruvllm_set_threads(_default_threads_setting())
     for target, symbol in (
         (W8A8_TARGET, lib.RuvllmW8A8),
         (WXA8_TARGET, lib.RuvllmWxA8),
@@ -215,8 +216,7 @@ def threads() -> int:
 
 def set_threads(n: int) -> None:
     """Sets the kernels' thread count; only before their first call (the pool starts once)."""
-    if n < 1:
-        raise BackendError(f"threads must be a positive integer, got {n}")
+    n = parse_threads(n, "threads")
     got = _lib().ruvllm_set_threads(n)
     if got != n:
         raise BackendError(f"the native kernels already run on {got} threads; set threads before the first step")
