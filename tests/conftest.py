@@ -24,3 +24,15 @@ def smollm2_checkpoint(smollm2_path):
     from ruvllm.checkpoint import open_checkpoint
 
     return open_checkpoint(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma-3-270M Q4_K_M, joined from its chunk packages into ruvllm's cache on first use."""
+    from ruvllm.errors import ModelNotFoundError
+    from ruvllm.resolve import resolve
+
+    try:
+        return resolve("gemma3")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))

@@ -208,6 +208,31 @@ def test_paged_decode_matches_reference_attention(heads, kv_heads, head_dim):
         np.testing.assert_allclose(got[s, h], (p / p.sum()) @ vals, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 6, 13])
+def test_paged_decode_sliding_window_and_scale(window):
+    """Sliding-window layers pass each sequence's first key (``q - window + 1``) and the model's score
+    scale; the kernel equals the reference attention with the same window and scale."""
+    from ruvllm_jax.attention import window_start
+
+    rng = np.random.default_rng(window)
+    layers, blocks, bs, width, heads, kv_heads, head_dim, scale = 2, 40, 4, 8, 8, 2, 32, 0.07
+    k = rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)).astype(np.float32)
+    context = np.array([1, 5, 14, 27, 32], np.int32)
+    tables = np.stack([rng.permutation(blocks)[:width] for _ in context]).astype(np.int32)
+    q = rng.standard_normal((len(context), heads, head_dim)).astype(np.float32)
+    first = window_start(jnp.asarray(context - 1), window)
+    got = np.asarray(
+        native.paged_decode(*map(jnp.asarray, (q, k, v)), jnp.int32(1), tables, context, first, scale=scale)
+    )
+    want = reference_paged_attention(
+        jnp.asarray(q[:, None]), k, v, jnp.int32(1), tables, (context - 1)[:, None], context, window, scale=scale
+    )[:, 0]
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+    no_window = native.paged_decode(*map(jnp.asarray, (q, k, v)), jnp.int32(1), tables, context, scale=scale)
+    assert np.abs(got[3:] - np.asarray(no_window)[3:]).max() > 1e-2  # the window changed something
+
+
 # -- SmolLM2 --------------------------------------------------------------------------------------------------
 
 

@@ -19,8 +19,9 @@ from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention
 ATOL = 1e-5
 
 
-def numpy_attention(q, k_cache, v_cache, layer, tables, q_pos, context):
-    """Float64, one query and one head at a time, straight from the definition in attention.py."""
+def numpy_attention(q, k_cache, v_cache, layer, tables, q_pos, context, window=0, scale=None):
+    """Float64, one query and one head at a time, straight from the definition in attention.py:
+    keys ``max(0, q - window + 1) .. q`` (all up to ``q`` without a window), scores times ``scale``."""
     s_n, q_n, h_n, d = q.shape
     bs, kv_n = k_cache.shape[2], k_cache.shape[3]
     group = h_n // kv_n
@@ -28,14 +29,16 @@ def numpy_attention(q, k_cache, v_cache, layer, tables, q_pos, context):
     for s in range(s_n):
         for i in range(q_n):
             n = min(int(q_pos[s, i]) + 1, int(context[s]))
-            if n <= 0:
+            lo = max(0, int(q_pos[s, i]) - window + 1) if window else 0
+            if n <= lo:
                 continue
-            pos = np.arange(n)
+            pos = np.arange(lo, n)
             blocks, offs = tables[s, pos // bs], pos % bs
             keys = k_cache[layer, blocks, offs].astype(np.float64)
             vals = v_cache[layer, blocks, offs].astype(np.float64)
             for h in range(h_n):
-                sc = keys[:, h // group] @ q[s, i, h].astype(np.float64) / math.sqrt(d)
+                sc = keys[:, h // group] @ q[s, i, h].astype(np.float64)
+                sc = sc / math.sqrt(d) if scale is None else sc * scale
                 p = np.exp(sc - sc.max())
                 out[s, i, h] = (p / p.sum()) @ vals[:, h // group]
     return out
@@ -120,6 +123,47 @@ def test_prefill_kernel_matches_reference(case):
     got = np.asarray(paged_prefill_attention(q, k, v, jnp.int32(0), tables, start, ctx, interpret=True))
     real = q_pos < ctx[:, None]  # rows past a chunk's end are padding: the model drops them
     np.testing.assert_allclose(got[real], ref[real], atol=ATOL, rtol=0)
+
+
+# Sliding windows (as Mistral, Gemma-3 and Phi-3 use them) with a model's own score scale: windows
+# shorter than a key step, not a multiple of the block size, and longer than every context (no-op).
+@pytest.mark.parametrize("window", [3, 9, 21, 200])
+def test_kernels_apply_sliding_windows_and_score_scale(window):
+    rng = np.random.default_rng(window)
+    heads, kv, hd, bs, scale = 8, 2, 32, 4, 0.0625
+    contexts = np.asarray([1, 7, 40, 93, 0], np.int32)
+    seqs = len(contexts)
+    q, k, v, tables = _case(
+        rng, seqs=seqs, q_len=1, heads=heads, kv_heads=kv, head_dim=hd, block_size=bs, num_blocks=25 * seqs
+    )
+    q_pos = (contexts - 1)[:, None]
+    want = numpy_attention(q, k, v, 1, tables, q_pos, contexts, window, scale)
+    ref = np.asarray(
+        reference_paged_attention(q, k, v, jnp.int32(1), tables, q_pos, contexts, jnp.int32(window), scale=scale)
+    )
+    np.testing.assert_allclose(ref, want, atol=ATOL, rtol=0)
+    got = paged_decode_attention(
+        q[:, 0], k, v, jnp.int32(1), tables, contexts, window=jnp.int32(window), scale=scale, interpret=True
+    )
+    np.testing.assert_allclose(np.asarray(got), want[:, 0], atol=ATOL, rtol=0)
+
+    start = np.asarray([0, 5, 30, 70, 0], np.int32)
+    q_len = 24
+    ctx = np.minimum(start + q_len, 93).astype(np.int32)
+    qp = rng.standard_normal((seqs, q_len, heads, hd)).astype(np.float32)
+    q_pos = start[:, None] + np.arange(q_len, dtype=np.int32)[None, :]
+    want = numpy_attention(qp, k, v, 0, tables, q_pos, ctx, window, scale)
+    ref = np.asarray(
+        reference_paged_attention(qp, k, v, jnp.int32(0), tables, q_pos, ctx, jnp.int32(window), scale=scale)
+    )
+    np.testing.assert_allclose(ref, want, atol=ATOL, rtol=0)
+    got = np.asarray(
+        paged_prefill_attention(
+            qp, k, v, jnp.int32(0), tables, start, ctx, window=jnp.int32(window), scale=scale, interpret=True
+        )
+    )
+    real = q_pos < ctx[:, None]
+    np.testing.assert_allclose(got[real], want[real], atol=ATOL, rtol=0)
 
 
 def test_kernels_inside_the_model_match_reference_attention(tmp_path):

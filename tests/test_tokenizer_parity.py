@@ -162,6 +162,7 @@ class _Metadata:
     """A stand-in checkpoint that serves GGUF metadata from a dict (with overrides)."""
 
     path = "test.gguf"
+    chat_template = property(lambda self: self.meta("tokenizer.chat_template"))
 
     def __init__(self, base, **overrides):
         self._base, self._overrides = base, overrides

@@ -467,8 +467,10 @@ void check_kpanel(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
 }
 
 void check_decode(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
-  struct Config { int64_t L, NB, BS, H, KVH, D, Bd; std::vector<int32_t> context; };
-  const Config configs[] = {{2, 10, 4, 9, 3, 64, 5, {1, 5, 19, 0}}, {1, 6, 16, 4, 4, 40, 3, {33, 7, 48}}};
+  // first: each sequence's first key (a sliding window raises it above 0).
+  struct Config { int64_t L, NB, BS, H, KVH, D, Bd; std::vector<int32_t> context, first; };
+  const Config configs[] = {{2, 10, 4, 9, 3, 64, 5, {1, 5, 19, 0}, {0, 2, 11, 0}},
+                            {1, 6, 16, 4, 4, 40, 3, {33, 7, 48}, {0, 0, 20}}};
   for (const Config& c : configs) {
     const int64_t S = static_cast<int64_t>(c.context.size());
     std::vector<float> k(c.L * c.NB * c.BS * c.KVH * c.D), vv(k.size()), q(S * c.H * c.D);
@@ -479,7 +481,8 @@ void check_decode(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
     for (auto& t : tables) t = static_cast<int32_t>(r.range(0, c.NB - 1));
     std::vector<float> scratch(c.H / c.KVH * c.Bd * c.BS + 1);
     auto run = [&](const KernelTable* t, std::vector<float>& out) {
-      ruvllm::DecodeJob j{q.data(), k.data(), vv.data(), tables.data(), c.context.data(), out.data(),
+      ruvllm::DecodeJob j{q.data(), k.data(), vv.data(), tables.data(), c.context.data(), c.first.data(),
+                          out.data(),
                           S, c.H, c.D, c.NB, c.BS, c.KVH, c.Bd, c.L - 1, 1.f / std::sqrt(static_cast<float>(c.D))};
       for (int64_t s = 0; s < S; ++s)
         for (int64_t g = 0; g < c.KVH; ++g) t->decode(j, s, g, scratch.data());

@@ -1,4 +1,6 @@
-"""Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM2) in NumPy float32 over a paged KV cache.
+"""The decoder forward pass of every family in :mod:`ruvllm.architectures` (Llama incl. llama3 RoPE,
+Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2) in NumPy float32 over a paged KV cache. It implements
+the fields of :class:`~ruvllm.model_config.ModelConfig`, never a family by name.
 
 Every token of every chunk in a step goes through the projections and the MLP as one ``[T, hidden]``
 matrix, so the matmuls are a handful of BLAS calls per layer whatever the batch looks like; only
@@ -15,8 +17,8 @@ import numpy as np
 
 from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk
 from ruvllm.checkpoint import Checkpoint
-from ruvllm.errors import BackendError, ModelFormatError, RequestError, UnsupportedArchitectureError
-from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
+from ruvllm.errors import BackendError, ModelFormatError, RequestError
+from ruvllm.model_config import ModelConfig, Rope
 from ruvllm_candle_compat.kv_cache import ChunkPlan, FloatOverlay, KVCache, SequenceKV
 
 #: Most attention scores (floats) one tile holds: long prefills run in query tiles under this bound.
@@ -37,6 +39,21 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
+def _silu(g: np.ndarray) -> np.ndarray:
+    # g * sigmoid(g), with sigmoid through tanh so large |g| cannot overflow exp.
+    return g * (0.5 + 0.5 * np.tanh(0.5 * g))
+
+
+def _gelu_tanh(g: np.ndarray) -> np.ndarray:
+    # The tanh approximation (PyTorch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh).
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
+
+
+#: The gated MLP's activation by :attr:`ModelConfig.activation`.
+ACTIVATIONS = {"silu": _silu, "gelu_tanh": _gelu_tanh}
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer, matrices in Hugging Face layout ``[out, in]`` (C-contiguous), fused where
@@ -49,6 +66,12 @@ class LayerWeights:
     mlp_norm: np.ndarray  # [hidden]
     gate_up: np.ndarray  # [2 * intermediate, hidden]: gate_proj, up_proj stacked
     down: np.ndarray  # [hidden, intermediate]
+    q_norm: np.ndarray | None = None  # [head_dim] (qk_norm)
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None  # [hidden] (output_norms)
+    mlp_out_norm: np.ndarray | None = None
+    window: int = 0  # sliding window (0: every position)
+    rope: Rope | None = None  # this layer's rotary embedding
 
 
 class CandleCompatModel:
@@ -67,8 +90,8 @@ class CandleCompatModel:
         self.layers = list(layers)
         self.final_norm = final_norm
         self.lm_head = lm_head  # [vocab, hidden]; embed itself when tied
-        half = config.head_dim // 2
-        self._inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / config.head_dim))
+        #: Distinct rotary embeddings (global, local) and their inverse frequencies.
+        self._ropes = {layer.rope or config.global_rope for layer in self.layers}
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, options: LoadOptions) -> CandleCompatModel:
@@ -86,10 +109,8 @@ class CandleCompatModel:
                 "set OPENBLAS_NUM_THREADS for its BLAS threads"
             )
         cfg = checkpoint.config
-        if cfg.architecture not in LLAMA_FAMILY:
-            raise UnsupportedArchitectureError(
-                f"candle-compat runs the Llama family ({', '.join(sorted(LLAMA_FAMILY))}), not {cfg.architecture!r}"
-            )
+        if cfg.activation not in ACTIVATIONS:
+            raise BackendError(f"candle-compat has no activation {cfg.activation!r} ({', '.join(ACTIVATIONS)})")
         if cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
             raise BackendError(
                 f"unsupported attention shape: {cfg.num_heads} heads over {cfg.num_kv_heads} KV heads, "
@@ -121,8 +142,15 @@ class CandleCompatModel:
                 )
             gate = get(p + "mlp.gate_proj.weight", (i, h))
             up = get(p + "mlp.up_proj.weight", (i, h))
+            hd = cfg.head_dim
             layers.append(
                 LayerWeights(
+                    q_norm=get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
+                    k_norm=get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
+                    attn_out_norm=get(p + "attn_output_norm.weight", (h,)) if cfg.output_norms else None,
+                    mlp_out_norm=get(p + "mlp_output_norm.weight", (h,)) if cfg.output_norms else None,
+                    window=cfg.layer_window(n),
+                    rope=cfg.layer_rope(n),
                     attn_norm=get(p + "input_layernorm.weight", (h,)),
                     qkv=np.concatenate([q, k, v]),
                     qkv_bias=bias,
@@ -144,10 +172,14 @@ class CandleCompatModel:
         var = np.mean(np.square(x), axis=-1, keepdims=True)
         return x * (1.0 / np.sqrt(var + np.float32(self.config.rms_norm_eps))) * weight
 
-    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Angles in float64: at positions in the thousands float32 would lose ~1e-3 rad.
-        angles = positions.astype(np.float64)[:, None] * self._inv_freq[None, :]
-        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+    def _rope_tables(self, positions: np.ndarray) -> dict[Rope, tuple[np.ndarray, np.ndarray]]:
+        """cos and sin ``[T, 1, head_dim // 2]`` per rotary embedding (angles in float64: at positions
+        in the thousands float32 would lose ~1e-3 rad)."""
+        tables = {}
+        for rope in self._ropes:
+            cos, sin = rope.cos_sin(positions, self.config.head_dim)
+            tables[rope] = (cos[:, None, :], sin[:, None, :])
+        return tables
 
     @staticmethod
     def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -156,29 +188,42 @@ class CandleCompatModel:
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def _attend(self, q: np.ndarray, kv: SequenceKV, start_pos: int) -> np.ndarray:
+    def _attend(self, q: np.ndarray, kv: SequenceKV, start_pos: int, window: int = 0) -> np.ndarray:
         """Causal GQA attention of ``q [n, heads, hd]`` (positions ``start_pos..``) over
         ``kv.k, kv.v [end_pos, kv_heads, hd]``; returns ``[n, heads * hd]``."""
         n, k, v, overlay = q.shape[0], kv.k, kv.v, kv.overlay
         rows = max(1, SCORE_TILE_FLOATS // (q.shape[1] * k.shape[0]))
         if n <= rows:
-            return self._attend_tile(q, k, v, start_pos, overlay)
+            return self._attend_tile(q, k, v, start_pos, overlay, window)
         out = np.empty((n, q.shape[1] * q.shape[2]), np.float32)
         for i in range(0, n, rows):
             j = min(n, i + rows)
             # A tile's last query sits at start_pos + j - 1, so later keys are never needed.
             tile_overlay = None if overlay is None else overlay.rows(i, j)
-            out[i:j] = self._attend_tile(q[i:j], k[: start_pos + j], v[: start_pos + j], start_pos + i, tile_overlay)
+            out[i:j] = self._attend_tile(
+                q[i:j], k[: start_pos + j], v[: start_pos + j], start_pos + i, tile_overlay, window
+            )
         return out
 
     def _attend_tile(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, overlay: FloatOverlay | None = None
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        start_pos: int,
+        overlay: FloatOverlay | None = None,
+        window: int = 0,
     ) -> np.ndarray:
         cfg = self.config
         n, end = q.shape[0], k.shape[0]
         kv_heads, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         # Query heads that share a KV head are stacked as rows: [kv_heads, group * n, hd].
-        qg = (q * np.float32(hd**-0.5)).reshape(n, kv_heads, group, hd).transpose(1, 2, 0, 3).reshape(kv_heads, -1, hd)
+        qg = (
+            (q * np.float32(cfg.attention_scale))
+            .reshape(n, kv_heads, group, hd)
+            .transpose(1, 2, 0, 3)
+            .reshape(kv_heads, -1, hd)
+        )
         scores = (qg @ k.transpose(1, 2, 0)).reshape(kv_heads, group, n, end)
         # Two-tier cache: queries that precede a block's quantization read its float values instead.
         lo, hi = (0, 0) if overlay is None else (overlay.lo, min(end, overlay.lo + len(overlay.k)))
@@ -187,9 +232,12 @@ class CandleCompatModel:
             use_float = np.arange(lo, hi)[None, :] >= overlay.quantized_until[:, None]  # [n, hi - lo]
             float_scores = (qg @ overlay.k[: hi - lo].transpose(1, 2, 0)).reshape(kv_heads, group, n, hi - lo)
             scores[..., lo:hi] = np.where(use_float, float_scores, scores[..., lo:hi])
+        q_pos = (start_pos + np.arange(n))[:, None]
         if n > 1:  # a single new token may see every cached position
-            future = np.arange(end)[None, :] > (start_pos + np.arange(n))[:, None]
+            future = np.arange(end)[None, :] > q_pos
             scores[..., future] = -np.inf
+        if window and start_pos + n - window > 0:  # keys at or before q - window are out of its window
+            scores[..., np.arange(end)[None, :] <= q_pos - window] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
@@ -271,7 +319,7 @@ class CandleCompatModel:
         with_adapters = [p for p in plans if p.adapter is not None]
         tokens = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in batch.chunks])
         positions = np.concatenate([np.arange(p.start_pos, p.start_pos + (p.rows.stop - p.rows.start)) for p in plans])
-        cos, sin = self._rope_tables(positions)
+        rope_tables = self._rope_tables(positions)
         n_tok = len(tokens)
         q_dim, kv_dim, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         qkv_cols = (
@@ -283,48 +331,63 @@ class CandleCompatModel:
         kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
 
         x = self.embed[tokens]
+        if cfg.embedding_scale != 1.0:
+            x = x * np.float32(cfg.embedding_scale)
         attn = np.empty((n_tok, q_dim), np.float32)
         for li, layer in enumerate(self.layers):
+            cos, sin = rope_tables[layer.rope or cfg.global_rope]
             h = self._rms_norm(x, layer.attn_norm)
             qkv = linear(h, layer.qkv)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             if with_adapters:
                 self._add_deltas(with_adapters, li, qkv, h, qkv_cols)
-            q = self._rotate(qkv[:, :q_dim].reshape(n_tok, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._rotate(qkv[:, q_dim : q_dim + kv_dim].reshape(kv_shape), cos, sin)
+            q = qkv[:, :q_dim].reshape(n_tok, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_dim : q_dim + kv_dim].reshape(kv_shape)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             v = qkv[:, q_dim + kv_dim :].reshape(kv_shape)
             for plan in plans:
                 seq_kv = cache.store_and_read(li, plan, k[plan.rows], v[plan.rows])
-                attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos)
+                attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos, layer.window)
             o = linear(attn, layer.o)
             if with_adapters:
                 self._add_deltas(with_adapters, li, o, attn, (("o_proj", 0, cfg.hidden_size),))
+            if layer.attn_out_norm is not None:
+                o = self._rms_norm(o, layer.attn_out_norm)
             x += o
 
             h = self._rms_norm(x, layer.mlp_norm)
             gate_up = linear(h, layer.gate_up)
             if with_adapters:
                 self._add_deltas(with_adapters, li, gate_up, h, mlp_cols)
-            gate, up = gate_up[:, :inter], gate_up[:, inter:]
-            # silu(g) = g * sigmoid(g), with sigmoid through tanh so large |g| cannot overflow exp.
-            act = gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
+            act = ACTIVATIONS[cfg.activation](gate_up[:, :inter]) * gate_up[:, inter:]
             down = linear(act, layer.down)
             if with_adapters:
                 self._add_deltas(with_adapters, li, down, act, (("down_proj", 0, cfg.hidden_size),))
+            if layer.mlp_out_norm is not None:
+                down = self._rms_norm(down, layer.mlp_out_norm)
             x += down
 
         x = self._rms_norm(x, self.final_norm)
         return self._outputs(batch.chunks, plans, x)
 
+    def _head(self, x: np.ndarray) -> np.ndarray:
+        logits = linear(x, self.lm_head)
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = (np.float32(cap) * np.tanh(logits / np.float32(cap))).astype(np.float32)
+        return logits
+
     def _outputs(self, chunks: Sequence[SequenceChunk], plans: Sequence[ChunkPlan], x: np.ndarray) -> ForwardOutput:
         pairs = list(enumerate(zip(chunks, plans, strict=True)))
-        all_logits = {i: linear(x[p.rows], self.lm_head) for i, (c, p) in pairs if c.all_logits}
+        all_logits = {i: self._head(x[p.rows]) for i, (c, p) in pairs if c.all_logits}
         hidden = {i: x[p.rows].copy() for i, (c, p) in pairs if c.hidden_states}
         last_rows = [p.rows.stop - 1 for i, p in enumerate(plans) if i not in all_logits]
         logits = np.empty((len(plans), self.config.vocab_size), np.float32)
         if last_rows:
-            logits[[i for i in range(len(plans)) if i not in all_logits]] = linear(x[last_rows], self.lm_head)
+            logits[[i for i in range(len(plans)) if i not in all_logits]] = self._head(x[last_rows])
         for i, rows in all_logits.items():
             logits[i] = rows[-1]  # the same numbers the chunk's all_logits carry
         return ForwardOutput(logits=logits, all_logits=all_logits, hidden_states=hidden)

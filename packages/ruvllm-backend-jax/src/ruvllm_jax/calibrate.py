@@ -1,14 +1,13 @@
 """Activation statistics for w8a8 smoothing (SmoothQuant): one float32 forward pass over a fixed text
 records, per layer and input channel, the largest magnitude each projection's input reaches.
 
-The pass is plain causal attention over one sequence (no KV cache) with the same building blocks as
-:func:`ruvllm_jax.model.forward_step`; :func:`calibration_logits` exposes its logits so a test can
-hold it to the serving forward.
+The pass runs :func:`ruvllm_jax.model.decoder_layer`, the serving step's layer arithmetic, with plain
+causal attention over one sequence (no KV cache); :func:`calibration_logits` exposes its logits so a
+test can hold it to the serving forward.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -16,8 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ruvllm_jax.model import LayerWeights, ModelSpec, Weights, apply_rope, rms_norm, rope_tables
-from ruvllm_jax.quant import linear, take_rows
+from ruvllm_jax.model import (
+    ModelSpec,
+    Weights,
+    apply_softcap,
+    decoder_layer,
+    embed_tokens,
+    rms_norm,
+    rope_tables,
+)
+from ruvllm_jax.quant import linear
 
 #: Calibration text: prose, dialogue, code, numbers and a list, so that the channels a chat model
 #: uses are exercised. Fixed, so a model quantizes the same way every time it loads.
@@ -53,33 +60,33 @@ class ActivationRanges:
 
 def _forward(weights: Weights, tokens: jax.Array, spec: ModelSpec):
     t = tokens.shape[0]
-    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    x = take_rows(weights.embed, tokens, jnp.float32)
-    cos, sin = rope_tables(jnp.arange(t, dtype=jnp.int32), hd, spec.rope_theta)
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    group = spec.num_heads // spec.num_kv_heads
+    x = embed_tokens(weights.embed, tokens, spec, jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    cos, sin = rope_tables(pos, spec)
 
-    def layer(x, lw: LayerWeights):
-        h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-        q, k, v = linear(h, lw.q_proj), linear(h, lw.k_proj), linear(h, lw.v_proj)
-        if spec.attention_bias:
-            q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
-        q = apply_rope(q.reshape(t, nh, hd), cos, sin)
-        k = jnp.repeat(apply_rope(k.reshape(t, nkv, hd), cos, sin), nh // nkv, axis=1)
-        v = jnp.repeat(v.reshape(t, nkv, hd), nh // nkv, axis=1)
-        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        p = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1)
-        a = jnp.einsum("hqk,khd->qhd", p, v).reshape(t, nh * hd)
-        x = x + linear(a, lw.o_proj)
-        h2 = rms_norm(x, lw.post_attention_norm, spec.rms_norm_eps)
-        g = jax.nn.silu(linear(h2, lw.gate_proj)) * linear(h2, lw.up_proj)
-        x = x + linear(g, lw.down_proj)
-        peak = lambda z: jnp.max(jnp.abs(z), axis=0)  # noqa: E731
-        return x, (peak(h), peak(a), peak(h2), peak(g))
+    def layer(x, xs):
+        lw, (window, rope) = xs
+        # Key j counts for query i when j <= i and, under a sliding window, j > i - window.
+        seen = (pos[None, :] <= pos[:, None]) & ((window == 0) | (pos[None, :] > pos[:, None] - window))
 
-    x, stats = lax.scan(layer, x, weights.layers)
+        def attend(q, k, v):
+            k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+            scores = jnp.einsum("qhd,khd->hqk", q, k) * spec.attention_scale
+            p = jax.nn.softmax(jnp.where(seen[None], scores, -jnp.inf), axis=-1)
+            return jnp.einsum("hqk,khd->qhd", p, v)
+
+        def project(h, names):
+            return [linear(h, getattr(lw, n)) for n in names]
+
+        x, inputs = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend)
+        return x, tuple(jnp.max(jnp.abs(z), axis=0) for z in inputs)
+
+    x, stats = lax.scan(layer, x, (weights.layers, spec.layer_constants()))
     head_in = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
-    return stats, jnp.max(jnp.abs(head_in), axis=0), linear(head_in, head)
+    logits = apply_softcap(linear(head_in, head).astype(jnp.float32), spec.final_logit_softcap)
+    return stats, jnp.max(jnp.abs(head_in), axis=0), logits
 
 
 def activation_ranges(weights: Weights, spec: ModelSpec, token_ids: list[int]) -> ActivationRanges:

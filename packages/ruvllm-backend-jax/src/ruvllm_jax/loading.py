@@ -34,6 +34,8 @@ _MATRICES = {
 }
 _VECTORS = {"input_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight"}
 _BIASES = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias"}
+_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+_OUTPUT_NORMS = {"attn_output_norm": "attn_output_norm.weight", "mlp_output_norm": "mlp_output_norm.weight"}
 
 log = structlog.get_logger("ruvllm_jax.loading")
 
@@ -175,19 +177,24 @@ class WeightLoader:
     def _load(self) -> Weights:
         spec = self.spec
         names = set(self.ckpt.tensor_names())
-        per_layer: dict[str, list] = {k: [] for k in (*_MATRICES, *_VECTORS, *_BIASES)}
+        vectors = dict(_VECTORS)
+        for wanted, group in (
+            (spec.attention_bias, _BIASES),
+            (spec.qk_norm, _QK_NORMS),
+            (spec.output_norms, _OUTPUT_NORMS),
+        ):
+            if wanted:
+                vectors.update(group)
+        per_layer: dict[str, list] = {k: [] for k in (*_MATRICES, *vectors)}
         for i in range(spec.num_layers):
             pre = f"model.layers.{i}."
             for key, suffix in _MATRICES.items():
                 per_layer[key].append(self.matrix(pre + suffix))
-            for key, suffix in _VECTORS.items():
+            for key, suffix in vectors.items():
+                if pre + suffix not in names:
+                    raise ModelFormatError(f"{self.ckpt.path}: tensor {pre + suffix!r} is missing")
                 per_layer[key].append(self.vector(pre + suffix))
-            if spec.attention_bias:
-                for key, suffix in _BIASES.items():
-                    if pre + suffix not in names:
-                        raise ModelFormatError(f"{self.ckpt.path}: tensor {pre + suffix!r} is missing")
-                    per_layer[key].append(self.vector(pre + suffix))
-        layers = LayerWeights(**{k: (_stack(v) if v else None) for k, v in per_layer.items()})
+        layers = LayerWeights(**{k: _stack(v) for k, v in per_layer.items()})
         self._check_shapes(layers)
         lm_head = None if spec.tie_word_embeddings else self.embedding("lm_head.weight")
         return Weights(
@@ -209,6 +216,10 @@ class WeightLoader:
             "up_proj": (s.intermediate_size, s.hidden_size),
             "down_proj": (s.hidden_size, s.intermediate_size),
         }
+        if s.qk_norm:
+            want.update(q_norm=(s.head_dim,), k_norm=(s.head_dim,))
+        if s.output_norms:
+            want.update(attn_output_norm=(s.hidden_size,), mlp_output_norm=(s.hidden_size,))
         for key, shape in want.items():
             got = tuple(getattr(layers, key).shape[1:])
             if got != shape:

@@ -1,10 +1,14 @@
-"""The Llama-family forward step (llama, mistral, qwen2) as one pure function.
+"""The decoder forward step of every family in :mod:`ruvllm.architectures` as one pure function.
 
 ``forward_step(weights, cache, inputs, spec=..., plan=...)`` runs every layer over a ragged batch of
 tokens laid out flat (``[T]``), writes their keys and values into the paged cache and returns the
 logits of the requested rows. It is jitted once per :class:`StepPlan` (the padded shapes) by
 :mod:`ruvllm_jax.runner`. Layers run under ``lax.scan`` over weights stacked on a leading layer axis,
-so compile time does not grow with depth.
+so compile time does not grow with depth. What differs between families is in :class:`ModelSpec`
+(activation, QK-norm, output norms, embedding and query scales, per-layer sliding windows and RoPE,
+logit soft-capping); per-layer values (window, which RoPE table) are scanned with the weights.
+:func:`decoder_layer` is the layer's arithmetic, shared with the calibration pass of
+:mod:`ruvllm_jax.calibrate`.
 
 Per-sequence LoRA adapters (:class:`LoraPlan`): every adapter of a step owns a slot. Per projection
 in use, slot ``s`` brings ``A_s [layers, r, in]`` and ``B_s [layers, out, r]`` (scale folded into
@@ -18,16 +22,19 @@ the mix of adapters in the batch; a step without adapters has no LoRA operation 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ruvllm.backend import LORA_PROJECTIONS
+from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
 from ruvllm_jax import native
-from ruvllm_jax.attention import paged_attention
+from ruvllm_jax.attention import paged_attention, window_start
 from ruvllm_jax.quant import QuantArray, Weight, linear, take_rows
 
 #: Projections an adapter may adapt (core's list, in the order the factors are passed).
@@ -51,13 +58,35 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     attention_bias: bool
     tie_word_embeddings: bool
+    activation: str
+    qk_norm: bool
+    output_norms: bool
+    embedding_scale: float
+    #: Multiplies the attention scores (``head_dim ** -0.5`` unless the model says otherwise).
+    attention_scale: float
+    #: Per layer: sliding window (0: global) and index into ``ropes``.
+    layer_windows: tuple[int, ...]
+    layer_ropes: tuple[int, ...]
+    #: The distinct RoPEs: (inverse frequencies ``[head_dim // 2]`` as float32 values, attention factor),
+    #: computed on the host by :class:`ruvllm.model_config.Rope`.
+    ropes: tuple[tuple[tuple[float, ...], float], ...]
+    final_logit_softcap: float | None
     dtype: str = "float32"
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: str = "float32") -> ModelSpec:
+        if cfg.activation not in ACTIVATIONS:
+            raise BackendError(
+                f"jax backend: activation {cfg.activation!r} is not implemented (known: {', '.join(ACTIVATIONS)})"
+            )
+        layer_ropes = [cfg.layer_rope(layer) for layer in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys(layer_ropes))
+        ropes = tuple(
+            (tuple(float(f) for f in r.inv_freq(cfg.head_dim).astype(np.float32)), float(r.attention_factor))
+            for r in distinct
+        )
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -67,11 +96,27 @@ class ModelSpec:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=cfg.rope_theta,
             attention_bias=cfg.attention_bias,
             tie_word_embeddings=cfg.tie_word_embeddings,
+            activation=cfg.activation,
+            qk_norm=cfg.qk_norm,
+            output_norms=cfg.output_norms,
+            embedding_scale=float(cfg.embedding_scale),
+            attention_scale=float(cfg.attention_scale),
+            layer_windows=tuple(cfg.layer_window(layer) for layer in range(cfg.num_layers)),
+            layer_ropes=tuple(distinct.index(r) for r in layer_ropes),
+            ropes=ropes,
+            final_logit_softcap=cfg.final_logit_softcap,
             dtype=dtype,
         )
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
+
+    def layer_constants(self) -> tuple[jax.Array, jax.Array]:
+        """Scanned with the layers: each layer's window and RoPE index (int32 ``[layers]``)."""
+        return jnp.asarray(self.layer_windows, jnp.int32), jnp.asarray(self.layer_ropes, jnp.int32)
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
         """``(out, in)`` of projection ``proj`` (one of :data:`PROJECTIONS`)."""
@@ -105,6 +150,12 @@ class LayerWeights:
     q_bias: jax.Array | None = None
     k_bias: jax.Array | None = None
     v_bias: jax.Array | None = None
+    #: ``[head_dim]`` RMSNorm weights of each head's query and key (``qk_norm``).
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    #: RMSNorm weights of the attention and MLP outputs (``output_norms``).
+    attn_output_norm: jax.Array | None = None
+    mlp_output_norm: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -193,11 +244,20 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin ``[T, head_dim // 2]`` (float32) of the rotary embedding."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+#: The gated MLP's activation, by :attr:`ModelConfig.activation`.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def rope_tables(positions: jax.Array, spec: ModelSpec) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``[ropes, T, head_dim // 2]`` (float32) of each of the spec's RoPEs, as Hugging
+    Face computes them: ``cos(position * inv_freq) * attention_factor`` in float32."""
+    inv_freq = jnp.asarray(np.array([f for f, _ in spec.ropes], np.float32))
+    factor = jnp.asarray(np.array([a for _, a in spec.ropes], np.float32))[:, None, None]
+    angles = positions.astype(jnp.float32)[None, :, None] * inv_freq[:, None, :]
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -208,15 +268,33 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _attend(q: jax.Array, kv: KVState, layer: jax.Array, inp: StepInputs, plan: StepPlan) -> jax.Array:
+def apply_softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def embed_tokens(embed: Weight, tokens: jax.Array, spec: ModelSpec, dtype) -> jax.Array:
+    x = take_rows(embed, tokens, dtype)
+    if spec.embedding_scale != 1.0:
+        # In the embedding dtype, as Hugging Face scales them (Gemma: sqrt(hidden)).
+        x = x * jnp.asarray(np.float32(spec.embedding_scale)).astype(x.dtype)
+    return x
+
+
+def _attend(
+    q: jax.Array, kv: KVState, layer: jax.Array, window: jax.Array | int, inp: StepInputs, plan: StepPlan, scale: float
+) -> jax.Array:
     """Attention of every token over its own sequence's cache, decode and prefill groups apart."""
     _t, h, d = q.shape
     out = jnp.zeros_like(q)
     if plan.decode_seqs:
         qd = q.at[inp.decode_token].get(mode="clip")[:, None]  # [Sd, 1, H, D]
+        q_pos = inp.decode_context - 1
         if plan.native and kv.k.dtype == jnp.float32 and plan.attention == "reference":
             # The native kernel reads the sequences' blocks in place instead of gathering them.
-            od = native.paged_decode(qd[:, 0], kv.k, kv.v, layer, inp.decode_tables, inp.decode_context)[:, None]
+            first = window_start(q_pos, window)
+            od = native.paged_decode(
+                qd[:, 0], kv.k, kv.v, layer, inp.decode_tables, inp.decode_context, first, scale=scale
+            )[:, None]
         else:
             od = paged_attention(
                 qd,
@@ -224,15 +302,28 @@ def _attend(q: jax.Array, kv: KVState, layer: jax.Array, inp: StepInputs, plan: 
                 kv.v,
                 layer,
                 inp.decode_tables,
-                (inp.decode_context - 1)[:, None],
+                q_pos[:, None],
                 inp.decode_context,
+                window,
+                scale=scale,
                 impl=plan.attention,
             )
         out = out.at[inp.decode_token].set(od[:, 0].astype(q.dtype), mode="drop")
     if plan.prefill_seqs:
         qp = q.at[inp.prefill_token].get(mode="clip")  # [Sp, Qb, H, D]
         q_pos = inp.prefill_start[:, None] + jnp.arange(plan.prefill_len, dtype=jnp.int32)[None, :]
-        op = paged_attention(qp, kv.k, kv.v, layer, inp.prefill_tables, q_pos, inp.prefill_context, impl=plan.attention)
+        op = paged_attention(
+            qp,
+            kv.k,
+            kv.v,
+            layer,
+            inp.prefill_tables,
+            q_pos,
+            inp.prefill_context,
+            window,
+            scale=scale,
+            impl=plan.attention,
+        )
         out = out.at[inp.prefill_token.reshape(-1)].set(op.reshape(-1, h, d), mode="drop")
     return out
 
@@ -247,6 +338,51 @@ def _lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> ja
 #: Projections that share one input, so one native call quantizes the input once for all of them.
 _GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 _NATIVE_FIELDS = tuple(p for g in _GROUPS for p in g)
+
+#: ``project(x, group)``: the group's projections of ``x``; ``attend(q, k, v)``: attention output
+#: ``[T, heads, head_dim]``; ``adapt(y, x, proj)``: ``y`` plus the adapters' update of ``proj``.
+Project = Callable[[jax.Array, tuple[str, ...]], list[jax.Array]]
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+Adapt = Callable[[jax.Array, jax.Array, str], jax.Array]
+
+
+def decoder_layer(
+    x: jax.Array,
+    lw: LayerWeights,
+    spec: ModelSpec,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    project: Project,
+    attend: Attend,
+    adapt: Adapt = lambda y, _x, _p: y,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
+    """One decoder layer over ``x`` ``[T, hidden]`` with RoPE ``cos``/``sin`` ``[T, head_dim // 2]``.
+    Returns the new residual stream and the inputs of its projection groups (for calibration)."""
+    t = x.shape[0]
+    nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
+    h = rms_norm(x, lw.input_norm, eps)
+    q, k, v = project(h, _GROUPS[0])
+    if spec.attention_bias:
+        q, k, v = q + lw.q_bias.astype(q.dtype), k + lw.k_bias.astype(k.dtype), v + lw.v_bias.astype(v.dtype)
+    q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
+    q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+    if spec.qk_norm:  # per head, before RoPE
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+    a = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v).reshape(t, nh * hd)
+    (o,) = project(a, _GROUPS[1])
+    o = adapt(o, a, "o_proj")
+    if spec.output_norms:
+        o = rms_norm(o, lw.attn_output_norm, eps)
+    x = x + o
+    h2 = rms_norm(x, lw.post_attention_norm, eps)
+    gate, up = project(h2, _GROUPS[2])
+    act = ACTIVATIONS[spec.activation](adapt(gate, h2, "gate_proj")) * adapt(up, h2, "up_proj")
+    (down,) = project(act, _GROUPS[3])
+    down = adapt(down, act, "down_proj")
+    if spec.output_norms:
+        down = rms_norm(down, lw.mlp_output_norm, eps)
+    return x + down, (h, a, h2, act)
 
 
 def _native_format(w: object) -> str | None:
@@ -298,10 +434,8 @@ def forward_step(
     """One engine step: returns (logits ``[G, vocab]`` float32, final hidden ``[T, hidden]`` or None,
     the updated cache). ``lora`` holds the adapters' factors when ``plan.lora`` is set."""
     dtype = jnp.dtype(spec.dtype)
-    t = plan.num_tokens
-    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    x = take_rows(weights.embed, inp.tokens, dtype)
-    cos, sin = rope_tables(inp.positions, hd, spec.rope_theta)
+    x = embed_tokens(weights.embed, inp.tokens, spec, dtype)
+    cos, sin = rope_tables(inp.positions, spec)
 
     lora_layers: dict[str, tuple[jax.Array, jax.Array]] | None = None
     mask = jnp.zeros((0,), jnp.float32)
@@ -322,14 +456,15 @@ def forward_step(
     stacked = weights.layers
     scanned = dataclasses.replace(stacked, **{f: None for f in _NATIVE_FIELDS}) if use_native else stacked
 
-    def project(h: jax.Array, lw: LayerWeights, layer: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
-        if use_native:
-            return _native_projections(h, [getattr(stacked, p) for p in group], layer)
-        return [linear(h, getattr(lw, p)) for p in group]
-
     def layer_step(carry, xs):
         x, k_cache, v_cache, layer = carry
-        lw, ll = xs
+        lw, ll, (window, rope) = xs
+        window = window if spec.windowed else 0  # Python 0: no window arithmetic at all
+
+        def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+            if use_native:
+                return _native_projections(h, [getattr(stacked, p) for p in group], layer)
+            return [linear(h, getattr(lw, p)) for p in group]
 
         def adapt(y: jax.Array, y_in: jax.Array, proj: str) -> jax.Array:
             # Python-level: projections no adapter touches (and steps without adapters) get no op.
@@ -338,28 +473,19 @@ def forward_step(
             a, b = ll[proj]
             return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, mask)).astype(y.dtype)
 
-        h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-        q, k, v = project(h, lw, layer, _GROUPS[0])
-        if spec.attention_bias:
-            q, k, v = q + lw.q_bias.astype(dtype), k + lw.k_bias.astype(dtype), v + lw.v_bias.astype(dtype)
-        q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
-        q = apply_rope(q.reshape(t, nh, hd), cos, sin)
-        k = apply_rope(k.reshape(t, nkv, hd), cos, sin)
-        v = v.reshape(t, nkv, hd)
-        k_cache = k_cache.at[layer, inp.write_block, inp.write_offset].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[layer, inp.write_block, inp.write_offset].set(v.astype(v_cache.dtype), mode="drop")
-        a = _attend(q, KVState(k_cache, v_cache), layer, inp, plan).reshape(t, nh * hd)
-        (o,) = project(a, lw, layer, _GROUPS[1])
-        x = x + adapt(o, a, "o_proj")
-        h = rms_norm(x, lw.post_attention_norm, spec.rms_norm_eps)
-        gate, up = project(h, lw, layer, _GROUPS[2])
-        act = jax.nn.silu(adapt(gate, h, "gate_proj")) * adapt(up, h, "up_proj")
-        (down,) = project(act, lw, layer, _GROUPS[3])
-        x = x + adapt(down, act, "down_proj")
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            nonlocal k_cache, v_cache
+            k_cache = k_cache.at[layer, inp.write_block, inp.write_offset].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[layer, inp.write_block, inp.write_offset].set(v.astype(v_cache.dtype), mode="drop")
+            return _attend(q, KVState(k_cache, v_cache), layer, window, inp, plan, spec.attention_scale)
+
+        x, _ = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend, adapt=adapt)
         return (x, k_cache, v_cache, layer + 1), None
 
     (x, k_cache, v_cache, _), _ = lax.scan(
-        layer_step, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), (scanned, lora_layers)
+        layer_step,
+        (x, cache.k, cache.v, jnp.zeros((), jnp.int32)),
+        (scanned, lora_layers, spec.layer_constants()),
     )
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
@@ -367,6 +493,6 @@ def forward_step(
         (logits,) = _native_projections(x[inp.logit_rows], [head], jnp.zeros((), jnp.int32))
     else:
         logits = linear(x[inp.logit_rows], head)
-    logits = logits.astype(jnp.float32)
+    logits = apply_softcap(logits.astype(jnp.float32), spec.final_logit_softcap)
     hidden = x.astype(jnp.float32) if plan.return_hidden else None
     return logits, hidden, KVState(k_cache, v_cache)

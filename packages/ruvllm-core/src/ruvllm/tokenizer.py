@@ -152,7 +152,7 @@ class Tokenizer:
         _set_bos_eos_processor(inner, tokens, bos if add_bos else None, eos if add_eos else None, where)
 
         eos_ids = [i for i in (eos, special_id("eot"), special_id("eom")) if i is not None]
-        template = checkpoint.meta("tokenizer.chat_template")
+        template = checkpoint.chat_template
         return cls(inner, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template)
 
     @classmethod
@@ -257,13 +257,16 @@ class Tokenizer:
     ) -> str:
         """The prompt text for ``messages`` (dicts with ``role`` and ``content``), rendered with the
         model's chat template as transformers' ``apply_chat_template`` renders it. ``content`` may be a
-        list of ``{"type": "text", "text": ...}`` parts, joined with newlines. Extra keyword arguments
+        list of ``{"type": "text", "text": ...}`` parts: passed as they are to a template that reads parts'
+        types, else joined with newlines. Extra keyword arguments
         (``tools``, ``documents``, template switches) are passed to the template."""
         template = self._template()
         context: dict[str, Any] = {"tools": None, "documents": None, **self._special_token_strings(), **kw}
         try:
             return template.render(
-                messages=_plain_messages(messages), add_generation_prompt=add_generation_prompt, **context
+                messages=_plain_messages(messages, bool(_READS_PARTS.search(self.chat_template or ""))),
+                add_generation_prompt=add_generation_prompt,
+                **context,
             )
         except RequestError:
             raise
@@ -458,8 +461,14 @@ def _read_json(file: Path) -> dict[str, Any]:
 # -- chat templates ------------------------------------------------------------------------------
 
 
-def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of the messages with list-of-parts content joined into one string."""
+#: A template that looks at a part's ``type`` renders list-of-parts content itself (Gemma-3, Llama-3.2,
+#: Qwen2.5-VL); others get the text parts joined (the way vLLM picks its "openai" or "string" format).
+_READS_PARTS = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b""")
+
+
+def _plain_messages(messages: Sequence[Mapping[str, Any]], keep_parts: bool = False) -> list[dict[str, Any]]:
+    """Copies of the messages with list-of-parts content checked (text parts only) and, unless
+    ``keep_parts``, joined into one string with newlines."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise RequestError("messages must be a list of {'role': ..., 'content': ...} objects")
     out = []
@@ -475,7 +484,7 @@ def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                     raise RequestError(f"message {n}: only text content parts are supported, got {kind!r}")
                 texts.append(part["text"])
-            copy["content"] = "\n".join(texts)
+            copy["content"] = [dict(p) for p in content] if keep_parts else "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise RequestError(f"message {n}: content must be a string or a list of text parts")
         out.append(copy)

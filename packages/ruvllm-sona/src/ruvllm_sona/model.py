@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ruvllm.checkpoint import Checkpoint
-from ruvllm.model_config import LLAMA_FAMILY, ModelConfig
+from ruvllm.model_config import ModelConfig
 from ruvllm_sona.errors import SonaError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -119,15 +119,26 @@ class LoraLlama:
         self.layers = list(layers)
         self.final_norm = final_norm
         self.lm_head = lm_head  # [d, vocab]
-        half = config.head_dim // 2
-        self._inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / config.head_dim))
         self.eps = np.float32(config.rms_norm_eps)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint) -> LoraLlama:
         cfg = checkpoint.config
-        if cfg.architecture not in LLAMA_FAMILY:
-            raise SonaError(f"SONA's gradient model runs the Llama family, not {cfg.architecture!r}")
+        # The hand-written backward covers pre-norm SwiGLU decoders (llama, mistral, qwen2, phi3: any
+        # RoPE, windows, query scale); the rest of the table is refused by field, never approximated.
+        unsupported = {
+            "qk_norm": cfg.qk_norm,
+            "output_norms": cfg.output_norms,
+            "activation": cfg.activation != "silu" and cfg.activation,
+            "final_logit_softcap": cfg.final_logit_softcap,
+            "rope_local": cfg.rope_local is not None,
+        }
+        for field_name, value in unsupported.items():
+            if value:
+                raise SonaError(
+                    f"SONA's gradient model does not implement {field_name}={value!r} "
+                    f"(architecture {cfg.architecture}); it trains llama, mistral, qwen2 and phi3 models"
+                )
         if cfg.num_heads % cfg.num_kv_heads:
             raise SonaError(f"{cfg.num_heads} query heads do not group over {cfg.num_kv_heads} KV heads")
         layers = []
@@ -171,9 +182,10 @@ class LoraLlama:
         return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}.get(proj, cfg.hidden_size)
 
     def rope(self, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin tables ``[n, 1, hd/2]`` for positions ``start .. start+n`` (angles in float64)."""
-        angles = np.arange(start, start + n, dtype=np.float64)[:, None] * self._inv_freq[None, :]
-        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+        """cos, sin tables ``[n, 1, hd/2]`` for positions ``start .. start+n`` (angles in float64; a
+        scaled RoPE's attention factor is in both, so ``unrotate`` stays its transpose)."""
+        cos, sin = self.config.global_rope.cos_sin(np.arange(start, start + n), self.config.head_dim)
+        return cos[:, None, :], sin[:, None, :]
 
     @staticmethod
     def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -208,15 +220,19 @@ class LoraLlama:
             y = y + f.delta(x)
         return y
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def attention(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Causal GQA attention of a whole sequence: ``q [n, H, hd]``, ``k, v [n, KV, hd]`` ->
         (output ``[n, H*hd]``, probabilities ``[KV, G, n, n]``)."""
         cfg = self.config
         n, kv, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
         g = cfg.num_heads // kv
         qg = q.reshape(n, kv, g, hd).transpose(1, 2, 0, 3)  # [KV, G, n, hd]
-        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(hd**-0.5)  # [KV, G, n, n]
+        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(cfg.attention_scale)  # [KV, G, n, n]
         scores[..., np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
+        if window:  # masked keys get probability 0, so the backward needs nothing more
+            scores[..., np.tril(np.ones((n, n), dtype=bool), -window)] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -235,7 +251,7 @@ class LoraLlama:
         q = self.rotate(self._proj(li, "q_proj", x, lora).reshape(n, cfg.num_heads, cfg.head_dim), cos, sin)
         k = self.rotate(self._proj(li, "k_proj", x, lora).reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = self._proj(li, "v_proj", x, lora).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        a, probs = self.attention(q, k, v)
+        a, probs = self.attention(q, k, v, cfg.layer_window(li))
         h = r + self._proj(li, "o_proj", a, lora)
         y, inv2 = self._norm(h, layer.mlp_norm)
         gate = self._proj(li, "gate_proj", y, lora)
@@ -254,6 +270,8 @@ class LoraLlama:
         lora = lora or {}
         rope = self.rope(len(ids))
         r = self.embed[ids].astype(np.float32, copy=True)
+        if self.config.embedding_scale != 1.0:
+            r *= np.float32(self.config.embedding_scale)
         for li in range(upto):
             r, _ = self.layer_forward(li, r, lora, rope)
         return r
@@ -335,7 +353,7 @@ class LoraLlama:
         if not (need_q or need_k):
             return None, None, dv
         dp = dout @ v.transpose(1, 2, 0)  # [KV, G*nq, n]
-        ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) * np.float32(hd**-0.5)
+        ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) * np.float32(cfg.attention_scale)
         dq = dk = None
         if need_q:
             dq = (ds @ k.transpose(1, 0, 2)).reshape(kv, g, nq, hd).transpose(2, 0, 1, 3).reshape(nq, cfg.num_heads, hd)

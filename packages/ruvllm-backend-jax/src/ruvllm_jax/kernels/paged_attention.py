@@ -6,6 +6,10 @@ and values through its block table in steps of ``pages_per_step`` blocks, with a
 a kv head (GQA) are processed together as the rows of one tile, so each key block is read once per
 group. Triton wants power-of-two tile sides of at least 16, so the group is padded up to that.
 
+A sliding window (``window`` > 0, a runtime value: layers differ) masks keys at or before
+``q - window`` and starts the stream at the first block any query of the program sees, so a windowed
+layer reads ``window`` keys, not the whole context.
+
 The cache is passed whole, viewed as a ``[layers * blocks * block_size, kv_heads * head_dim]``
 matrix (a free reshape), and rows are gathered from it with computed indices: the layer and the
 block table are runtime values, which block specs cannot express on this lowering.
@@ -14,12 +18,13 @@ block table are runtime values, which block specs cannot express on this lowerin
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from ruvllm_jax.attention import score_scale, window_start
 
 MASK_VALUE = -1e30
 #: Keys streamed per inner step (rounded to whole blocks).
@@ -33,10 +38,25 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
 
 
 def _stream_keys(
-    q, scale, k_ref, v_ref, tables_ref, *, layer, head, num_blocks, block_size, pages_per_step, steps, q_pos, length
+    q,
+    scale,
+    k_ref,
+    v_ref,
+    tables_ref,
+    *,
+    layer,
+    head,
+    num_blocks,
+    block_size,
+    pages_per_step,
+    first_step,
+    steps,
+    q_pos,
+    lo,
+    length,
 ):
-    """Online-softmax attention of the tile ``q`` ``[M, D]`` over ``steps`` key steps; query row ``m``
-    sees keys at positions ``<= q_pos[m]`` and ``< length``."""
+    """Online-softmax attention of the tile ``q`` ``[M, D]`` over key steps ``first_step .. steps - 1``;
+    query row ``m`` sees keys at positions ``lo[m] .. q_pos[m]`` below ``length``."""
     m_rows, hd = q.shape
     keys = pages_per_step * block_size
     r = jnp.arange(keys, dtype=jnp.int32)
@@ -49,7 +69,7 @@ def _stream_keys(
         v = v_ref[rows, pl.ds(head * hd, hd)]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         kpos = i * keys + r
-        valid = (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] < length)
+        valid = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] < length)
         s = jnp.where(valid, s, MASK_VALUE)
         m_new = jnp.maximum(m_prev, s.max(axis=-1))
         corr = jnp.exp(m_prev - m_new)
@@ -63,18 +83,32 @@ def _stream_keys(
         jnp.full((m_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((m_rows,), jnp.float32),
     )
-    acc, _, l_sum = lax.fori_loop(0, steps, body, init)
+    acc, _, l_sum = lax.fori_loop(first_step, steps, body, init)
     return acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
 
 
 def _decode_kernel(
-    layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, num_blocks, block_size, pages_per_step, scale
+    layer_ref,
+    window_ref,
+    lens_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    num_blocks,
+    block_size,
+    pages_per_step,
+    scale,
 ):
     s, head = pl.program_id(0), pl.program_id(1)
     length = lens_ref[s]
     q = q_ref[...]
     keys = pages_per_step * block_size
     q_pos = jnp.full((q.shape[0],), length - 1, jnp.int32)
+    window = window_ref[0]
+    lo = window_start(q_pos, window)
     out = _stream_keys(
         q,
         scale,
@@ -86,8 +120,10 @@ def _decode_kernel(
         num_blocks=num_blocks,
         block_size=block_size,
         pages_per_step=pages_per_step,
+        first_step=window_start(length - 1, window) // keys,
         steps=pl.cdiv(length, keys),
         q_pos=q_pos,
+        lo=lo,
         length=length,
     )
     o_ref[...] = out.astype(o_ref.dtype)
@@ -95,6 +131,7 @@ def _decode_kernel(
 
 def _prefill_kernel(
     layer_ref,
+    window_ref,
     start_ref,
     lens_ref,
     tables_ref,
@@ -115,6 +152,8 @@ def _prefill_kernel(
     q = q_ref[...]
     first = start + tile * tile_tokens
     q_pos = first + jnp.arange(q.shape[0], dtype=jnp.int32) // group_rows
+    window = window_ref[0]
+    lo = window_start(q_pos, window)
     keys = pages_per_step * block_size
     # Causal: the tile needs keys up to its last query; a tile of padding only needs none.
     kv_end = jnp.minimum(length, first + tile_tokens)
@@ -130,8 +169,10 @@ def _prefill_kernel(
         num_blocks=num_blocks,
         block_size=block_size,
         pages_per_step=pages_per_step,
+        first_step=window_start(first, window) // keys,  # the tile's first query sees the earliest key
         steps=steps,
         q_pos=q_pos,
+        lo=lo,
         length=length,
     )
     o_ref[...] = out.astype(o_ref.dtype)
@@ -151,7 +192,11 @@ def _full(x: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+def _scalar(x) -> jax.Array:
+    return jnp.reshape(jnp.asarray(x), (1,)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -160,10 +205,13 @@ def paged_decode_attention(
     tables: jax.Array,
     context: jax.Array,
     *,
+    window: jax.Array | int = 0,
+    scale: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """One query per sequence: ``q`` ``[S, heads, head_dim]`` at position ``context[s] - 1`` attends
-    over positions ``0 .. context[s]``. Returns ``[S, heads, head_dim]``."""
+    over positions ``0 .. context[s] - 1`` (the last ``window`` of them when ``window`` > 0). Returns
+    ``[S, heads, head_dim]``."""
     s, nh, hd = q.shape
     _layers, num_blocks, bs, nkv, _ = k_cache.shape
     group = nh // nkv
@@ -171,10 +219,10 @@ def paged_decode_attention(
     pages = max(1, KEYS_PER_STEP // bs)
     qg = jnp.pad(q.reshape(s, nkv, group, hd), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     tables = _pad_tables(tables.astype(jnp.int32), pages)
-    layer_arr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    layer_arr, window_arr = _scalar(layer), _scalar(window)
     context = context.astype(jnp.int32)
     kernel = functools.partial(
-        _decode_kernel, num_blocks=num_blocks, block_size=bs, pages_per_step=pages, scale=1.0 / math.sqrt(hd)
+        _decode_kernel, num_blocks=num_blocks, block_size=bs, pages_per_step=pages, scale=score_scale(scale, hd)
     )
     k2, v2 = _cache_matrix(k_cache), _cache_matrix(v_cache)
     out = pl.pallas_call(
@@ -182,6 +230,7 @@ def paged_decode_attention(
         grid=(s, nkv),
         in_specs=[
             _full(layer_arr),
+            _full(window_arr),
             _full(context),
             pl.BlockSpec((None, tables.shape[1]), lambda i, h: (i, 0)),
             pl.BlockSpec((None, None, gp, hd), lambda i, h: (i, h, 0, 0)),
@@ -192,11 +241,11 @@ def paged_decode_attention(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
         name="ruvllm_paged_decode_attention",
-    )(layer_arr, context, tables, qg, k2, v2)
+    )(layer_arr, window_arr, context, tables, qg, k2, v2)
     return out[:, :, :group].reshape(s, nh, hd)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def paged_prefill_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -206,11 +255,14 @@ def paged_prefill_attention(
     start: jax.Array,
     context: jax.Array,
     *,
+    window: jax.Array | int = 0,
+    scale: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal flash attention of chunks: ``q`` ``[S, Q, heads, head_dim]``, query ``i`` of sequence
     ``s`` at position ``start[s] + i`` attends over positions ``<= start[s] + i`` and
-    ``< context[s]`` (its own chunk's keys must already be in the cache). Returns ``q``'s shape."""
+    ``< context[s]`` (its own chunk's keys must already be in the cache), and above
+    ``start[s] + i - window`` when ``window`` > 0. Returns ``q``'s shape."""
     s, nq, nh, hd = q.shape
     _layers, num_blocks, bs, nkv, _ = k_cache.shape
     group = nh // nkv
@@ -224,7 +276,7 @@ def paged_prefill_attention(
     qg = jnp.pad(qg, ((0, 0), (0, nq_pad - nq), (0, 0), (0, gp - group), (0, 0)))
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(s, nkv, nq_pad * gp, hd)
     tables = _pad_tables(tables.astype(jnp.int32), pages)
-    layer_arr = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    layer_arr, window_arr = _scalar(layer), _scalar(window)
     start, context = start.astype(jnp.int32), context.astype(jnp.int32)
     rows = tile_tokens * gp
     kernel = functools.partial(
@@ -232,7 +284,7 @@ def paged_prefill_attention(
         num_blocks=num_blocks,
         block_size=bs,
         pages_per_step=pages,
-        scale=1.0 / math.sqrt(hd),
+        scale=score_scale(scale, hd),
         group_rows=gp,
         tile_tokens=tile_tokens,
     )
@@ -242,6 +294,7 @@ def paged_prefill_attention(
         grid=(s, nkv, nq_pad // tile_tokens),
         in_specs=[
             _full(layer_arr),
+            _full(window_arr),
             _full(start),
             _full(context),
             pl.BlockSpec((None, tables.shape[1]), lambda i, h, t: (i, 0)),
@@ -253,6 +306,6 @@ def paged_prefill_attention(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
         name="ruvllm_paged_prefill_attention",
-    )(layer_arr, start, context, tables, qg, k2, v2)
+    )(layer_arr, window_arr, start, context, tables, qg, k2, v2)
     out = out.reshape(s, nkv, nq_pad, gp, hd)[:, :, :nq, :group]
     return out.transpose(0, 2, 1, 3, 4).reshape(s, nq, nh, hd)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import structlog
 
 from ruvllm.errors import BackendError
@@ -291,18 +292,32 @@ def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ..
 
 
 def paged_decode(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, tables: jax.Array, context: jax.Array
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    context: jax.Array,
+    first: jax.Array | None = None,
+    *,
+    scale: float | None = None,
 ) -> jax.Array:
     """Attention of one token per sequence, ``q`` ``[S, H, D]`` float32, over the float32 paged caches
-    ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place), keys ``0 .. context[s] - 1`` through
-    ``tables`` ``[S, Bd]``. Returns ``[S, H, D]``; a sequence with context 0 gets zeros."""
+    ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place), keys ``first[s] .. context[s] - 1`` (``first``
+    defaults to 0; a sliding window raises it) through ``tables`` ``[S, Bd]``, scores multiplied by
+    ``scale`` (default ``D ** -0.5``). Returns ``[S, H, D]``; a sequence with no key gets zeros."""
     _lib()
+    context = jnp.asarray(context, jnp.int32)
+    first = jnp.zeros_like(context) if first is None else jnp.asarray(first, jnp.int32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         k_cache,
         v_cache,
         jnp.asarray(layer, jnp.int32).reshape(()),
-        tables.astype(jnp.int32),
-        context.astype(jnp.int32),
+        jnp.asarray(tables, jnp.int32),
+        context,
+        first,
+        scale=np.float32(scale),
     )

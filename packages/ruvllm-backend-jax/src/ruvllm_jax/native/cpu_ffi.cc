@@ -15,7 +15,8 @@
 // ruvllm_wxa8 / ruvllm_wxa8_panel: weights in groups of 32 along the input (GGUF Q4_0 / Q4_1 / Q8_0
 // blocks), activations quantized to int8 per group of 32 (llama.cpp's Q8_1 scheme); see
 // cpu_kernels.h for the arithmetic. ruvllm_paged_decode: attention of one token per sequence over
-// the paged cache, read in place.
+// the paged cache, read in place, from a first key per sequence (sliding windows) with the model's
+// score scale (attribute "scale").
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -554,7 +555,8 @@ float* scratch(const DecodeJob& j, int64_t s) {
 
 ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
-                           ffi::Buffer<ffi::S32> context, ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
   const auto kd = k.dimensions();
   const auto td = tables.dimensions();
   if (kd.size() != 5 || v.dimensions().size() != 5 || td.size() != 2)
@@ -567,6 +569,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
   j.v = v.typed_data();
   j.tables = tables.typed_data();
   j.context = context.typed_data();
+  j.first = first.typed_data();
   j.out = out->typed_data();
   j.NB = kd[1];
   j.BS = kd[2];
@@ -576,16 +579,16 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
   j.Bd = td[1];
   j.layer = layer.typed_data()[0];
   if (j.layer < 0 || j.layer >= kd[0]) return ffi::Error::InvalidArgument("ruvllm_paged_decode: layer out of range");
-  if (static_cast<int64_t>(context.element_count()) != j.S)
-    return ffi::Error::InvalidArgument("ruvllm_paged_decode: one context length per sequence expected");
+  if (static_cast<int64_t>(context.element_count()) != j.S || static_cast<int64_t>(first.element_count()) != j.S)
+    return ffi::Error::InvalidArgument("ruvllm_paged_decode: one context length and first key per sequence expected");
   const int64_t qn = static_cast<int64_t>(q.element_count());
   if (j.S == 0 || qn % (j.S * j.D) != 0) return ffi::Error::InvalidArgument("ruvllm_paged_decode: q shape mismatch");
   j.H = qn / (j.S * j.D);
   if (j.H % j.KVH != 0) return ffi::Error::InvalidArgument("ruvllm_paged_decode: heads not a multiple of kv heads");
-  j.scale = 1.0f / std::sqrt(static_cast<float>(j.D));
+  j.scale = scale;
   const int64_t tasks = j.S * j.KVH;
   int64_t work = 0;
-  for (int64_t s = 0; s < j.S; ++s) work += std::max<int64_t>(0, j.context[s]) * j.H * j.D;
+  for (int64_t s = 0; s < j.S; ++s) work += std::max<int64_t>(0, j.context[s] - std::max(0, j.first[s])) * j.H * j.D;
   const KernelTable* kt = kernels();
   Pool& pool = Pool::get();
   const int parts = work < (int64_t{1} << 17) ? 1 : pool.threads();
@@ -629,6 +632,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // -- choosing the variant (called from ruvllm_jax.native) --------------------------------------------

@@ -78,10 +78,11 @@ struct KMatrix {
   int bits;
 };
 
-// Attention of one new token per sequence over its paged float32 cache, read in place.
+// Attention of one new token per sequence over its paged float32 cache, read in place: keys at
+// positions first[s] .. context[s] - 1 (first > 0 under a sliding window), scores times scale.
 struct DecodeJob {
   const float *q, *k, *v;
-  const int32_t *tables, *context;
+  const int32_t *tables, *context, *first;
   float* out;
   int64_t S, H, D, NB, BS, KVH, Bd, layer;
   float scale;
@@ -109,7 +110,7 @@ struct KernelTable {
   void (*panel_rows)(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1);
   // y[:, 16 p0 : 16 p1] of one k-quant matrix.
   void (*kpanel_rows)(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1);
-  // Sequence s, kv head g; scratch holds (H / KVH) * context[s] floats.
+  // Sequence s, kv head g; scratch holds at least (H / KVH) * context[s] floats.
   void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
 };
 

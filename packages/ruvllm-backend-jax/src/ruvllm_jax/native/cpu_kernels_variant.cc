@@ -192,12 +192,14 @@ void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1)
 
 void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
   const int64_t group = j.H / j.KVH;
-  const int64_t ctx = imax(0, imin(j.context[s], j.Bd * j.BS));
+  const int64_t end = imax(0, imin(j.context[s], j.Bd * j.BS));
+  const int64_t t0 = imax(0, imin(j.first[s], end));
+  const int64_t ctx = end - t0;  // keys t0 .. end - 1; p[hh * ctx + t - t0] their weights
   float* out = j.out + (s * j.H + g * group) * j.D;
   for (int64_t i = 0; i < group * j.D; ++i) out[i] = 0.f;
   if (ctx == 0) return;
   const float* q = j.q + (s * j.H + g * group) * j.D;
-  for (int64_t t = 0; t < ctx; ++t) {
+  for (int64_t t = t0; t < end; ++t) {
     const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
     const float* kr = j.k + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
     for (int64_t hh = 0; hh < group; ++hh) {
@@ -205,7 +207,7 @@ void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < j.D; ++d) acc += qh[d] * kr[d];
-      p[hh * ctx + t] = acc * j.scale;
+      p[hh * ctx + t - t0] = acc * j.scale;
     }
   }
   for (int64_t hh = 0; hh < group; ++hh) {
@@ -220,11 +222,11 @@ void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < ctx; ++t) ph[t] *= inv;
   }
-  for (int64_t t = 0; t < ctx; ++t) {
+  for (int64_t t = t0; t < end; ++t) {
     const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
     const float* vr = j.v + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
     for (int64_t hh = 0; hh < group; ++hh) {
-      const float wgt = p[hh * ctx + t];
+      const float wgt = p[hh * ctx + t - t0];
       float* oh = out + hh * j.D;
 #pragma omp simd
       for (int64_t d = 0; d < j.D; ++d) oh[d] += wgt * vr[d];

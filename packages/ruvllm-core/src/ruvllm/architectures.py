@@ -1,0 +1,520 @@
+"""The architecture table: one row per model family, read by every checkpoint format and backend.
+
+A row says what the family computes (norms, activation, QK-norm, embedding scale, attention pattern,
+RoPE) and what its tensors are called in GGUF files and in Hugging Face checkpoints. Checkpoints
+present every family's tensors under one set of *canonical* names (below), already in the form the
+arithmetic wants: fused matrices split (phi3's ``qkv_proj``, ``gate_up_proj``), Gemma's ``1 + w`` norm
+weights folded (as llama.cpp folds them into its GGUF files), llama.cpp's Q/K row permutation undone.
+So a backend implements the fields of :class:`~ruvllm.model_config.ModelConfig`, never a family.
+
+Canonical per-layer names (prefix ``model.layers.{n}.``):
+
+==============================  ===========================================================
+``input_layernorm.weight``      RMSNorm before attention
+``self_attn.{q,k,v,o}_proj.*``  projections (``weight``; ``bias`` for q/k/v when ``attention_bias``)
+``self_attn.{q,k}_norm.weight`` per-head RMSNorm of queries and keys (``qk_norm``)
+``attn_output_norm.weight``     RMSNorm of the attention output (``output_norms``; Gemma's
+                                ``post_attention_layernorm``)
+``post_attention_layernorm.*``  RMSNorm before the MLP (Gemma's ``pre_feedforward_layernorm``)
+``mlp.{gate,up,down}_proj.*``   the gated MLP
+``mlp_output_norm.weight``      RMSNorm of the MLP output (``output_norms``)
+==============================  ===========================================================
+
+and ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``.
+
+Where each field comes from:
+
+=====================  ===========================================  ==========================================
+field                  GGUF metadata                                HF config.json
+=====================  ===========================================  ==========================================
+RoPE base              ``{arch}.rope.freq_base``                    ``rope_theta`` / ``rope_parameters``
+RoPE scaling           ``{arch}.rope.scaling.type``/``.factor``/    ``rope_scaling`` (v4) or
+                       ``.original_context_length``/``.attn_factor``  ``rope_parameters`` (v5; per layer type
+                       tensors ``rope_freqs`` (llama3),              for gemma3): ``rope_type``, ``factor``...
+                       ``rope_factors_long``/``_short`` (phi3)
+local RoPE base        gemma3: 10000 (llama.cpp's constant)         ``rope_local_base_freq`` or
+                                                                    ``rope_parameters.sliding_attention``
+sliding window         ``{arch}.attention.sliding_window``          ``sliding_window`` (+ ``layer_types``,
+                       (gemma3: every 6th layer global)              ``use_sliding_window``/``max_window_layers``)
+QK-norm                tensors ``attn_q_norm``/``attn_k_norm``      family (qwen3, gemma3)
+sandwich norms         tensors ``post_attention_norm``/``post_ffw``  family (gemma3)
+activation             family                                       ``hidden_act`` / ``hidden_activation``
+embedding scale        family (gemma: sqrt(hidden))                 family
+query scale            gemma3: head_dim (27B: hidden / heads)       ``query_pre_attn_scalar``
+logit soft-capping     ``{arch}.final_logit_softcapping``           ``final_logit_softcapping``
+=====================  ===========================================  ==========================================
+
+Anything that would change the arithmetic and is not implemented (an unknown RoPE type, partial
+rotary embeddings, attention-logit soft-capping, MLP biases, bidirectional attention, a quantization
+config) is refused at load with the field's name: never a silent approximation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ruvllm.errors import ModelFormatError, UnsupportedArchitectureError
+from ruvllm.model_config import ROPE_TYPES, ModelConfig, Rope
+
+#: GGUF per-layer tensor names shared by every family (``blk.{n}.<key>``) -> canonical suffix.
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "attn_output_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "mlp_output_norm",
+}
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+#: What a fused tensor splits into, by rows: (canonical part, rows as a function of the config).
+Split = tuple[tuple[str, Callable[[ModelConfig], int]], ...]
+
+_QKV_SPLIT: Split = (
+    ("self_attn.q_proj", lambda c: c.num_heads * c.head_dim),
+    ("self_attn.k_proj", lambda c: c.num_kv_heads * c.head_dim),
+    ("self_attn.v_proj", lambda c: c.num_kv_heads * c.head_dim),
+)
+_GATE_UP_SPLIT: Split = (
+    ("mlp.gate_proj", lambda c: c.intermediate_size),
+    ("mlp.up_proj", lambda c: c.intermediate_size),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table: what a family computes and what its tensors are called."""
+
+    name: str
+    #: ``general.architecture`` values in GGUF files, and HF ``model_type`` values.
+    gguf_archs: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    #: Activation of the gated MLP, and the HF ``hidden_act`` spellings that mean it.
+    activation: str = "silu"
+    hf_activations: tuple[str, ...] = ("silu", "swish")
+    qk_norm: bool = False
+    output_norms: bool = False
+    #: q/k/v biases (no o_proj bias): qwen2 always has them.
+    qkv_bias: bool = False
+    #: HF stores RMSNorm weights as ``w`` and applies ``1 + w`` (Gemma); GGUF files hold ``1 + w``.
+    hf_norm_offset: float = 0.0
+    #: Token embeddings multiplied by sqrt(hidden_size) (Gemma).
+    scale_embeddings: bool = False
+    #: llama.cpp permutes Q/K rows for interleaved RoPE in these GGUF files (its Llama converter).
+    gguf_permuted_qk: bool = False
+    #: Interleaved local/global attention: every ``global_period``-th layer is global (gemma3: 6).
+    global_period: int = 0
+    #: gemma3: RoPE base of the local layers in GGUF files (llama.cpp's constant).
+    gguf_local_rope_theta: float | None = None
+    #: A window given by the config applies to every layer (mistral, phi3).
+    window_on_every_layer: bool = False
+    #: HF per-layer names that differ from the canonical ones.
+    hf_renames: Mapping[str, str] = field(default_factory=dict)
+    #: Fused tensors (per-layer suffix without ``.weight``) -> their parts, for HF and for GGUF.
+    hf_fused: Mapping[str, Split] = field(default_factory=dict)
+    gguf_fused: Mapping[str, Split] = field(default_factory=dict)
+    #: HF config keys this family accepts that would otherwise be refused, with their neutral value.
+    supports_final_softcap: bool = False
+    #: Tokens that end a turn besides the file's EOS (gemma's ``<end_of_turn>``, as llama.cpp and the
+    #: model's generation_config treat it), looked up by text in the vocabulary.
+    end_of_turn_texts: tuple[str, ...] = ()
+    #: The family's own chat template (``ruvllm/templates/<name>``), used when a GGUF file carries
+    #: none (llama.cpp's converter copies the template only when the source repo has one at hand).
+    default_chat_template: str | None = None
+
+    def chat_template_text(self) -> str | None:
+        if self.default_chat_template is None:
+            return None
+        from importlib.resources import files
+
+        return files("ruvllm").joinpath("templates", self.default_chat_template).read_text(encoding="utf-8")
+
+    def gguf_layer_name(self, key: str) -> str | None:
+        """Canonical suffix of GGUF per-layer tensor ``key`` (None: not one ruvllm reads)."""
+        if key in self.gguf_fused:
+            return None
+        return _GGUF_LAYER.get(key)
+
+
+_LLAMA = dict(gguf_permuted_qk=True)
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", gguf_archs=("llama",), hf_model_types=("llama",), **_LLAMA),
+    Family("mistral", gguf_archs=("mistral",), hf_model_types=("mistral",), window_on_every_layer=True, **_LLAMA),
+    Family("qwen2", gguf_archs=("qwen2",), hf_model_types=("qwen2",), qkv_bias=True),
+    Family("qwen3", gguf_archs=("qwen3",), hf_model_types=("qwen3",), qk_norm=True),
+    Family(
+        "gemma3",
+        gguf_archs=("gemma3",),
+        hf_model_types=("gemma3_text",),
+        activation="gelu_tanh",
+        hf_activations=("gelu_pytorch_tanh",),
+        qk_norm=True,
+        output_norms=True,
+        hf_norm_offset=1.0,
+        scale_embeddings=True,
+        global_period=6,
+        gguf_local_rope_theta=10000.0,
+        supports_final_softcap=True,
+        end_of_turn_texts=("<end_of_turn>",),
+        # Google's Gemma 3 template (the chat_template of the google/gemma-3-* tokenizer configs).
+        default_chat_template="gemma3.jinja",
+        hf_renames={
+            "post_attention_layernorm": "attn_output_norm",
+            "pre_feedforward_layernorm": "post_attention_layernorm",
+            "post_feedforward_layernorm": "mlp_output_norm",
+        },
+    ),
+    Family(
+        "phi3",
+        gguf_archs=("phi3",),
+        hf_model_types=("phi3",),
+        window_on_every_layer=True,
+        hf_fused={"self_attn.qkv_proj": _QKV_SPLIT, "mlp.gate_up_proj": _GATE_UP_SPLIT},
+        gguf_fused={"attn_qkv": _QKV_SPLIT, "ffn_up": _GATE_UP_SPLIT},
+    ),
+)
+_BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_archs}
+_BY_HF = {t: f for f in FAMILIES for t in f.hf_model_types}
+
+
+def supported() -> str:
+    return ", ".join(f.name for f in FAMILIES)
+
+
+def family_of_gguf(arch: str, where: str) -> Family:
+    try:
+        return _BY_GGUF[arch]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"{where}: architecture {arch!r} is not supported (supported: {supported()})"
+        ) from None
+
+
+def family_of_hf(model_type: str, where: str) -> Family:
+    try:
+        return _BY_HF[model_type]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"{where}: architecture {model_type!r} is not supported (supported: {supported()})"
+        ) from None
+
+
+def family(name: str) -> Family:
+    """The row of a :class:`ModelConfig`'s ``architecture``."""
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def gguf_global_name(name: str) -> str | None:
+    return _GGUF_GLOBAL.get(name)
+
+
+def is_norm(canonical: str) -> bool:
+    """Whether a canonical tensor name is an RMSNorm weight (Gemma's ``1 + w`` applies to these)."""
+    return canonical.endswith(("layernorm.weight", "_norm.weight", "model.norm.weight"))
+
+
+# -- HF config.json -------------------------------------------------------------------------------------
+
+
+def _refuse(where: str, field_name: str, value: Any, why: str = "is not implemented") -> None:
+    raise ModelFormatError(f"{where}: config field {field_name}={value!r} {why}; ruvllm refuses to approximate it")
+
+
+def _hf_rope(params: Mapping[str, Any], c: Mapping[str, Any], where: str, key: str) -> Rope:
+    """A :class:`Rope` from one HF rope dict (v4 ``rope_scaling`` merged with ``rope_theta``, or v5
+    ``rope_parameters``)."""
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ROPE_TYPES:
+        _refuse(where, f"{key}.rope_type", kind, f"is not a RoPE type ruvllm implements ({', '.join(ROPE_TYPES)})")
+    prf = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        _refuse(where, "partial_rotary_factor", prf)
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    original = params.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+    factor = params.get("factor")
+    if kind in ("longrope", "yarn") and factor is None and original:
+        factor = c.get("max_position_embeddings", original) / original
+    if kind in ("linear", "dynamic", "llama3", "yarn") and factor is None:
+        _refuse(where, f"{key}.factor", None, f"must be given for rope_type {kind}")
+    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+             "partial_rotary_factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+             "truncate", "attention_factor", "mscale", "mscale_all_dim", "short_factor", "long_factor"}
+    for extra in sorted(set(params) - known):
+        _refuse(where, f"{key}.{extra}", params[extra])
+    if kind in ("llama3", "yarn", "longrope") and not original:
+        original = c.get("max_position_embeddings") if kind == "yarn" else None
+        if not original:
+            _refuse(where, f"{key}.original_max_position_embeddings", None, f"must be given for rope_type {kind}")
+    return Rope(
+        theta=theta,
+        kind=kind,
+        factor=float(factor) if factor is not None else 1.0,
+        original_max_position=int(original) if original else None,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        explicit_attention_factor=(
+            float(params["attention_factor"]) if params.get("attention_factor") is not None else None
+        ),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        short_factor=tuple(params["short_factor"]) if params.get("short_factor") is not None else None,
+        long_factor=tuple(params["long_factor"]) if params.get("long_factor") is not None else None,
+    )
+
+
+def _hf_ropes(c: Mapping[str, Any], fam: Family, where: str) -> tuple[Rope, Rope | None]:
+    """Global and (gemma3) local RoPE from a v4 or v5 config."""
+    params = c.get("rope_parameters")
+    if isinstance(params, Mapping) and {"full_attention", "sliding_attention"} & set(params):
+        glob = _hf_rope(params.get("full_attention", {}), c, where, "rope_parameters.full_attention")
+        local = params.get("sliding_attention")
+        return glob, (_hf_rope(local, c, where, "rope_parameters.sliding_attention") if local else None)
+    if isinstance(params, Mapping):
+        glob = _hf_rope(params, c, where, "rope_parameters")
+    else:
+        scaling = c.get("rope_scaling") or {}
+        glob = _hf_rope({**scaling, "rope_theta": c.get("rope_theta", 10000.0)}, c, where, "rope_scaling")
+    local = None
+    if fam.global_period and c.get("rope_local_base_freq") is not None:
+        local = Rope(theta=float(c["rope_local_base_freq"]))
+    return glob, local
+
+
+def _hf_windows(c: Mapping[str, Any], fam: Family, layers: int, where: str) -> tuple[int, ...]:
+    window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            _refuse(where, "layer_types", f"{len(types)} entries", f"does not match num_hidden_layers={layers}")
+        for t in types:
+            if t not in ("full_attention", "sliding_attention"):
+                _refuse(where, "layer_types", t)
+        if "sliding_attention" in types and not window:
+            _refuse(where, "sliding_window", window, "must be set when layer_types has sliding_attention")
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in types) if window else ()
+    if not window:
+        return ()
+    window = int(window)
+    if fam.global_period:
+        period = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", fam.global_period)))
+        return tuple(0 if (i + 1) % period == 0 else window for i in range(layers))
+    if "use_sliding_window" in c:  # qwen2/qwen3: off unless asked, then from max_window_layers on
+        if not c["use_sliding_window"]:
+            return ()
+        first = int(c.get("max_window_layers", 0))
+        return tuple(window if i >= first else 0 for i in range(layers))
+    if fam.window_on_every_layer:
+        return (window,) * layers
+    _refuse(where, "sliding_window", window, f"is not part of the {fam.name} architecture")
+    return ()
+
+
+def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> ModelConfig:
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` (transformers v4 or v5 layout)."""
+    fam = family_of_hf(str(c.get("model_type", "")), where)
+    if c.get("quantization_config"):
+        method = c["quantization_config"].get("quant_method", "?")
+        _refuse(where, "quantization_config", method, "(pre-quantized HF checkpoints) is not supported")
+    act = c.get("hidden_activation") or c.get("hidden_act") or fam.hf_activations[0]
+    if act not in fam.hf_activations:
+        _refuse(where, "hidden_act", act, f"is not {fam.name}'s activation ({', '.join(fam.hf_activations)})")
+    for key in ("attn_logit_softcapping", "mlp_bias", "use_bidirectional_attention", "embedding_multiplier",
+                "logits_scaling", "residual_multiplier", "attention_multiplier"):
+        if c.get(key):
+            _refuse(where, key, c[key])
+    if c.get("final_logit_softcapping") and not fam.supports_final_softcap:
+        _refuse(where, "final_logit_softcapping", c["final_logit_softcapping"])
+    if c.get("attention_bias") and not fam.qkv_bias:
+        _refuse(where, "attention_bias", True, f"(an o_proj bias) is not implemented for {fam.name}")
+    n_head, hidden, layers = int(c["num_attention_heads"]), int(c["hidden_size"]), int(c["num_hidden_layers"])
+    head_dim = int(c.get("head_dim") or hidden // n_head)
+    rope, rope_local = _hf_ropes(c, fam, where)
+    max_pos = int(c.get("max_position_embeddings", 2048))
+    if rope.kind == "longrope" and rope.original_max_position:
+        # Short factors hold within the pre-trained context (what transformers uses there); past it
+        # transformers switches every position's frequencies mid-sequence. ruvllm serves the short range.
+        max_pos = min(max_pos, rope.original_max_position)
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    qps = c.get("query_pre_attn_scalar")
+    return ModelConfig(
+        architecture=fam.name,
+        vocab_size=int(c["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]),
+        num_layers=layers,
+        num_heads=n_head,
+        num_kv_heads=int(c.get("num_key_value_heads") or n_head),
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6 if fam.name == "gemma3" else 1e-5)),
+        rope_theta=rope.theta,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", fam.name == "gemma3")) or not has_lm_head,
+        attention_bias=fam.qkv_bias,
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        activation=fam.activation,
+        qk_norm=fam.qk_norm,
+        output_norms=fam.output_norms,
+        embedding_scale=math.sqrt(hidden) if fam.scale_embeddings else 1.0,
+        query_scale=float(qps) ** -0.5 if qps else None,
+        layer_windows=_hf_windows(c, fam, layers, where),
+        rope=rope,
+        rope_local=rope_local,
+        final_logit_softcap=float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None,
+    )
+
+
+# -- GGUF metadata --------------------------------------------------------------------------------------
+
+
+def config_from_gguf(
+    meta: Callable[[str], Any],
+    tensor: Callable[[str], Any],
+    has_tensor: Callable[[str], bool],
+    vocab_rows: int,
+    where: str,
+    token_id: Callable[[str], int | None] = lambda text: None,
+) -> ModelConfig:
+    """A :class:`ModelConfig` from GGUF metadata (``meta(key)`` -> value or None) and the tensors
+    that carry RoPE factors (``tensor(name)`` -> float32 array)."""
+    arch = meta("general.architecture")
+    if arch is None:
+        raise ModelFormatError(f"{where}: GGUF has no general.architecture")
+    fam = family_of_gguf(str(arch), where)
+
+    def get(key: str, default: Any = None) -> Any:
+        v = meta(f"{arch}.{key}")
+        return default if v is None else v
+
+    def need(key: str) -> Any:
+        v = meta(f"{arch}.{key}")
+        if v is None:
+            raise ModelFormatError(f"{where}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    def refuse(key: str, value: Any, why: str = "is not implemented") -> None:
+        raise ModelFormatError(f"{where}: GGUF metadata {arch}.{key}={value!r} {why}; ruvllm refuses to approximate it")
+
+    hidden, layers = int(need("embedding_length")), int(need("block_count"))
+    n_head = int(need("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_head)
+    if isinstance(n_kv, list):
+        if len(set(n_kv)) != 1:
+            refuse("attention.head_count_kv", n_kv, "(a different KV head count per layer) is not supported")
+        n_kv = n_kv[0]
+    head_dim = int(get("attention.key_length", hidden // n_head))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        refuse("attention.value_length", get("attention.value_length"), f"differs from key_length {head_dim}")
+    rot = get("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        refuse("rope.dimension_count", rot, f"(partial rotary embedding of a {head_dim}-wide head) is not implemented")
+    for key in ("attn_logit_softcapping",):
+        if get(key):
+            refuse(key, get(key))
+    softcap = get("final_logit_softcapping")
+    if softcap and not fam.supports_final_softcap:
+        refuse("final_logit_softcapping", softcap)
+
+    theta = float(get("rope.freq_base", 10000.0))
+    kind = str(get("rope.scaling.type", "none"))
+    factor = float(get("rope.scaling.factor", 1.0) or 1.0)
+    original = get("rope.scaling.original_context_length")
+    attn_factor = get("rope.scaling.attn_factor")
+    context = int(get("context_length", 2048))
+    divisors = None
+    if has_tensor("rope_freqs.weight"):  # llama3's scaling as llama.cpp stores it
+        divisors = tuple(float(v) for v in tensor("rope_freqs.weight"))
+    rope: Rope
+    if has_tensor("rope_factors_short.weight") or has_tensor("rope_factors_long.weight"):
+        if not original:
+            refuse("rope.scaling.original_context_length", original, "must be given with LongRoPE factors")
+        short = tuple(float(v) for v in tensor("rope_factors_short.weight"))
+        long_ = tuple(float(v) for v in tensor("rope_factors_long.weight"))
+        rope = Rope(theta=theta, kind="longrope", factor=context / int(original), original_max_position=int(original),
+                    short_factor=short, long_factor=long_,
+                    explicit_attention_factor=float(attn_factor) if attn_factor else None)
+        context = min(context, int(original))  # see config_from_hf: the short factors' range
+    elif kind in ("none", "linear"):
+        rope = Rope(theta=theta, kind="linear" if kind == "linear" and factor != 1.0 else "default",
+                    factor=factor, freq_divisors=divisors)
+    elif kind == "yarn":
+        if not original:
+            refuse("rope.scaling.original_context_length", original, "must be given for YaRN")
+        rope = Rope(theta=theta, kind="yarn", factor=factor, original_max_position=int(original),
+                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                    explicit_attention_factor=float(attn_factor) if attn_factor else None, freq_divisors=divisors)
+    else:
+        refuse("rope.scaling.type", kind, "is not a RoPE scaling ruvllm implements (none, linear, yarn)")
+
+    window = get("attention.sliding_window")
+    windows: tuple[int, ...] = ()
+    rope_local = None
+    if window:
+        window = int(window)
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: true = sliding
+            windows = tuple(window if p else 0 for p in pattern)
+        elif fam.global_period:
+            period = int(pattern or fam.global_period)
+            windows = tuple(0 if (i + 1) % period == 0 else window for i in range(layers))
+        elif fam.window_on_every_layer or fam.name == "llama":
+            windows = (window,) * layers
+        else:
+            refuse("attention.sliding_window", window, f"is not part of the {fam.name} architecture")
+        if fam.gguf_local_rope_theta is not None:
+            rope_local = Rope(theta=float(get("rope.freq_base_swa", fam.gguf_local_rope_theta)))
+    query_scale = None
+    if fam.name == "gemma3":
+        # llama.cpp: 1/sqrt(head_dim), except Gemma-3-27B (62 layers) which scales by hidden/heads.
+        query_scale = (hidden / n_head) ** -0.5 if layers == 62 else head_dim**-0.5
+
+    eos = meta("tokenizer.ggml.eos_token_id")
+    eot = meta("tokenizer.ggml.eot_token_id")
+    bos = meta("tokenizer.ggml.bos_token_id")
+    extra_eos = tuple(i for i in (token_id(t) for t in fam.end_of_turn_texts) if i is not None)
+    return ModelConfig(
+        architecture=fam.name,
+        vocab_size=int(get("vocab_size", vocab_rows)),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=layers,
+        num_heads=n_head,
+        num_kv_heads=int(n_kv),
+        head_dim=head_dim,
+        max_position_embeddings=context,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        tie_word_embeddings=not has_tensor("output.weight"),
+        attention_bias=has_tensor("blk.0.attn_q.bias") or has_tensor("blk.0.attn_qkv.bias"),
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=tuple(dict.fromkeys(int(x) for x in (eos, eot, *extra_eos) if x is not None)),
+        name=str(meta("general.name") or ""),
+        activation=fam.activation,
+        qk_norm=fam.qk_norm or has_tensor("blk.0.attn_q_norm.weight"),
+        output_norms=fam.output_norms,
+        embedding_scale=math.sqrt(hidden) if fam.scale_embeddings else 1.0,
+        query_scale=query_scale,
+        layer_windows=windows,
+        rope=rope,
+        rope_local=rope_local,
+        final_logit_softcap=float(softcap) if softcap else None,
+    )
