@@ -13,6 +13,12 @@ reference count, so sequences can share them:
 * **Copy-on-write.** ``fork`` shares a sequence's blocks with a new one (``n > 1`` choices share
   their prompt). The first write into a block that someone else still references copies it to a
   fresh block first; the (src, dst) pairs are handed to the backend with the next forward step.
+* **Sliding windows.** For a model whose every layer attends over the last ``sliding_window``
+  positions only, a block whose positions all lie before the window of the sequence's next token is
+  never read again: it is released as the sequence grows (its table entry becomes :data:`NO_BLOCK`),
+  so a sequence holds about ``window / block_size + 1`` blocks whatever its length. A released block
+  that is cached stays cached for prefix hits (a later prompt with the same start takes it again).
+  Models that mix windowed and global layers keep every block (their global layers read them all).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from dataclasses import dataclass, field
 from ruvllm.errors import RuvllmError
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
+#: Table entry of a block released because it fell out of the sliding window.
+NO_BLOCK = -1
 
 
 class BlockManagerError(RuvllmError):
@@ -70,6 +78,7 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         eviction: str = "lru",
+        sliding_window: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise BlockManagerError(f"num_blocks must be at least 1, got {num_blocks}")
@@ -77,8 +86,11 @@ class BlockManager:
             raise BlockManagerError(f"block_size must be at least 1, got {block_size}")
         if eviction not in EVICTION_POLICIES:
             raise BlockManagerError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
+        if sliding_window < 0:
+            raise BlockManagerError(f"sliding_window must be 0 (none) or positive, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.eviction = eviction
         self._ref = [0] * num_blocks
@@ -118,6 +130,7 @@ class BlockManager:
         return seq_id in self._seqs
 
     def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's blocks in position order; :data:`NO_BLOCK` where one fell out of the window."""
         return self._entry(seq_id).table
 
     def ref_count(self, block_id: int) -> int:
@@ -125,6 +138,21 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks one sequence of ``num_tokens`` holds at once when it is computed in steps
+        of at most ``chunk_tokens`` (with a sliding window: the window before a step plus the step)."""
+        whole = self.blocks_needed(num_tokens)
+        if not self.sliding_window:
+            return whole
+        return min(whole, self.blocks_needed(self.sliding_window - 1 + chunk_tokens) + 1)
+
+    def first_live_block(self, num_computed: int) -> int:
+        """Index of the first block a sequence's next token (at ``num_computed``) or any later one can
+        read: with a sliding window ``w`` that is the block of position ``num_computed - w + 1``."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def get_cached_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
         """The cached blocks matching the leading full blocks of ``token_ids`` (nothing is taken).
@@ -160,6 +188,8 @@ class BlockManager:
         Returns False, changing nothing, when there are not enough free blocks.
         """
         entry = self._seqs.get(seq_id)
+        if entry is not None:
+            self._release_out_of_window(entry, num_computed)
         if prefix is not None and prefix.block_ids:
             if entry is not None and entry.table:
                 raise BlockManagerError(f"sequence {seq_id!r} already has blocks; a prefix only starts a table")
@@ -191,6 +221,7 @@ class BlockManager:
             self._release(src)
         for _ in range(need_new):
             table.append(self._pop_free())
+        self._release_out_of_window(entry, num_computed)  # a prefix hit may reach past the window
         return True
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
@@ -206,7 +237,7 @@ class BlockManager:
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             entry.hashes.append(h)
             b = entry.table[i]
-            if h in self._cached or self._hash[b] is not None:
+            if b == NO_BLOCK or h in self._cached or self._hash[b] is not None:
                 continue  # an identical block is cached already (keep the first), or b is shared
             self._hash[b] = h
             self._cached[h] = b
@@ -220,7 +251,8 @@ class BlockManager:
             raise BlockManagerError(f"sequence {child_id!r} already has blocks")
         parent = self._entry(parent_id)
         for b in parent.table:
-            self._ref[b] += 1
+            if b != NO_BLOCK:
+                self._ref[b] += 1
         self._seqs[child_id] = _SequenceBlocks(list(parent.table), list(parent.hashes))
 
     def free(self, seq_id: Hashable) -> None:
@@ -232,7 +264,8 @@ class BlockManager:
         # Tail first: under LRU the tail of a sequence is then evicted before its head, which
         # more future prompts share.
         for b in reversed(entry.table):
-            self._release(b)
+            if b != NO_BLOCK:
+                self._release(b)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies owed to the backend since the last call."""
@@ -254,6 +287,13 @@ class BlockManager:
         if entry is None:
             raise BlockManagerError(f"sequence {seq_id!r} has no blocks")
         return entry
+
+    def _release_out_of_window(self, entry: _SequenceBlocks, num_computed: int) -> None:
+        table = entry.table
+        for i in range(min(self.first_live_block(num_computed), len(table))):
+            if table[i] != NO_BLOCK:
+                self._release(table[i])
+                table[i] = NO_BLOCK
 
     def _must_copy(self, block: int) -> bool:
         # A block someone else references, or one registered in the cache, must not be overwritten.

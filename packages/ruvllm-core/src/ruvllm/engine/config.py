@@ -68,12 +68,17 @@ def kv_block_bytes(config: ModelConfig, block_size: int, bytes_per_value: int = 
 def default_num_blocks(config: ModelConfig, engine: EngineConfig, max_model_len: int) -> int:
     """KV blocks to allocate when ``EngineConfig.num_blocks`` is None.
 
-    Rule: enough blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens each, capped so
+    Rule: enough blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens each (of their
+    window and one step, when every layer has the same sliding window), capped so
     the cache (float32 keys and values of every layer) stays within ``kv_cache_memory_bytes``;
     at least one block. Requests that could not fit the resulting cache alone are refused when they
     are added; the scheduler preempts when concurrent ones outgrow it.
     """
     per_sequence = -(-max_model_len // engine.block_size)
+    if config.uniform_window:  # a sequence holds its window's blocks plus one step's
+        per_sequence = min(
+            per_sequence, -(-(config.uniform_window - 1 + engine.max_num_batched_tokens) // engine.block_size) + 1
+        )
     wanted = engine.max_num_seqs * per_sequence
     affordable = engine.kv_cache_memory_bytes // kv_block_bytes(config, engine.block_size)
     return max(1, min(wanted, affordable))

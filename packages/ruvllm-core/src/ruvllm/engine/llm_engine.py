@@ -56,6 +56,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             eviction=config.eviction,
+            sliding_window=mc.uniform_window,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -104,7 +105,7 @@ class LLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model "
                 f"context of {self.max_model_len} tokens"
             )
-        need = self.block_manager.blocks_needed(len(prompt) + sampling.max_tokens)
+        need = self.block_manager.peak_blocks(len(prompt) + sampling.max_tokens, self.config.max_num_batched_tokens)
         if need > self.num_blocks:
             raise RequestError(
                 f"the request needs {need} KV blocks but the cache has {self.num_blocks}; "
@@ -270,7 +271,8 @@ class LLMEngine:
             SequenceChunk(
                 token_ids=np.asarray(c.token_ids, dtype=np.int32),
                 start_pos=c.start,
-                block_table=np.asarray(bm.block_table(c.seq.seq_id), dtype=np.int32),
+                # Blocks released out of a sliding window read as block 0: never unmasked.
+                block_table=np.maximum(np.asarray(bm.block_table(c.seq.seq_id), dtype=np.int32), 0),
                 adapter=c.seq.state.adapter,
             )
             for c in sched.chunks
