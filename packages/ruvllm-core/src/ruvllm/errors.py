@@ -30,4 +30,9 @@ class PluginError(RuvllmError):
 
 
 class RequestError(RuvllmError):
-    """A request is invalid (bad sampling values, prompt longer than the context, ...)."""
+    """A request is invalid (bad sampling values, prompt longer than the context, ...). ``param``
+    names the request field at fault when there is one (the server reports it)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ruvllm.errors import RequestError
+
+if TYPE_CHECKING:
+    from ruvllm.structured import Constraint, StructuredOutput
 
 
 @dataclass
@@ -29,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen token only)
     #: Leave special tokens (``<|im_start|>``...) out of the output text; token ids keep them.
     skip_special_tokens: bool = True
+    #: Output must match this (JSON schema, regex, choice, grammar); see :mod:`ruvllm.structured`.
+    structured: StructuredOutput | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> None:
@@ -95,8 +101,9 @@ class Sampler:
     """Per-choice sampling state: its random generator and the counts of the tokens it produced.
 
     Order of operations on a logits row: repetition penalty (prompt and output tokens), presence and
-    frequency penalties (output tokens), logit bias, the min_tokens ban on eos/stop tokens; then
-    greedy argmax, or temperature followed by top_k, top_p and min_p filtering and a draw.
+    frequency penalties (output tokens), logit bias, the min_tokens ban on eos/stop tokens, the
+    structured-output mask (tokens the grammar does not allow next); then greedy argmax, or
+    temperature followed by top_k, top_p and min_p filtering and a draw.
     Logprobs are those of the model's raw logits (what the model predicted, before any of this).
     """
 
@@ -107,8 +114,10 @@ class Sampler:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         *,
         choice_index: int = 0,
+        constraint: Constraint | None = None,
     ) -> None:
         self.params = params
+        self.constraint = constraint
         # Each of the n choices of a seeded request gets its own reproducible stream.
         seed = None if params.seed is None else [params.seed & 0xFFFF_FFFF_FFFF_FFFF, choice_index]
         self.rng = np.random.default_rng(seed)
@@ -136,6 +145,16 @@ class Sampler:
         if self.generated < p.min_tokens:
             banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < x.shape[-1]]
             x[banned] = -np.inf
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            n = min(len(allowed), x.shape[-1])
+            masked = np.full_like(x, -np.inf)
+            masked[:n] = np.where(allowed[:n], x[:n], -np.inf)
+            if not np.isfinite(masked).any():
+                # Only what the min_tokens ban removed is allowed (the grammar is complete): the
+                # grammar wins, its end is the output's end.
+                masked[:n] = np.where(allowed[:n], np.asarray(logits, np.float64)[:n], -np.inf)
+            x = masked
         return x
 
     def probabilities(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,4 +202,6 @@ class Sampler:
                 top = [(int(i), float(lp[i])) for i in idx_top]
         self._counts[token] = self._counts.get(token, 0) + 1
         self.generated += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
         return SampleResult(token, chosen_lp, top)

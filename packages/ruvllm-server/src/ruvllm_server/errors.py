@@ -102,7 +102,7 @@ def handle_exception(request: Request, exc: Exception) -> Response[bytes]:
     elif isinstance(exc, HTTPException):
         err = _from_http(exc)
     elif isinstance(exc, RequestError):
-        err = bad_request(str(exc))
+        err = bad_request(str(exc), param=exc.param)
     elif isinstance(exc, EngineDeadError):
         err = APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     elif isinstance(exc, RuvllmError):

@@ -19,6 +19,7 @@ from ruvllm.engine import EngineDeadError
 from ruvllm.engine.types import ChoiceDelta, GenerationRequest, RequestMetrics, RequestOutput, TokenLogprob
 from ruvllm.errors import RequestError, RuvllmError
 from ruvllm.sampling import SamplingParams
+from ruvllm.structured import StructuredOutput
 from ruvllm_server.errors import APIError, bad_request, model_not_found
 from ruvllm_server.schemas import (
     ChatChoice,
@@ -126,6 +127,59 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def structured_output(req: SamplingFields) -> StructuredOutput | None:
+    """The request's output constraint, from whichever one field gives it: ``response_format``
+    (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` or its ``guided_*`` fields."""
+    found: list[StructuredOutput] = []
+    rf = req.response_format
+    if rf is not None:
+        if rf.type == "json_object":
+            found.append(StructuredOutput("json_object", param="response_format"))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema is None:
+                raise bad_request(
+                    "response_format json_schema needs json_schema.schema", param="response_format.json_schema"
+                )
+            found.append(StructuredOutput.json_schema(rf.json_schema.schema))
+        elif rf.type != "text":
+            raise bad_request(
+                f"response_format type must be text, json_object or json_schema, got {rf.type!r}",
+                param="response_format.type",
+            )
+    so = req.structured_outputs
+    if so is not None:
+        given = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise bad_request(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}",
+                param="structured_outputs",
+            )
+        found.append(_vllm_constraint(given[0], getattr(so, given[0]), f"structured_outputs.{given[0]}"))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found.append(_vllm_constraint(name, value, f"guided_{name}"))
+    if len(found) > 1:
+        names = ", ".join(f.param.split(".")[0] for f in found)
+        raise bad_request(f"give one output constraint, not several ({names})", param=found[1].param.split(".")[0])
+    return found[0] if found else None
+
+
+def _vllm_constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput.json_schema(value, param=param)
+    if kind == "json_object":
+        return StructuredOutput("json_object", param=param)
+    if kind == "choice":
+        return StructuredOutput.choice(value, param=param)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param=param)
+    return StructuredOutput(kind, value, param)  # type: ignore[arg-type]
+
+
 def build_sampling(
     state: ServerState,
     req: SamplingFields,
@@ -168,6 +222,7 @@ def build_sampling(
         ignore_eos=bool(req.ignore_eos),
         n=n,
         logprobs=logprobs,
+        structured=structured_output(req),
     )
     vocab = state.model.config.vocab_size if state.model is not None else None
     if vocab is not None:
@@ -407,8 +462,6 @@ class ChatJob:
         check_model(self.state, req.model)
         if req.tools:
             raise bad_request("tools are not supported by this server", param="tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format {req.response_format.type!r} is not supported", param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         prompt = encode_chat(self.state, req.messages, req.add_generation_prompt)

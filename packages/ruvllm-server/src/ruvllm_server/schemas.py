@@ -52,6 +52,30 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JsonSchemaFormat(Struct):
+    schema: dict[str, Any] | bool | None = None
+    name: str | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json: dict[str, Any] | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """Fields chat and completions share (OpenAI's plus vLLM's common extensions)."""
 
@@ -76,6 +100,13 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # --- chat -------------------------------------------------------------------------------------
@@ -92,10 +123,6 @@ class ChatMessage(Struct):
     name: str | None = None
 
 
-class ResponseFormat(Struct):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
@@ -103,7 +130,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
 

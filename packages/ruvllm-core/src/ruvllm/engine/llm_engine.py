@@ -31,6 +31,7 @@ from ruvllm.sampling import Sampler, SampleResult
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
+    from ruvllm.structured import GrammarCompiler
     from ruvllm.tokenizer import Tokenizer
 
 log = structlog.get_logger("ruvllm.engine")
@@ -67,6 +68,7 @@ class LLMEngine:
         self.cache = model.allocate_cache(self.num_blocks, config.block_size, **config.kv_cache_options)
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self._grammar_compiler: GrammarCompiler | None = None
         self._requests: dict[str, RequestState] = {}
         self._order = itertools.count()
         #: Outputs of other requests produced while ``stream``/``generate`` drove the engine.
@@ -98,6 +100,8 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         sampling.validate(vocab)
+        if sampling.structured is not None:
+            self.grammar_compiler().grammar(sampling.structured)  # compiled once, cached; bad -> 400
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model context is {self.max_model_len}")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
@@ -284,9 +288,23 @@ class LLMEngine:
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
         from ruvllm.tokenizer import IncrementalDetokenizer
 
-        sampler = Sampler(state.sampling, state.prompt_token_ids, self.eos_token_ids, choice_index=index)
+        spec = state.sampling.structured
+        constraint = self.grammar_compiler().constraint(spec) if spec is not None else None
+        sampler = Sampler(
+            state.sampling, state.prompt_token_ids, self.eos_token_ids, choice_index=index, constraint=constraint
+        )
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=state.sampling.skip_special_tokens)
         return Sequence(state, index, sampler, detokenizer)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer (built on first use, ~1 s)."""
+        if self._grammar_compiler is None:
+            from ruvllm.structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._grammar_compiler
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The prompt of an ``n > 1`` request is computed once; its choices then share its blocks."""
@@ -317,6 +335,9 @@ class LLMEngine:
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return
+        constraint = seq.sampler.constraint
+        if seq.finish_reason is None and constraint is not None and constraint.finished:
+            seq.finish_reason = "stop"  # the grammar is complete and allows nothing more
         if seq.finish_reason is None and (produced >= p.max_tokens or len(seq.token_ids) >= self.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
