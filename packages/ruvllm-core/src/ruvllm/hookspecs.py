@@ -50,3 +50,10 @@ def pre_inference(request: InferenceRequest) -> None:
 @hookspec
 def post_inference(request: InferenceRequest, result: InferenceResult) -> None:
     """Observe a finished request and its result (tokens, text, timings)."""
+
+
+@hookspec
+def register_tool_parsers(register: Callable[[type], None]) -> None:
+    """Register tool-call parsers by calling ``register(cls)`` with subclasses of
+    :class:`ruvllm.tools.ToolParser` (a ``name`` and a ``parse`` method); the server picks one by
+    name (``--tool-call-parser``) or from the chat template's tool format."""

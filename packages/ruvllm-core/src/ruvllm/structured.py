@@ -160,6 +160,10 @@ class Constraint:
         self._words = (self._vocab + 31) // 32
         self._future: Future[np.ndarray] | None = None
         self.mask_wait_seconds = 0.0
+        # The matcher is touched by one thread at a time: the worker while a mask is computed, the
+        # engine thread otherwise (llguidance's objects refuse concurrent borrows). Its state is
+        # read once per token, here and in consume().
+        self._finished = False
         self._schedule()
 
     def _compute(self) -> np.ndarray:
@@ -189,18 +193,12 @@ class Constraint:
         """Advance past the sampled ``token`` and start computing the next mask."""
         if self._future is not None:
             self._future.result()  # the matcher is not shared with a running computation
+            self._future = None
         self._matcher.consume_token(int(token))
+        self._finished = self._matcher.is_stopped() or self._matcher.is_error()
         self._schedule()
 
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (the output should stop here)."""
-        return self._matcher.is_stopped() or self._matcher.is_error()
-
-    @property
-    def accepting(self) -> bool:
-        return self._matcher.is_accepting()
-
-    @property
-    def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        return self._finished

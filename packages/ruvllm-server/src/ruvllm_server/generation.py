@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,16 @@ from ruvllm.engine.types import ChoiceDelta, GenerationRequest, RequestMetrics, 
 from ruvllm.errors import RequestError, RuvllmError
 from ruvllm.sampling import SamplingParams
 from ruvllm.structured import StructuredOutput
+from ruvllm.tools import (
+    ToolCall,
+    ToolParser,
+    calls_from_required,
+    check_tools,
+    named_schema,
+    required_schema,
+    template_knows_tools,
+    tool_system_prompt,
+)
 from ruvllm_server.errors import APIError, bad_request, model_not_found
 from ruvllm_server.schemas import (
     ChatChoice,
@@ -38,8 +49,12 @@ from ruvllm_server.schemas import (
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
+    FunctionCall,
+    FunctionDelta,
     PromptTokensDetails,
     SamplingFields,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
@@ -73,8 +88,11 @@ def check_model(state: ServerState, name: str | None) -> None:
         raise model_not_found(name)
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (content parts joined into one string)."""
+def message_dicts(messages: list[ChatMessage], template_reads_tools: bool = True) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (content parts joined into one string). An assistant
+    turn's ``tool_calls`` go to the template with their arguments as objects, as transformers passes
+    them; a template that knows no tools gets them written into the content instead, as the ``json``
+    tool format (what :func:`ruvllm.tools.tool_system_prompt` asks the model to write)."""
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
@@ -89,16 +107,45 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        d = {"role": m.role, "content": content}
+        d: dict[str, Any] = {"role": m.role, "content": content}
         if m.name:
             d["name"] = m.name
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(c.function.arguments) if c.function.arguments else {}
+                except json.JSONDecodeError:
+                    raise bad_request(
+                        "tool call arguments must be JSON text",
+                        param=f"messages[{i}].tool_calls[{j}].function.arguments",
+                    ) from None
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+            if template_reads_tools:
+                d["tool_calls"] = calls
+            else:
+                written = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+                text = json.dumps(written[0] if len(written) == 1 else written, ensure_ascii=False)
+                d["content"] = f"{content}\n{text}" if content else text
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
-def encode_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(
+    state: ServerState,
+    messages: list[ChatMessage] | list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_kw: Any,
+) -> list[int]:
+    if messages and not isinstance(messages[0], dict):
+        reads_tools = template_knows_tools(state.tokenizer.chat_template)
+        dicts = message_dicts(messages, reads_tools)  # type: ignore[arg-type]
+    else:
+        dicts = messages  # type: ignore[assignment]
     try:
-        return state.tokenizer.encode_chat(message_dicts(messages), add_generation_prompt=add_generation_prompt)
+        return state.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt, **template_kw)
     except jinja2.TemplateError as exc:
         # Templates reject conversations they cannot render (e.g. roles that do not alternate).
         raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
@@ -188,6 +235,7 @@ def build_sampling(
     default_max_tokens: int,
     prompt_len: int,
     logprobs: int | None,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     n = req.n if req.n is not None else 1
     if n > state.settings.max_n:
@@ -222,7 +270,7 @@ def build_sampling(
         ignore_eos=bool(req.ignore_eos),
         n=n,
         logprobs=logprobs,
-        structured=structured_output(req),
+        structured=structured or structured_output(req),
     )
     vocab = state.model.config.vocab_size if state.model is not None else None
     if vocab is not None:
@@ -449,6 +497,46 @@ def _error_event(exc: Exception) -> bytes:
 
 
 @dataclass
+class ToolSetup:
+    """How one chat request uses tools: ``mode`` none / auto / required / named."""
+
+    tools: list[dict[str, Any]]
+    mode: str
+    name: str | None = None
+    parallel: bool = True
+
+
+def tool_setup(req: ChatCompletionRequest) -> ToolSetup | None:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    tools = check_tools(req.tools)
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolSetup(tools, choice or "auto", parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named_schema(tools, name)  # an unknown name is a 400 naming tool_choice
+        return ToolSetup(tools, "named", name, parallel)
+    raise bad_request(
+        "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
+
+
+@dataclass
+class ChoiceTools:
+    """Per-choice tool-call state while streaming (auto mode holds back what may be a call)."""
+
+    text: str = ""
+    emitted: int = 0
+    call_at: int | None = None
+    started_named: bool = False
+
+
+@dataclass
 class ChatJob:
     state: ServerState
     req: ChatCompletionRequest
@@ -456,15 +544,34 @@ class ChatJob:
     api_key_id: str | None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolSetup | None = None
+    named_call_id: str = field(default_factory=lambda: ToolCall("x", "{}").id)
+
+    @property
+    def parser(self) -> ToolParser | None:
+        return self.state.tool_parser
 
     def prepare(self) -> Run:
         req = self.req
         check_model(self.state, req.model)
-        if req.tools:
-            raise bad_request("tools are not supported by this server", param="tools")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-        prompt = encode_chat(self.state, req.messages, req.add_generation_prompt)
+        self.tools = setup = tool_setup(req)
+        structured = None
+        template_kw: dict[str, Any] = {}
+        messages = message_dicts(req.messages, template_knows_tools(self.state.tokenizer.chat_template))
+        if setup is not None:
+            if setup.mode in ("required", "named") and structured_output(req) is not None:
+                raise bad_request("a forced tool call cannot also have an output constraint", param="tool_choice")
+            if setup.mode == "named":
+                structured = StructuredOutput.json_schema(named_schema(setup.tools, setup.name), param="tool_choice")
+            elif setup.mode == "required":
+                structured = StructuredOutput.json_schema(required_schema(setup.tools, setup.parallel), param="tools")
+            if template_knows_tools(self.state.tokenizer.chat_template):
+                template_kw["tools"] = setup.tools  # as transformers passes them
+            elif setup.mode != "none":
+                messages = _with_system_text(messages, tool_system_prompt(setup.tools, setup.parallel))
+        prompt = encode_chat(self.state, messages, req.add_generation_prompt, **template_kw)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = build_sampling(
             self.state,
@@ -473,8 +580,24 @@ class ChatJob:
             default_max_tokens=self.state.max_context,
             prompt_len=len(prompt),
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            structured=structured,
         )
         return Run(self.state, [engine_request(prompt, params, self.id, req.user, self.api_key_id)])
+
+    def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, tool calls, finish reason) of a finished choice's text."""
+        setup = self.tools
+        if setup is None or setup.mode == "none" or finish_reason != "stop":
+            return text, [], finish_reason
+        if setup.mode == "named":
+            return None, [ToolCall(setup.name or "", text, self.named_call_id)], "stop"
+        if setup.mode == "required":
+            return None, calls_from_required(text), "tool_calls"
+        assert self.parser is not None
+        parsed = self.parser.parse(text, setup.tools)
+        if not parsed.tool_calls:
+            return text, [], finish_reason
+        return parsed.content, parsed.tool_calls, "tool_calls"
 
     async def complete(self, run: Run) -> ChatCompletion:
         acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(run.requests[0].sampling.n)}
@@ -488,24 +611,84 @@ class ChatJob:
                 if d.finish_reason:
                     a.finish_reason = d.finish_reason
         want_logprobs = bool(self.req.logprobs)
-        choices = [
-            ChatChoice(
-                i,
-                ChatResponseMessage("assistant", "".join(a.text)),
-                chat_logprobs(a.logprobs) if want_logprobs else None,
-                a.finish_reason,
+        choices = []
+        for i, a in sorted(acc.items()):
+            content, calls, reason = self._calls("".join(a.text), a.finish_reason)
+            message = ChatResponseMessage(
+                "assistant",
+                content,
+                [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls] or None,
             )
-            for i, a in sorted(acc.items())
-        ]
+            choices.append(ChatChoice(i, message, chat_logprobs(a.logprobs) if want_logprobs else None, reason))
         return ChatCompletion(self.id, self.created, self.state.model_name, choices, run.usage())
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, choices, usage=usage))
 
+    def _tool_deltas(self, index: int, st: ChoiceTools, piece: str, finish_reason: str | None) -> list[ChatChunkChoice]:
+        """Stream chunks for one engine delta of a choice when the request has tools: content as it
+        comes, except what is (or may become) a tool call, which goes out as tool-call deltas (id and
+        name first, then argument fragments)."""
+        setup = self.tools
+        assert setup is not None
+        st.text += piece
+        out: list[ChatChunkChoice] = []
+
+        def content(text: str) -> None:
+            if text:
+                out.append(ChatChunkChoice(index, ChatDelta(content=text), None, None))
+
+        if setup.mode == "named" and finish_reason in (None, "stop"):
+            if not st.started_named:
+                st.started_named = True
+                first = ToolCallDelta(0, FunctionDelta(setup.name, ""), self.named_call_id, "function")
+                out.append(ChatChunkChoice(index, ChatDelta(tool_calls=[first]), None, None))
+            if piece:
+                delta = ToolCallDelta(0, FunctionDelta(arguments=piece))
+                out.append(ChatChunkChoice(index, ChatDelta(tool_calls=[delta]), None, None))
+            if finish_reason:
+                out.append(ChatChunkChoice(index, ChatDelta(), None, finish_reason))
+            return out
+        if setup.mode == "auto" and st.call_at is None and self.parser is not None:
+            pending = st.text[st.emitted :]
+            at = self.parser.call_start(pending)
+            if at is not None:
+                st.call_at = st.emitted + at
+                content(pending[:at])
+                st.emitted = st.call_at
+            elif finish_reason is None:
+                keep = self.parser.may_start(pending)
+                content(pending[: len(pending) - keep])
+                st.emitted += len(pending) - keep
+        elif setup.mode == "none":
+            content(st.text[st.emitted :])
+            st.emitted = len(st.text)
+        if finish_reason is None:
+            return out
+        _, calls, reason = self._calls(st.text, finish_reason)
+        if calls:
+            for k, c in enumerate(calls):
+                head = ToolCallDelta(k, FunctionDelta(c.name, ""), c.id, "function")
+                out.append(ChatChunkChoice(index, ChatDelta(tool_calls=[head]), None, None))
+                out.append(
+                    ChatChunkChoice(
+                        index,
+                        ChatDelta(tool_calls=[ToolCallDelta(k, FunctionDelta(arguments=c.arguments))]),
+                        None,
+                        None,
+                    )
+                )
+        else:
+            content(st.text[st.emitted :])
+        st.emitted = len(st.text)
+        out.append(ChatChunkChoice(index, ChatDelta(), None, reason))
+        return out
+
     async def stream(self, run: Run) -> AsyncIterator[bytes]:
         n = run.requests[0].sampling.n
         want_logprobs = bool(self.req.logprobs)
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        tool_state = {i: ChoiceTools() for i in range(n)} if self.tools is not None else None
         try:
             yield self._chunk(
                 [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
@@ -513,6 +696,10 @@ class ChatJob:
             async for _, out in run.outputs():
                 choices = []
                 for d in out.deltas:
+                    if tool_state is not None:
+                        st = tool_state.setdefault(d.index, ChoiceTools())
+                        choices.extend(self._tool_deltas(d.index, st, d.text, d.finish_reason))
+                        continue
                     if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
                         continue
                     choices.append(
@@ -530,6 +717,15 @@ class ChatJob:
         except Exception as exc:  # the status line is sent: errors go into the stream
             yield _error_event(exc)
         yield SSE_DONE
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` added to the system message (a new one first if there is none)."""
+    if messages and messages[0].get("role") in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{text}".strip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 # --- completions ------------------------------------------------------------------------------

@@ -45,6 +45,12 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--rate-limit-burst", type=int, default=None, help="burst size of the rate limit")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: the engine's choice)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="parser of tool calls in free text: hermes, llama3_json, mistral, json, or a plugin's (default: "
+        "from the chat template)",
+    )
     p.add_argument("--sona", action="store_true", default=None, help="attach SONA learning (needs ruvllm-sona)")
     p.add_argument("--sona-scope", default=None, help="SONA adapter scope: global (default), user, ...")
     p.add_argument("--sona-state-dir", default=None, help="directory SONA saves its state to")
@@ -82,6 +88,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "rate_limit_burst": args.rate_limit_burst,
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs,
+        "tool_call_parser": args.tool_call_parser,
         "sona": args.sona,
         "sona_scope": args.sona_scope,
         "sona_state_dir": args.sona_state_dir,

@@ -117,10 +117,25 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    #: JSON text, as the OpenAI API sends it.
+    arguments: str
+
+
+class ToolCallIn(Struct):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -130,6 +145,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
 
@@ -150,9 +166,16 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None
 
 
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatResponseMessage(Struct):
     role: str
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct):
@@ -172,9 +195,22 @@ class ChatCompletion(Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ruvllm.engine.types import EngineStats
     from ruvllm.runtime import LoadedModel
     from ruvllm.tokenizer import Tokenizer
+    from ruvllm.tools import ToolParser
     from ruvllm_server.embeddings import Embedder
 
 log = structlog.get_logger("ruvllm.server")
@@ -32,10 +33,12 @@ def load_model(settings: ServerSettings) -> LoadedModel:
     if not settings.model:
         raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
     return runtime_load(
-        settings.model, backend=settings.backend, options=LoadOptions(
+        settings.model,
+        backend=settings.backend,
+        options=LoadOptions(
             quantization=settings.quantization,
             extra={} if settings.threads is None else {"threads": settings.threads},
-        )
+        ),
     )
 
 
@@ -57,6 +60,8 @@ class ServerState:
         self.draining = False
         self.load_error: str | None = None
         self.sona_attached = False
+        #: Finds tool calls in free text (tool_choice auto); set when the engine starts.
+        self.tool_parser: ToolParser | None = None
         self._loader: asyncio.Task[None] | None = None
         self.metrics.watch(self.engine_stats, lambda: (self.admission.running, self.admission.queued))
 
@@ -94,6 +99,13 @@ class ServerState:
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
             raise ServerConfigError(f"max_context {s.max_context} exceeds the model's context length {model_context}")
+        from ruvllm.tools import parser_for_template, tool_parsers
+
+        parsers = tool_parsers(self.model.host)
+        parser_name = s.tool_call_parser or parser_for_template(self.model.tokenizer.chat_template)
+        if parser_name not in parsers:
+            raise ServerConfigError(f"unknown tool_call_parser {parser_name!r} (known: {', '.join(sorted(parsers))})")
+        self.tool_parser = parsers[parser_name]()
         if s.sona:
             self._attach_sona()
         engine = AsyncEngine(self.model, config)

@@ -1,5 +1,5 @@
 """A third-party plugin: records every request it sees to the JSON-lines file named by
-RUVLLM_EXAMPLE_PLUGIN_LOG, and adds an ``example-echo`` command."""
+RUVLLM_EXAMPLE_PLUGIN_LOG, adds an ``example-echo`` command and a tool-call parser (``example_call_line``)."""
 
 import json
 import os
@@ -37,3 +37,30 @@ def register_commands(subparsers):
     p = subparsers.add_parser("example-echo", help="(example plugin) print the words given")
     p.add_argument("words", nargs="*")
     p.set_defaults(func=lambda args, host: print(" ".join(args.words)) or 0)
+
+
+@hookimpl
+def register_tool_parsers(register):
+    from ruvllm.tools import ParsedOutput, ToolCall, ToolParser
+
+    class CallLineParser(ToolParser):
+        """Calls written as ``name({...json arguments...})``, one per line."""
+
+        name = "example_call_line"
+        markers = ("(",)
+
+        def parse(self, text, tools):
+            names = {t["function"]["name"] for t in tools}
+            calls = []
+            for line in text.strip().splitlines():
+                head, paren, rest = line.partition("(")
+                if not paren or head.strip() not in names or not rest.endswith(")"):
+                    return ParsedOutput(text, [])
+                try:
+                    args = json.loads(rest[:-1])
+                except ValueError:
+                    return ParsedOutput(text, [])
+                calls.append(ToolCall(head.strip(), json.dumps(args)))
+            return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
+
+    register(CallLineParser)

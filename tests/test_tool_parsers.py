@@ -1,0 +1,117 @@
+"""Tool-call parsers, the parser registry (built-ins plus plugins), and chat templates that receive
+``tools`` and assistant ``tool_calls`` exactly as transformers passes them."""
+
+from __future__ import annotations
+
+import json
+
+import _tokenizer_fixtures
+import pytest
+
+from ruvllm.plugins import load_plugins
+from ruvllm.tools import (
+    BUILTIN_PARSERS,
+    calls_from_required,
+    parser_for_template,
+    required_schema,
+    tool_parsers,
+)
+
+smollm2_tokenizer = _tokenizer_fixtures.smollm2_tokenizer
+hf_smollm2_tokenizer = _tokenizer_fixtures.hf_smollm2_tokenizer
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+         "Let me check.", [("get_weather", {"city": "Oslo"})]),
+        ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "get_weather", '
+         '"arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', None,
+         [("add", {"a": 1}), ("get_weather", {"city": "Rome"})]),
+        ("hermes", '<tool_call>{"name": "unknown_fn", "arguments": {}}</tool_call>', "same", []),
+        ("json", ' {"name": "add", "arguments": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
+        ("json", '```json\n[{"name": "add", "arguments": {}}, '
+         '{"name": "get_weather", "parameters": {"city": "X"}}]\n```',
+         None, [("add", {}), ("get_weather", {"city": "X"})]),
+        ("json", '{"name": "add", "arguments": {}} and then some prose', "same", []),
+        ("json", "The answer is 4.", "same", []),
+        ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+         '{"name": "add", "parameters": {"a": 2}}',
+         None, [("add", {"a": 1}), ("add", {"a": 2})]),
+        ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}]', "Sure.",
+         [("get_weather", {"city": "Nice"})]),
+    ],
+)  # fmt: skip
+def test_parsers(parser, text, content, calls):
+    out = BUILTIN_PARSERS[parser]().parse(text, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == calls
+    assert out.content == (text if content == "same" else content)
+    assert len({c.id for c in out.tool_calls}) == len(calls)
+
+
+def test_stream_hold_back_finds_markers_across_pieces():
+    hermes = BUILTIN_PARSERS["hermes"]()
+    assert hermes.may_start("Sure <tool_") == len("<tool_") and hermes.may_start("Sure") == 0
+    assert hermes.call_start("Sure <tool_call>{") == 5
+    js = BUILTIN_PARSERS["json"]()
+    assert js.may_start("  ") == 2 and js.call_start("  {") == 2 and js.call_start("Hi {") is None
+
+
+def test_registry_has_builtins_and_the_plugin_parser():
+    found = tool_parsers(load_plugins())
+    assert set(BUILTIN_PARSERS) <= set(found) and "example_call_line" in found
+    parsed = found["example_call_line"]().parse('add({"a": 1})', TOOLS)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("add", '{"a": 1}')]
+
+
+def test_parser_follows_the_template_format():
+    assert parser_for_template("{{ '<tool_call>' }}") == "hermes"
+    assert parser_for_template("[TOOL_CALLS]") == "mistral"
+    assert parser_for_template("<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
+    assert parser_for_template("{{ messages }}") == "json"
+
+
+def test_required_schema_round_trip():
+    schema = required_schema(TOOLS, parallel=False)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert [(c.name, c.arguments) for c in calls_from_required('[{"name": "add", "arguments": {"a": 1}}]')] == [
+        ("add", '{"a": 1}')
+    ]
+
+
+HERMES_LIKE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{{ t.function.parameters | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_gets_tools_and_tool_calls_as_transformers_passes_them(smollm2_tokenizer, hf_smollm2_tokenizer):
+    from ruvllm.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_tokenizer.inner, bos_token_id=None, eos_token_ids=(2,), chat_template=HERMES_LIKE)
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+    ]
+    ours = tok.apply_chat_template(messages, True, tools=TOOLS)
+    theirs = hf_smollm2_tokenizer.apply_chat_template(
+        messages, tools=TOOLS, chat_template=HERMES_LIKE, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs and '<tool_call>get_weather {"city": "Oslo"}</tool_call>' in ours
