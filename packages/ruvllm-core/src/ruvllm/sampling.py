@@ -148,13 +148,15 @@ class Sampler:
         if self.constraint is not None:
             allowed = self.constraint.allowed()
             n = min(len(allowed), x.shape[-1])
-            masked = np.full_like(x, -np.inf)
-            masked[:n] = np.where(allowed[:n], x[:n], -np.inf)
-            if not np.isfinite(masked).any():
+            banned = np.flatnonzero(~allowed[:n])
+            x[banned] = -np.inf
+            x[n:] = -np.inf
+            if not np.isfinite(x).any():
                 # Only what the min_tokens ban removed is allowed (the grammar is complete): the
                 # grammar wins, its end is the output's end.
-                masked[:n] = np.where(allowed[:n], np.asarray(logits, np.float64)[:n], -np.inf)
-            x = masked
+                x = np.array(logits, dtype=np.float64, copy=True)
+                x[banned] = -np.inf
+                x[n:] = -np.inf
         return x
 
     def probabilities(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
