@@ -57,3 +57,9 @@ def register_tool_parsers(register: Callable[[type], None]) -> None:
     """Register tool-call parsers by calling ``register(cls)`` with subclasses of
     :class:`ruvllm.tools.ToolParser` (a ``name`` and a ``parse`` method); the server picks one by
     name (``--tool-call-parser``) or from the chat template's tool format."""
+
+
+@hookspec
+def register_reasoning_parsers(register: Callable[[type], None]) -> None:
+    """Register reasoning parsers by calling ``register(cls)`` with subclasses of
+    :class:`ruvllm.reasoning.ReasoningParser`; the server picks one with ``--reasoning-parser``."""

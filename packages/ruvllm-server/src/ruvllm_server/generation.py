@@ -613,11 +613,16 @@ class ChatJob:
         want_logprobs = bool(self.req.logprobs)
         choices = []
         for i, a in sorted(acc.items()):
-            content, calls, reason = self._calls("".join(a.text), a.finish_reason)
+            text, reasoning = "".join(a.text), None
+            if self.state.reasoning_parser is not None:
+                split = self.state.reasoning_parser().split(text)
+                text, reasoning = split.content, split.reasoning
+            content, calls, reason = self._calls(text, a.finish_reason)
             message = ChatResponseMessage(
                 "assistant",
                 content,
                 [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls] or None,
+                reasoning,
             )
             choices.append(ChatChoice(i, message, chat_logprobs(a.logprobs) if want_logprobs else None, reason))
         return ChatCompletion(self.id, self.created, self.state.model_name, choices, run.usage())
@@ -689,6 +694,7 @@ class ChatJob:
         want_logprobs = bool(self.req.logprobs)
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         tool_state = {i: ChoiceTools() for i in range(n)} if self.tools is not None else None
+        thinking: dict[int, Any] | None = {} if self.state.reasoning_parser is not None else None
         try:
             yield self._chunk(
                 [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
@@ -696,16 +702,22 @@ class ChatJob:
             async for _, out in run.outputs():
                 choices = []
                 for d in out.deltas:
+                    piece = d.text
+                    if thinking is not None:
+                        rp = thinking.setdefault(d.index, self.state.reasoning_parser())  # type: ignore[misc]
+                        reasoning, piece = rp.feed(d.text, final=d.finish_reason is not None)
+                        if reasoning:
+                            choices.append(ChatChunkChoice(d.index, ChatDelta(reasoning_content=reasoning), None, None))
                     if tool_state is not None:
                         st = tool_state.setdefault(d.index, ChoiceTools())
-                        choices.extend(self._tool_deltas(d.index, st, d.text, d.finish_reason))
+                        choices.extend(self._tool_deltas(d.index, st, piece, d.finish_reason))
                         continue
-                    if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
+                    if not piece and not d.finish_reason and not (want_logprobs and d.logprobs):
                         continue
                     choices.append(
                         ChatChunkChoice(
                             d.index,
-                            ChatDelta(content=d.text) if d.text else ChatDelta(),
+                            ChatDelta(content=piece) if piece else ChatDelta(),
                             chat_logprobs(d.logprobs) if want_logprobs and d.logprobs else None,
                             d.finish_reason,
                         )

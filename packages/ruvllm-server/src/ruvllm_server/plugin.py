@@ -51,6 +51,11 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="parser of tool calls in free text: hermes, llama3_json, mistral, json, or a plugin's (default: "
         "from the chat template)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split thinking into reasoning_content: think (Qwen3), deepseek_r1, or a plugin's (default: off)",
+    )
     p.add_argument("--sona", action="store_true", default=None, help="attach SONA learning (needs ruvllm-sona)")
     p.add_argument("--sona-scope", default=None, help="SONA adapter scope: global (default), user, ...")
     p.add_argument("--sona-state-dir", default=None, help="directory SONA saves its state to")
@@ -89,6 +94,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs,
         "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
         "sona": args.sona,
         "sona_scope": args.sona_scope,
         "sona_state_dir": args.sona_state_dir,

@@ -176,6 +176,8 @@ class ChatResponseMessage(Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    #: The model's thinking, split off by the server's reasoning parser (DeepSeek's field name).
+    reasoning_content: str | None = None
 
 
 class ChatChoice(Struct):
@@ -210,6 +212,7 @@ class ToolCallDelta(Struct, omit_defaults=True):
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

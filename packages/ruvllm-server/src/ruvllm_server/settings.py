@@ -62,6 +62,8 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_json: bool | None = None
     #: Tool-call parser for ``tool_choice: auto`` (default: from the chat template's tool format).
     tool_call_parser: str | None = None
+    #: Split thinking into ``reasoning_content`` (``think``, ``deepseek_r1``, or a plugin's; none: off).
+    reasoning_parser: str | None = None
     #: Attach SONA (ruvllm-sona) to the model and serve /v1/feedback and /v1/sona/stats.
     sona: bool = False
     #: SONA's adapter scope: ``global``, ``user`` (the request's ``user``, else the API key id), ...

@@ -17,6 +17,7 @@ from ruvllm_server.settings import ServerConfigError, ServerSettings
 if TYPE_CHECKING:
     from ruvllm.engine import AsyncEngine
     from ruvllm.engine.types import EngineStats
+    from ruvllm.reasoning import ReasoningParser
     from ruvllm.runtime import LoadedModel
     from ruvllm.tokenizer import Tokenizer
     from ruvllm.tools import ToolParser
@@ -62,6 +63,8 @@ class ServerState:
         self.sona_attached = False
         #: Finds tool calls in free text (tool_choice auto); set when the engine starts.
         self.tool_parser: ToolParser | None = None
+        #: Splits thinking from the answer (``--reasoning-parser``); None: off.
+        self.reasoning_parser: type[ReasoningParser] | None = None
         self._loader: asyncio.Task[None] | None = None
         self.metrics.watch(self.engine_stats, lambda: (self.admission.running, self.admission.queued))
 
@@ -106,6 +109,15 @@ class ServerState:
         if parser_name not in parsers:
             raise ServerConfigError(f"unknown tool_call_parser {parser_name!r} (known: {', '.join(sorted(parsers))})")
         self.tool_parser = parsers[parser_name]()
+        if s.reasoning_parser is not None:
+            from ruvllm.reasoning import reasoning_parsers
+
+            found = reasoning_parsers(self.model.host)
+            if s.reasoning_parser not in found:
+                raise ServerConfigError(
+                    f"unknown reasoning_parser {s.reasoning_parser!r} (known: {', '.join(sorted(found))})"
+                )
+            self.reasoning_parser = found[s.reasoning_parser]
         if s.sona:
             self._attach_sona()
         engine = AsyncEngine(self.model, config)
