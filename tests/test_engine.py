@@ -610,3 +610,33 @@ def test_plugin_hooks_set_the_adapter_and_see_the_result(llm, workload, counter)
     assert user == "with-adapter" and result.output_token_ids == expected[:3]
     assert result.text == text_of(out) and result.finish_reason == "length"
     assert result.prompt_tokens == len(prompt) and result.ttft > 0
+
+
+def test_pre_inference_sees_only_valid_requests_and_post_inference_every_choice(llm, workload):
+    plugin = AdapterPlugin()
+    seen = []
+
+    class Recorder:
+        @hookimpl
+        def pre_inference(self, request):
+            seen.append(request.request_id)
+
+    recorder = Recorder()
+    llm.host.register(plugin)
+    llm.host.register(recorder)
+    try:
+        engine = LLMEngine(llm, EngineConfig(num_blocks=64))
+        with pytest.raises(RequestError):  # too long for the context: refused before any plugin runs
+            engine.add_request(GenerationRequest([1, 2, 3], greedy(10**6), request_id="bad"))
+        prompt = workload.items[1][0]
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3)
+        out = engine.generate([GenerationRequest(prompt, params, request_id="three")])[0]
+    finally:
+        llm.host.pm.unregister(plugin)
+        llm.host.pm.unregister(recorder)
+    assert seen == ["three"]
+    ((_, result),) = plugin.results
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    for c in result.choices:
+        assert c.output_token_ids == tokens_of(out, c.index) and c.text == text_of(out, c.index)
+    assert result.output_token_ids == result.choices[0].output_token_ids

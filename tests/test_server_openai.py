@@ -391,3 +391,20 @@ def test_metrics_scrape(server, client) -> None:
         "ruvllm_server_requests_in_flight",
     ):
         assert name in fams, name
+
+
+def test_metrics_have_the_inference_extension_protocol_names(server, client) -> None:
+    """Every metric the Gateway API Inference Extension's model-server protocol lists, under ruvllm's
+    names and under the vLLM names routers scrape."""
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url("/metrics")).text)}
+    for prefix in ("ruvllm_", "vllm:"):
+        for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+            assert fams[prefix + name].type == "gauge", prefix + name
+        assert 0.0 <= fams[prefix + "kv_cache_usage_perc"].samples[0].value <= 1.0
+        (info,) = fams[prefix + "cache_config_info"].samples
+        assert info.labels == {"block_size": "16", "num_gpu_blocks": "512"}
+        (lora,) = fams[prefix + "lora_requests_info"].samples
+        assert set(lora.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+        assert lora.value > 1.7e9  # a timestamp
+    assert "vllm:gpu_cache_usage_perc" in fams

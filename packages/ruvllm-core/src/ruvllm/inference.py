@@ -22,7 +22,20 @@ class InferenceRequest:
 
 
 @dataclass
+class ChoiceResult:
+    """One choice of a finished request."""
+
+    index: int
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass
 class InferenceResult:
+    """A finished request. ``output_token_ids``, ``text`` and ``finish_reason`` are choice 0's;
+    ``choices`` holds every choice of an ``n > 1`` request (choice 0 first)."""
+
     request_id: str
     output_token_ids: list[int]
     text: str
@@ -33,3 +46,4 @@ class InferenceResult:
     queue_time: float = 0.0
     ttft: float = 0.0
     e2e: float = 0.0
+    choices: list[ChoiceResult] = field(default_factory=list)

@@ -1,7 +1,30 @@
-"""Prometheus metrics of one server instance, in its own registry (several apps may share a process)."""
+"""Prometheus metrics of one server instance, in its own registry (several apps may share a process).
+
+Routing (the Kubernetes Gateway API Inference Extension's model-server protocol, llm-d, KServe): the
+protocol's metrics are served under ruvllm names and, unchanged, under the vLLM names routers built
+for vLLM scrape:
+
+==========================  =====================================  ==================================
+protocol metric             ruvllm name                            vLLM alias
+==========================  =====================================  ==================================
+TotalQueuedRequests         ``ruvllm_num_requests_waiting``        ``vllm:num_requests_waiting``
+TotalRunningRequests        ``ruvllm_num_requests_running``        ``vllm:num_requests_running``
+KVCacheUtilization          ``ruvllm_kv_cache_usage_perc`` (0-1)   ``vllm:kv_cache_usage_perc``,
+                                                                   ``vllm:gpu_cache_usage_perc``
+BlockSize, NumGPUBlocks     ``ruvllm_cache_config_info`` labels    ``vllm:cache_config_info``
+                            ``block_size``, ``num_gpu_blocks``
+LoRA adapters               ``ruvllm_lora_requests_info`` labels   ``vllm:lora_requests_info``
+                            ``max_lora``, ``running_lora_adapters``,
+                            ``waiting_lora_adapters`` (value: time)
+==========================  =====================================  ==================================
+
+Waiting counts requests queued in the engine plus those waiting for admission; running counts
+requests with a sequence in the engine.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -20,10 +43,14 @@ class _StateCollector(Collector):
     """Gauges and counters read at scrape time from the engine and the admission controller."""
 
     def __init__(
-        self, engine_stats: Callable[[], EngineStats | None], admission: Callable[[], tuple[int, int]]
+        self,
+        engine_stats: Callable[[], EngineStats | None],
+        admission: Callable[[], tuple[int, int]],
+        max_lora: int = 0,
     ) -> None:
         self._engine_stats = engine_stats
         self._admission = admission
+        self._max_lora = max_lora
 
     def collect(self) -> Iterator[Metric]:
         in_flight, queued = self._admission()
@@ -34,10 +61,32 @@ class _StateCollector(Collector):
         stats = self._engine_stats()
         if stats is None:
             return
-        yield GaugeMetricFamily(
-            "ruvllm_num_requests_running", "Sequences groups running in the engine", value=stats.running
-        )
-        yield GaugeMetricFamily("ruvllm_num_requests_waiting", "Requests waiting in the engine", value=stats.waiting)
+        usage = stats.blocks_used / stats.blocks_total if stats.blocks_total else 0.0
+        for prefix in ("ruvllm_", "vllm:"):
+            yield GaugeMetricFamily(
+                f"{prefix}num_requests_running", "Requests being served by the engine", value=stats.running_requests
+            )
+            yield GaugeMetricFamily(
+                f"{prefix}num_requests_waiting",
+                "Requests waiting (engine queue and admission queue)",
+                value=stats.waiting_requests + queued,
+            )
+            yield GaugeMetricFamily(f"{prefix}kv_cache_usage_perc", "KV cache usage (1 = full)", value=usage)
+            info = GaugeMetricFamily(
+                f"{prefix}cache_config_info", "KV cache configuration", labels=["block_size", "num_gpu_blocks"]
+            )
+            info.add_metric([str(stats.block_size), str(stats.blocks_total)], 1.0)
+            yield info
+            lora = GaugeMetricFamily(
+                f"{prefix}lora_requests_info",
+                "Adapters of running and waiting requests (value: when this was read)",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            lora.add_metric(
+                [str(self._max_lora), ",".join(stats.running_adapters), ",".join(stats.waiting_adapters)], time.time()
+            )
+            yield lora
+        yield GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full; older vLLM name)", value=usage)
         yield GaugeMetricFamily("ruvllm_kv_blocks_used", "KV cache blocks in use", value=stats.blocks_used)
         yield GaugeMetricFamily("ruvllm_kv_blocks_total", "KV cache blocks allocated", value=stats.blocks_total)
         yield CounterMetricFamily(
@@ -86,8 +135,13 @@ class ServerMetrics:
             "ruvllm_request_finished", "Generation requests by finish reason", ["finish_reason"], registry=r
         )
 
-    def watch(self, engine_stats: Callable[[], EngineStats | None], admission: Callable[[], tuple[int, int]]) -> None:
-        self.registry.register(_StateCollector(engine_stats, admission))
+    def watch(
+        self,
+        engine_stats: Callable[[], EngineStats | None],
+        admission: Callable[[], tuple[int, int]],
+        max_lora: int = 0,
+    ) -> None:
+        self.registry.register(_StateCollector(engine_stats, admission, max_lora))
 
     def observe_request(self, m: RequestMetrics, finish_reasons: list[str]) -> None:
         self.prompt_tokens.inc(m.prompt_tokens)

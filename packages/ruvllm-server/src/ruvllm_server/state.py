@@ -66,7 +66,10 @@ class ServerState:
         #: Splits thinking from the answer (``--reasoning-parser``); None: off.
         self.reasoning_parser: type[ReasoningParser] | None = None
         self._loader: asyncio.Task[None] | None = None
-        self.metrics.watch(self.engine_stats, lambda: (self.admission.running, self.admission.queued))
+        # Every sequence may carry its own adapter: a batch holds up to max_num_seqs of them.
+        self.metrics.watch(
+            self.engine_stats, lambda: (self.admission.running, self.admission.queued), settings.max_num_seqs
+        )
 
     # --- lifecycle ------------------------------------------------------------------------------
 

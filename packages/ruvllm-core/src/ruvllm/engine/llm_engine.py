@@ -26,8 +26,8 @@ from ruvllm.engine.types import (
     TokenLogprob,
 )
 from ruvllm.errors import RequestError
-from ruvllm.inference import InferenceRequest, InferenceResult
-from ruvllm.sampling import Sampler, SampleResult
+from ruvllm.inference import ChoiceResult, InferenceRequest, InferenceResult
+from ruvllm.sampling import Sampler, SampleResult, SamplingParams
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -81,7 +81,6 @@ class LLMEngine:
         rid = request.request_id
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already running")
-        vocab = self.model.config.vocab_size
         inference = InferenceRequest(
             request_id=rid,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -90,13 +89,30 @@ class LLMEngine:
             user=request.user,
             metadata=dict(request.metadata),
         )
-        # Plugins may adjust sampling or attach an adapter before anything is checked or scheduled.
+        # Plugins see only requests that pass every check; what they change is checked again.
+        self._check(inference.prompt_token_ids, inference.sampling)
         self.model.host.hook.pre_inference(request=inference)
         prompt = [int(t) for t in inference.prompt_token_ids]
         sampling = inference.sampling
+        self._check(prompt, sampling)
+        state = RequestState(
+            request=request,
+            inference=inference,
+            sampling=sampling,
+            prompt_token_ids=prompt,
+            order=next(self._order),
+            metrics=RequestMetrics(prompt_tokens=len(prompt)),
+        )
+        state.seqs.append(self._new_sequence(state, 0))
+        self._requests[rid] = state
+        self.scheduler.add(state.seqs[0])
+
+    def _check(self, prompt: list[int], sampling: SamplingParams) -> None:
+        """Raise :class:`RequestError` for a prompt or sampling parameters this engine cannot run."""
+        vocab = self.model.config.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         sampling.validate(vocab)
@@ -115,17 +131,6 @@ class LLMEngine:
                 f"the request needs {need} KV blocks but the cache has {self.num_blocks}; "
                 "lower max_tokens or give the engine more KV blocks"
             )
-        state = RequestState(
-            request=request,
-            inference=inference,
-            sampling=sampling,
-            prompt_token_ids=prompt,
-            order=next(self._order),
-            metrics=RequestMetrics(prompt_tokens=len(prompt)),
-        )
-        state.seqs.append(self._new_sequence(state, 0))
-        self._requests[rid] = state
-        self.scheduler.add(state.seqs[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop ``request_id`` now and free its blocks. Returns its final output (finish reason
@@ -151,8 +156,21 @@ class LLMEngine:
         return list(self._requests)
 
     def stats(self) -> EngineStats:
-        """Engine-wide figures; ``running``/``waiting`` count sequences (choices)."""
+        """Engine-wide figures; ``running``/``waiting`` count sequences (choices), ``*_requests``
+        requests."""
+        running_states = {id(q.state): q.state for q in self.scheduler.running}
+        waiting_states = {id(q.state): q.state for q in self.scheduler.waiting if id(q.state) not in running_states}
+
+        def names(states: Iterable[RequestState]) -> tuple[str, ...]:
+            found = (getattr(st.adapter, "name", None) for st in states if st.adapter is not None)
+            return tuple(sorted({n for n in found if isinstance(n, str) and n}))
+
         return EngineStats(
+            running_requests=len(running_states),
+            waiting_requests=len(waiting_states),
+            block_size=self.block_manager.block_size,
+            running_adapters=names(running_states.values()),
+            waiting_adapters=names(waiting_states.values()),
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             blocks_used=self.block_manager.num_used_blocks,
@@ -395,6 +413,10 @@ class LLMEngine:
             queue_time=m.queue_time,
             ttft=m.ttft,
             e2e=m.e2e,
+            choices=[
+                ChoiceResult(s.index, list(s.output_token_ids), s.output_text, s.finish_reason or finish_reason)
+                for s in sorted(st.seqs, key=lambda q: q.index)
+            ],
         )
         try:
             self.model.host.hook.post_inference(request=st.inference, result=result)

@@ -70,6 +70,7 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
+    #: Sequences (choices) running and waiting.
     running: int
     waiting: int
     blocks_used: int
@@ -77,3 +78,10 @@ class EngineStats:
     preemptions: int
     prefix_cache_hit_tokens: int
     prefix_cache_queried_tokens: int
+    #: Requests with a sequence running, and requests with none running yet.
+    running_requests: int = 0
+    waiting_requests: int = 0
+    block_size: int = 16
+    #: Names of the adapters of running / waiting requests (adapters without a name are not listed).
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
