@@ -640,3 +640,102 @@ def test_pre_inference_sees_only_valid_requests_and_post_inference_every_choice(
     for c in result.choices:
         assert c.output_token_ids == tokens_of(out, c.index) and c.text == text_of(out, c.index)
     assert result.output_token_ids == result.choices[0].output_token_ids
+
+
+# -- failures stay local -------------------------------------------------------------------------
+
+MARK = 4242  # a prompt starting with this token is the one the faulty backend picks on
+
+
+class FaultyForward:
+    """Wraps the backend's forward: ``raise_marked`` raises whenever a marked sequence is in the
+    batch; ``nan_marked`` returns NaN logits for the marked row; ``raise_once`` fails the next whole
+    step once; ``raise_always`` fails every step."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.calls = 0
+
+    @hookimpl(wrapper=True)
+    def forward(self, model, batch, cache):
+        self.calls += 1
+        marked = [i for i, c in enumerate(batch.chunks) if c.start_pos == 0 and c.token_ids[0] == MARK]
+        if self.mode == "raise_marked" and marked:
+            raise RuntimeError("the backend refuses this sequence")
+        if self.mode == "raise_once":
+            self.mode = "ok"
+            raise RuntimeError("a transient device error")
+        if self.mode == "raise_always":
+            raise RuntimeError("the device is gone")
+        result = yield
+        if self.mode == "nan_marked" and marked:
+            result.logits = np.array(result.logits, copy=True)
+            result.logits[marked[0]] = np.nan
+        return result
+
+
+def _run_async(engine, requests):
+    async def one(req):
+        out = []
+        try:
+            async for o in engine.generate(req):
+                out.append(o)
+        except Exception as exc:
+            return exc
+        return out
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["raise_marked", "nan_marked", "raise_once"])
+def test_a_failure_stays_with_its_request(llm, workload, mode):
+    from ruvllm.errors import RequestFailedError
+
+    fault = FaultyForward(mode)
+    llm.host.register(fault)
+    try:
+        engine = AsyncEngine(llm, EngineConfig(num_blocks=128, max_num_seqs=8))
+        good = [GenerationRequest(workload.items[i][0], greedy(workload.items[i][1])) for i in range(4)]
+        bad = GenerationRequest([MARK, *workload.items[5][0]], greedy(6), request_id="bad")
+        results = _run_async(engine, [*good[:2], bad, *good[2:]])
+        stats = engine.stats()
+        asyncio.run(engine.shutdown())
+    finally:
+        llm.host.pm.unregister(fault)
+    bad_result = results[2]
+    if mode == "raise_once":  # a transient error is retried: everybody finishes
+        assert not isinstance(bad_result, Exception)
+    else:
+        assert isinstance(bad_result, RequestFailedError) and bad_result.request_id == "bad"
+        assert ("non-finite" if mode == "nan_marked" else "refuses") in str(bad_result)
+    for i, out in zip(range(4), [*results[:2], *results[3:]], strict=True):
+        assert not isinstance(out, Exception), out
+        assert tokens_of(out) == workload.alone(i)
+    assert stats.blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+    assert engine.broken is None
+
+
+def test_an_engine_whose_steps_keep_failing_is_broken_and_says_why(llm, workload):
+    fault = FaultyForward("raise_always")
+    llm.host.register(fault)
+    try:
+        engine = AsyncEngine(llm, EngineConfig(num_blocks=64))
+        results = _run_async(engine, [GenerationRequest(workload.items[i][0], greedy(4)) for i in range(3)])
+        assert all(isinstance(r, Exception) for r in results)
+        assert engine.broken and "the device is gone" in engine.broken
+        with pytest.raises(EngineDeadError):
+            _run_async_raise(engine, GenerationRequest(workload.items[0][0], greedy(2)))
+    finally:
+        llm.host.pm.unregister(fault)
+    assert engine.stats().blocks_used == 0
+
+
+def _run_async_raise(engine, request):
+    async def main():
+        async for _ in engine.generate(request):
+            pass
+
+    asyncio.run(main())

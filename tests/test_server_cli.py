@@ -160,3 +160,31 @@ def test_factory_reports_a_model_that_cannot_load(monkeypatch, tmp_path: Path) -
         r = client.get("/v1/models")
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
         assert r.headers["retry-after"] == "5"
+
+
+def test_any_load_exception_is_reported_and_serve_exits_non_zero(monkeypatch, capsys) -> None:
+    """A loader that fails with an arbitrary exception (not one of ruvllm's): /ready turns 503 with the
+    reason instead of staying at "loading", and ``ruvllm serve`` exits non-zero with one line."""
+    from litestar.testing import TestClient
+
+    import ruvllm_server.state
+    from ruvllm.cli import main
+    from ruvllm_server.app import app_factory
+
+    def broken_loader(settings):
+        raise ZeroDivisionError("the weights divide by zero")
+
+    monkeypatch.setattr(ruvllm_server.state, "load_model", broken_loader)
+    monkeypatch.setenv("RUVLLM_MODEL", "smollm2")
+    monkeypatch.setenv("RUVLLM_LOG", "CRITICAL")
+    with TestClient(app_factory()) as client:
+        deadline = time.monotonic() + 30
+        while (ready := client.get("/ready")).json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ready.status_code == 503 and ready.json()["status"] == "failed"
+        assert "ZeroDivisionError: the weights divide by zero" in ready.json()["detail"]
+    capsys.readouterr()
+    assert main(["serve", "smollm2"]) != 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and '"level"' not in ln]
+    assert len(err) == 1 and "ZeroDivisionError" in err[0], err

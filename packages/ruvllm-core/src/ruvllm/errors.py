@@ -36,3 +36,13 @@ class RequestError(RuvllmError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestFailedError(RuvllmError):
+    """One request failed while it ran (non-finite logits, a backend error that stayed with it); the
+    engine and the other requests go on."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason

@@ -171,17 +171,20 @@ async def detokenize(request: Request, data: Annotated[DetokenizeRequest, Body()
 # --- operations -------------------------------------------------------------------------------
 
 
-@get("/health", summary="Liveness", tags=["operations"])
-async def health() -> Health:
-    return Health("ok")
+@get("/health", summary="Liveness (503 with the reason once the engine has stopped working)", tags=["operations"])
+async def health(request: Request) -> Response[Health]:
+    broken = _state(request).broken
+    if broken:
+        return Response(Health("failed", broken), status_code=503)
+    return Response(Health("ok"))
 
 
 @get("/ready", summary="Readiness: the model is loaded and the engine runs", tags=["operations"])
 async def ready(request: Request) -> Response[Readiness]:
     state = _state(request)
-    if state.ready:
+    if state.ready and not state.broken:
         return Response(Readiness("ready", state.model_name))
-    status = "draining" if state.draining else ("failed" if state.load_error else "loading")
+    status = "draining" if state.draining else ("failed" if state.load_error or state.broken else "loading")
     return Response(Readiness(status, state.model_name, state.not_ready_reason), status_code=503)
 
 

@@ -71,9 +71,10 @@ def register_commands(subparsers: Any) -> None:
 def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
     import uvicorn
 
+    from ruvllm.errors import RuvllmError
     from ruvllm.log_setup import configure_logging
     from ruvllm_server.app import create_app
-    from ruvllm_server.settings import load_settings
+    from ruvllm_server.settings import ServerConfigError, load_settings
     from ruvllm_server.state import load_model
 
     flags = {
@@ -105,7 +106,12 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         os.environ.setdefault("RUVLLM_LOG", "INFO")
     configure_logging(verbose=getattr(args, "verbose", False), json=settings.log_json)
     # Load before listening so a bad model reference fails with one line and a non-zero exit.
-    model = load_model(settings)
+    try:
+        model = load_model(settings)
+    except RuvllmError:
+        raise
+    except Exception as exc:  # a loader's own failure: one line and a non-zero exit, not a traceback
+        raise ServerConfigError(f"the model failed to load: {type(exc).__name__}: {exc}") from exc
     print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
     uvicorn.run(
         create_app(settings, model),

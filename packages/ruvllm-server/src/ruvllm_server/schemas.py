@@ -343,8 +343,9 @@ class DetokenizeResponse(Struct):
 # --- health -----------------------------------------------------------------------------------
 
 
-class Health(Struct):
+class Health(Struct, omit_defaults=True):
     status: str
+    detail: str | None = None
 
 
 class Readiness(Struct):

@@ -85,9 +85,9 @@ class ServerState:
         try:
             self.model = await anyio.to_thread.run_sync(load_model, self.settings)
             await self._start_engine()
-        except RuvllmError as exc:
-            self.load_error = str(exc)
-            log.error("model failed to load", model=self.settings.model, error=str(exc))
+        except Exception as exc:  # any failure to load is reported by /ready, never left at "loading"
+            self.load_error = str(exc) if isinstance(exc, RuvllmError) else f"{type(exc).__name__}: {exc}"
+            log.error("model failed to load", model=self.settings.model, error=self.load_error)
 
     async def _start_engine(self) -> None:
         from ruvllm.engine import AsyncEngine, EngineConfig
@@ -185,9 +185,16 @@ class ServerState:
         return self.model.tokenizer
 
     @property
+    def broken(self) -> str | None:
+        """Why the engine stopped working, or None."""
+        return self.engine.broken if self.engine is not None else None
+
+    @property
     def not_ready_reason(self) -> str:
         if self.draining:
             return "the server is shutting down"
+        if self.broken:
+            return self.broken
         if self.load_error:
             return f"the model failed to load: {self.load_error}"
         return "the model is still loading"

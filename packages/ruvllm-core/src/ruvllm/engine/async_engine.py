@@ -85,6 +85,11 @@ class AsyncEngine:
         """Abort ``request_id``; returns once its blocks are free (its stream ends with ``abort``)."""
         return await self._call("abort", request_id)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine stopped working (steps kept failing), or None."""
+        return self.engine.broken
+
     def stats(self) -> EngineStats:
         """Engine statistics as of the last step or command."""
         return self._stats
@@ -126,8 +131,13 @@ class AsyncEngine:
                     continue
                 # Stats first: a caller woken by its final output must not read older figures.
                 self._stats = self.engine.stats()
+                for failure in self.engine.take_failures():  # requests that failed alone
+                    self._deliver(failure.request_id, failure, True)
                 for out in outputs:
                     self._deliver(out.request_id, out, out.finished)
+                if self.engine.broken is not None:
+                    self._fail_all(EngineDeadError(f"the engine stopped: {self.engine.broken}"))
+                    break
         finally:
             finals = [self.engine.abort(rid) for rid in self.engine.unfinished_request_ids()]
             self._stats = self.engine.stats()

@@ -15,7 +15,7 @@ import structlog
 from ruvllm.backend import ForwardBatch, SequenceChunk
 from ruvllm.block_manager import BlockManager
 from ruvllm.engine.config import EngineConfig, default_num_blocks
-from ruvllm.engine.scheduler import Scheduler, SchedulerOutput
+from ruvllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ruvllm.engine.sequence import RequestState, Sequence
 from ruvllm.engine.types import (
     ChoiceDelta,
@@ -25,7 +25,7 @@ from ruvllm.engine.types import (
     RequestOutput,
     TokenLogprob,
 )
-from ruvllm.errors import RequestError
+from ruvllm.errors import RequestError, RequestFailedError
 from ruvllm.inference import ChoiceResult, InferenceRequest, InferenceResult
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams
 
@@ -69,6 +69,12 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._grammar_compiler: GrammarCompiler | None = None
+        #: Requests that failed alone in the last steps (their streams get the error), taken by
+        #: :meth:`take_failures`.
+        self._failures: list[RequestFailedError] = []
+        #: Set when the forward keeps failing for one request after another: the engine is unusable.
+        self.broken: str | None = None
+        self._failed_steps = 0
         self._requests: dict[str, RequestState] = {}
         self._order = itertools.count()
         #: Outputs of other requests produced while ``stream``/``generate`` drove the engine.
@@ -195,7 +201,12 @@ class LLMEngine:
         done = False
         try:
             while rid in self._requests:
-                for out in self._step():
+                outputs = self._step()
+                for failure in self.take_failures():
+                    if failure.request_id == rid:
+                        done = True
+                        raise failure
+                for out in outputs:
                     if out.request_id != rid:
                         self._undelivered.append(out)
                         continue
@@ -222,7 +233,13 @@ class LLMEngine:
         collected: dict[str, list[RequestOutput]] = {rid: [] for rid in added}
         pending = set(added)
         while pending:
-            for out in self._step():
+            outputs = self._step()
+            for failure in self.take_failures():
+                if failure.request_id in pending:
+                    for rid in pending:
+                        self.abort(rid)
+                    raise failure
+            for out in outputs:
                 if out.request_id in collected:
                     collected[out.request_id].append(out)
                     if out.finished:
@@ -247,28 +264,32 @@ class LLMEngine:
                 st.first_scheduled = now
                 st.metrics.queue_time = now - st.request.arrival_time
                 st.metrics.cached_tokens = seq.num_cached_tokens or 0
-        try:
-            result = self.model.forward(self._batch(sched), self.cache)
-        except Exception:
-            # What the step wrote is unknown: drop every request that was in it, then report.
-            for rid in {c.seq.state.request.request_id for c in sched.chunks}:
-                self.abort(rid)
-            raise
+        logits_of = self._forward_isolating(sched)
+        if self.broken is not None:
+            return []
+        sched.chunks = [c for _, (c, _) in sorted(logits_of.items())]  # what ran (failed requests are gone)
         self.scheduler.update_after_forward(sched)
         now = time.monotonic()
         progressed: dict[str, RequestState] = {}
-        for i, chunk in enumerate(sched.chunks):
+        for _, (chunk, logits) in sorted(logits_of.items()):
             if not chunk.completes:
                 continue
             seq, st = chunk.seq, chunk.seq.state
-            logits = result.logits[i]
             if not st.forked and st.sampling.n > 1:
                 targets = self._fork(seq)
             else:
                 targets = [seq]
-            for s in targets:
-                self._append_token(s, s.sampler.sample(logits))
-            progressed[st.request.request_id] = st
+            rid = st.request.request_id
+            try:
+                if not np.isfinite(logits).all():
+                    raise FloatingPointError("the model produced non-finite logits for this sequence")
+                for s in targets:
+                    self._append_token(s, s.sampler.sample(logits))
+            except Exception as exc:  # tied to this request: it fails alone
+                self._fail(rid, exc)
+                progressed.pop(rid, None)
+                continue
+            progressed[rid] = st
         outputs = []
         for st in progressed.values():
             m = st.metrics
@@ -286,6 +307,63 @@ class LLMEngine:
                 del self._requests[st.request.request_id]
                 self._finish_request(st, st.seqs[0].finish_reason or "stop")
         return outputs
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        reason = str(exc) if isinstance(exc, (FloatingPointError, RequestError)) else f"{type(exc).__name__}: {exc}"
+        log.error("request failed", request_id=rid, error=reason)
+        self.abort(rid)
+        self._failures.append(RequestFailedError(rid, reason))
+
+    def take_failures(self) -> list[RequestFailedError]:
+        """Requests that failed alone since the last call (already removed, their blocks free)."""
+        out, self._failures = self._failures, []
+        return out
+
+    def _forward_isolating(self, sched: SchedulerOutput) -> dict[int, tuple[ScheduledChunk, np.ndarray]]:
+        """Run the step; returns chunk index -> (chunk, its logits row) for the chunks that ran.
+
+        A step-wide backend error is not blamed on every request in it: the chunks are split in halves
+        and each half runs again (a transient error is thus retried once), down to single requests, so
+        an error tied to one sequence fails that request alone. Cache positions a failed attempt wrote
+        are rewritten by the retry. Requests that fail alone with nothing running in between count
+        against the engine; three in a row mark it broken (:attr:`broken`) and fail every request."""
+        out: dict[int, tuple[ScheduledChunk, np.ndarray]] = {}
+        errors: list[Exception] = []
+
+        def attempt(indices: list[int]) -> None:
+            part = SchedulerOutput(chunks=[sched.chunks[i] for i in indices], block_copies=sched.block_copies)
+            try:
+                result = self.model.forward(self._batch(part), self.cache)
+            except Exception as exc:
+                errors.append(exc)
+                log.warning("engine step failed; retrying in parts", error=repr(exc), chunks=len(indices))
+                rids = {sched.chunks[i].seq.state.request.request_id for i in indices}
+                if len(rids) == 1:
+                    self._fail(next(iter(rids)), exc)
+                    return
+                # Halves along request boundaries (an n > 1 request's chunks stay together).
+                order = list(dict.fromkeys(sched.chunks[i].seq.state.request.request_id for i in indices))
+                first = set(order[: len(order) // 2])
+                attempt([i for i in indices if sched.chunks[i].seq.state.request.request_id in first])
+                attempt([i for i in indices if sched.chunks[i].seq.state.request.request_id not in first])
+                return
+            for row, i in enumerate(indices):
+                out[i] = (sched.chunks[i], np.asarray(result.logits[row]))
+
+        attempt(list(range(len(sched.chunks))))
+        if out:
+            self._failed_steps = 0
+        elif errors:
+            self._failed_steps += len({sched.chunks[i].seq.state.request.request_id for i in range(len(sched.chunks))})
+            if self._failed_steps >= 3:
+                last = errors[-1]
+                self.broken = (
+                    f"forward failed for 3 requests in a row, none ran; last error: {type(last).__name__}: {last}"
+                )
+                log.error("engine broken", reason=self.broken)
+                for rid in list(self._requests):
+                    self._fail(rid, RuntimeError(self.broken))
+        return out
 
     def _batch(self, sched: SchedulerOutput) -> ForwardBatch:
         bm = self.block_manager
@@ -319,9 +397,7 @@ class LLMEngine:
         if self._grammar_compiler is None:
             from ruvllm.structured import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.model.config.vocab_size, self.eos_token_ids
-            )
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
         return self._grammar_compiler
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
