@@ -48,6 +48,15 @@ def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, An
 
 
 @hookimpl
+def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int | None:
+    """float32 keys and values of every layer (a two-tier cache's blocks start float32 too)."""
+    if not isinstance(model, CandleCompatModel):
+        return None
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * 4
+
+
+@hookimpl
 def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
     if not isinstance(model, CandleCompatModel):
         return None

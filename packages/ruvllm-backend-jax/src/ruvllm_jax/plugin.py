@@ -72,6 +72,13 @@ def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, An
 
 
 @hookimpl
+def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int | None:
+    if not _is_ours(model):
+        return None
+    return model.kv_block_bytes(block_size)
+
+
+@hookimpl
 def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
     if not _is_ours(model):
         return None

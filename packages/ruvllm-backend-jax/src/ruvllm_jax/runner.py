@@ -203,6 +203,11 @@ class JaxModel:
         """How many step shapes have been compiled so far (steady state stops this growing)."""
         return len(self._compiled)
 
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Keys and values of every layer for ``block_size`` tokens, in the cache's dtype."""
+        s = self.spec
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * block_size * np.dtype(DTYPES[s.dtype]).itemsize
+
     def allocate_cache(self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None) -> JaxKVCache:
         if options:
             raise BackendError(f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))}")

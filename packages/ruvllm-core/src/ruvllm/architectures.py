@@ -250,9 +250,24 @@ def _hf_rope(params: Mapping[str, Any], c: Mapping[str, Any], where: str, key: s
         factor = c.get("max_position_embeddings", original) / original
     if kind in ("linear", "dynamic", "llama3", "yarn") and factor is None:
         _refuse(where, f"{key}.factor", None, f"must be given for rope_type {kind}")
-    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-             "partial_rotary_factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-             "truncate", "attention_factor", "mscale", "mscale_all_dim", "short_factor", "long_factor"}
+    known = {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "partial_rotary_factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "short_factor",
+        "long_factor",
+    }
     for extra in sorted(set(params) - known):
         _refuse(where, f"{key}.{extra}", params[extra])
     if kind in ("llama3", "yarn", "longrope") and not original:
@@ -335,8 +350,15 @@ def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> Model
     act = c.get("hidden_activation") or c.get("hidden_act") or fam.hf_activations[0]
     if act not in fam.hf_activations:
         _refuse(where, "hidden_act", act, f"is not {fam.name}'s activation ({', '.join(fam.hf_activations)})")
-    for key in ("attn_logit_softcapping", "mlp_bias", "use_bidirectional_attention", "embedding_multiplier",
-                "logits_scaling", "residual_multiplier", "attention_multiplier"):
+    for key in (
+        "attn_logit_softcapping",
+        "mlp_bias",
+        "use_bidirectional_attention",
+        "embedding_multiplier",
+        "logits_scaling",
+        "residual_multiplier",
+        "attention_multiplier",
+    ):
         if c.get(key):
             _refuse(where, key, c[key])
     if c.get("final_logit_softcapping") and not fam.supports_final_softcap:
@@ -448,20 +470,36 @@ def config_from_gguf(
             refuse("rope.scaling.original_context_length", original, "must be given with LongRoPE factors")
         short = tuple(float(v) for v in tensor("rope_factors_short.weight"))
         long_ = tuple(float(v) for v in tensor("rope_factors_long.weight"))
-        rope = Rope(theta=theta, kind="longrope", factor=context / int(original), original_max_position=int(original),
-                    short_factor=short, long_factor=long_,
-                    explicit_attention_factor=float(attn_factor) if attn_factor else None)
+        rope = Rope(
+            theta=theta,
+            kind="longrope",
+            factor=context / int(original),
+            original_max_position=int(original),
+            short_factor=short,
+            long_factor=long_,
+            explicit_attention_factor=float(attn_factor) if attn_factor else None,
+        )
         context = min(context, int(original))  # see config_from_hf: the short factors' range
     elif kind in ("none", "linear"):
-        rope = Rope(theta=theta, kind="linear" if kind == "linear" and factor != 1.0 else "default",
-                    factor=factor, freq_divisors=divisors)
+        rope = Rope(
+            theta=theta,
+            kind="linear" if kind == "linear" and factor != 1.0 else "default",
+            factor=factor,
+            freq_divisors=divisors,
+        )
     elif kind == "yarn":
         if not original:
             refuse("rope.scaling.original_context_length", original, "must be given for YaRN")
-        rope = Rope(theta=theta, kind="yarn", factor=factor, original_max_position=int(original),
-                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-                    explicit_attention_factor=float(attn_factor) if attn_factor else None, freq_divisors=divisors)
+        rope = Rope(
+            theta=theta,
+            kind="yarn",
+            factor=factor,
+            original_max_position=int(original),
+            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+            explicit_attention_factor=float(attn_factor) if attn_factor else None,
+            freq_divisors=divisors,
+        )
     else:
         refuse("rope.scaling.type", kind, "is not a RoPE scaling ruvllm implements (none, linear, yarn)")
 

@@ -32,6 +32,12 @@ def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, An
 
 
 @hookspec(firstresult=True)
+def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int | None:
+    """Bytes one KV block of ``block_size`` tokens takes in the cache your ``kv_cache`` allocates for
+    your ``model`` with ``options`` (its dtype and layout); the engine sizes the cache from it."""
+
+
+@hookspec(firstresult=True)
 def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
     """Run one step of your ``model`` over a ragged ``batch``, reading and writing ``cache``."""
 

@@ -48,6 +48,16 @@ class LoadedModel:
             raise BackendError(f"backend {self.backend.name!r} did not allocate a KV cache")
         return cache
 
+    def kv_block_bytes(self, block_size: int, **options: Any) -> int:
+        """Bytes per KV block as the backend stores it (float32 keys and values of every layer when
+        the backend does not say)."""
+        got = self.host.hook.kv_block_bytes(model=self.model, block_size=block_size, options=options)
+        if got is None:
+            from ruvllm.engine.config import kv_block_bytes
+
+            return kv_block_bytes(self.config, block_size)
+        return int(got)
+
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         out = self.host.hook.forward(model=self.model, batch=batch, cache=cache)
         if out is None:

@@ -44,6 +44,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--rate-limit", type=float, default=None, help="requests per second per key, 0 = off (default)")
     p.add_argument("--rate-limit-burst", type=int, default=None, help="burst size of the rate limit")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: the engine's choice)")
+    p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache memory budget, e.g. 2GiB (default: a quarter of the available memory)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(
         "--tool-call-parser",
@@ -93,6 +98,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "rate_limit": args.rate_limit,
         "rate_limit_burst": args.rate_limit_burst,
         "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory": args.kv_cache_memory,
         "max_num_seqs": args.max_num_seqs,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,

@@ -53,6 +53,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     embedding_max_tokens: Positive = 512
     block_size: Positive = 16
     num_kv_blocks: Positive | None = None
+    #: Memory budget of the KV cache (``2GiB``, ``512MiB``, or bytes) when ``num_kv_blocks`` is not
+    #: given; default a quarter of the memory available at start. Blocks are sized as the backend
+    #: stores them (its dtype and layout).
+    kv_cache_memory: str | int | None = None
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
     enable_prefix_caching: bool = True

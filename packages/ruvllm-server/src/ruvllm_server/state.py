@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,37 @@ def load_model(settings: ServerSettings) -> LoadedModel:
             extra={} if settings.threads is None else {"threads": settings.threads},
         ),
     )
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30}  # fmt: skip
+
+
+def parse_bytes(text: str | int) -> int:
+    """``2GiB``, ``512MiB``, ``1.5G``, ``1000000`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ServerConfigError(f"kv_cache_memory must be a size such as 2GiB or 512MiB, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise ServerConfigError(f"kv_cache_memory must be positive, got {text!r}")
+    return value
+
+
+def kv_cache_budget(setting: str | int | None) -> int:
+    """The KV cache's memory budget: the setting, else a quarter of the memory available now (at
+    least 256 MiB)."""
+    if setting is not None:
+        return parse_bytes(setting)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 * 2**30
+    return max(256 * 2**20, available // 4)
 
 
 class ServerState:
@@ -101,6 +133,7 @@ class ServerState:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             enable_prefix_caching=s.enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_budget(s.kv_cache_memory),
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
@@ -140,6 +173,9 @@ class ServerState:
             backend=self.model.backend.name,
             max_context=self.max_context,
             kv_blocks=stats.blocks_total,
+            kv_block_bytes=engine.engine.block_bytes,
+            kv_cache_mib=round(stats.blocks_total * engine.engine.block_bytes / 2**20, 1),
+            kv_cache_budget_mib=round(config.kv_cache_memory_bytes / 2**20, 1),
         )
 
     def _attach_sona(self) -> None:

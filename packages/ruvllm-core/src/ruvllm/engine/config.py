@@ -65,12 +65,15 @@ def kv_block_bytes(config: ModelConfig, block_size: int, bytes_per_value: int = 
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * bytes_per_value
 
 
-def default_num_blocks(config: ModelConfig, engine: EngineConfig, max_model_len: int) -> int:
+def default_num_blocks(
+    config: ModelConfig, engine: EngineConfig, max_model_len: int, block_bytes: int | None = None
+) -> int:
     """KV blocks to allocate when ``EngineConfig.num_blocks`` is None.
 
     Rule: enough blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens each (of their
     window and one step, when every layer has the same sliding window), capped so
-    the cache (float32 keys and values of every layer) stays within ``kv_cache_memory_bytes``;
+    the cache (``block_bytes`` per block, as the backend stores it; float32 keys and values of every
+    layer when not given) stays within ``kv_cache_memory_bytes``;
     at least one block. Requests that could not fit the resulting cache alone are refused when they
     are added; the scheduler preempts when concurrent ones outgrow it.
     """
@@ -80,5 +83,6 @@ def default_num_blocks(config: ModelConfig, engine: EngineConfig, max_model_len:
             per_sequence, -(-(config.uniform_window - 1 + engine.max_num_batched_tokens) // engine.block_size) + 1
         )
     wanted = engine.max_num_seqs * per_sequence
-    affordable = engine.kv_cache_memory_bytes // kv_block_bytes(config, engine.block_size)
+    per_block = block_bytes if block_bytes else kv_block_bytes(config, engine.block_size)
+    affordable = engine.kv_cache_memory_bytes // per_block
     return max(1, min(wanted, affordable))

@@ -51,7 +51,8 @@ class LLMEngine:
         config.validate()
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len)
+        self.block_bytes = model.kv_block_bytes(config.block_size, **config.kv_cache_options)
+        self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len, self.block_bytes)
         self.block_manager = BlockManager(
             self.num_blocks,
             config.block_size,
