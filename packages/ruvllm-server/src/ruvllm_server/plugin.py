@@ -47,7 +47,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="KV cache memory budget, e.g. 2GiB (default: a quarter of the available memory)",
+        help="KV cache memory budget, e.g. 2GiB (default: a quarter of the available memory, 256 MiB to 4 GiB)",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(

@@ -54,7 +54,7 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: Positive = 16
     num_kv_blocks: Positive | None = None
     #: Memory budget of the KV cache (``2GiB``, ``512MiB``, or bytes) when ``num_kv_blocks`` is not
-    #: given; default a quarter of the memory available at start. Blocks are sized as the backend
+    #: given; default a quarter of the memory available at start (256 MiB to 4 GiB). Blocks are sized as the backend
     #: stores them (its dtype and layout).
     kv_cache_memory: str | int | None = None
     max_num_seqs: Positive = 64

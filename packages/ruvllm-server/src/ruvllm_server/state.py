@@ -64,15 +64,15 @@ def parse_bytes(text: str | int) -> int:
 
 
 def kv_cache_budget(setting: str | int | None) -> int:
-    """The KV cache's memory budget: the setting, else a quarter of the memory available now (at
-    least 256 MiB)."""
+    """The KV cache's memory budget: the setting, else a quarter of the memory available now, at least
+    256 MiB and at most 4 GiB (zeroing more at start costs seconds; ask for it with the setting)."""
     if setting is not None:
         return parse_bytes(setting)
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         available = 8 * 2**30
-    return max(256 * 2**20, available // 4)
+    return min(4 * 2**30, max(256 * 2**20, available // 4))
 
 
 class ServerState:
