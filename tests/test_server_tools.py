@@ -210,3 +210,20 @@ def test_bad_tool_requests_are_400_naming_the_parameter(server, body, param):
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_or_not(client):
+    kw = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=3,
+    )
+    whole = client.chat.completions.create(**kw)
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "length" and call.function.name == "get_weather"
+    streamed, finish = _streamed_calls(client, **kw)
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(call.function.name, call.function.arguments)]

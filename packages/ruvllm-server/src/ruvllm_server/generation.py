@@ -587,10 +587,12 @@ class ChatJob:
     def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, tool calls, finish reason) of a finished choice's text."""
         setup = self.tools
-        if setup is None or setup.mode == "none" or finish_reason != "stop":
+        if setup is None or setup.mode == "none":
             return text, [], finish_reason
-        if setup.mode == "named":
-            return None, [ToolCall(setup.name or "", text, self.named_call_id)], "stop"
+        if setup.mode == "named":  # the arguments, as far as they got (finish_reason says whether whole)
+            return None, [ToolCall(setup.name or "", text, self.named_call_id)], finish_reason
+        if finish_reason != "stop":
+            return text, [], finish_reason
         if setup.mode == "required":
             return None, calls_from_required(text), "tool_calls"
         assert self.parser is not None
@@ -643,7 +645,7 @@ class ChatJob:
             if text:
                 out.append(ChatChunkChoice(index, ChatDelta(content=text), None, None))
 
-        if setup.mode == "named" and finish_reason in (None, "stop"):
+        if setup.mode == "named":
             if not st.started_named:
                 st.started_named = True
                 first = ToolCallDelta(0, FunctionDelta(setup.name, ""), self.named_call_id, "function")
