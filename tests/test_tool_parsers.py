@@ -115,3 +115,46 @@ def test_template_gets_tools_and_tool_calls_as_transformers_passes_them(smollm2_
         messages, tools=TOOLS, chat_template=HERMES_LIKE, tokenize=False, add_generation_prompt=True
     )
     assert ours == theirs and '<tool_call>get_weather {"city": "Oslo"}</tool_call>' in ours
+
+
+@pytest.mark.parametrize("parser", ["json", "hermes"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "add", "arguments": {"a": 1}}',
+        'Hello {"name": "add", "arguments": {"a": 1}}',
+        '  {"name": "add", "arguments": {}} and prose',
+        'Sure.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+        "<tool_ca but not a call",
+        "plain answer",
+    ],
+)
+def test_streamed_auto_output_adds_up_to_the_whole(parser, text):
+    """Whatever the cut into pieces, a stream's content and tool calls equal the non-streamed answer
+    (content next to a call up to surrounding whitespace)."""
+    from types import SimpleNamespace
+
+    from ruvllm_server.generation import ChatJob, ChoiceTools, ToolSetup
+
+    state = SimpleNamespace(tool_parser=BUILTIN_PARSERS[parser](), reasoning_parser=None)
+    job = ChatJob(state, None, None, tools=ToolSetup(TOOLS, "auto"))  # type: ignore[arg-type]
+    content, calls, reason = job._calls(text, "stop")
+    want = (content or "", [(c.name, c.arguments) for c in calls], reason)
+    for step in (1, 3, 8):
+        st = ChoiceTools()
+        pieces = [text[i : i + step] for i in range(0, len(text), step)]
+        chunks = []
+        for k, piece in enumerate(pieces):
+            chunks += job._tool_deltas(0, st, piece, "stop" if k == len(pieces) - 1 else None)
+        got_content = "".join(c.delta.content or "" for c in chunks)
+        got_calls: dict[int, list[str]] = {}
+        for c in chunks:
+            for d in c.delta.tool_calls or []:
+                slot = got_calls.setdefault(d.index, ["", ""])
+                slot[0] += d.function.name or ""
+                slot[1] += d.function.arguments or ""
+        finish = [c.finish_reason for c in chunks if c.finish_reason]
+        assert finish == [reason]
+        assert [tuple(v) for _, v in sorted(got_calls.items())] == want[1]
+        # Content beside a call may differ in surrounding whitespace only; without a call it is exact.
+        assert got_content.strip() == want[0].strip() if want[1] else got_content == text

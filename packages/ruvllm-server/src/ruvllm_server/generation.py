@@ -658,13 +658,15 @@ class ChatJob:
             return out
         if setup.mode == "auto" and st.call_at is None and self.parser is not None:
             pending = st.text[st.emitted :]
-            at = self.parser.call_start(pending)
+            # A parser whose calls open the output cannot find one once content went out.
+            open_ = st.emitted == 0 or not self.parser.markers_at_start
+            at = self.parser.call_start(pending) if open_ else None
             if at is not None:
                 st.call_at = st.emitted + at
                 content(pending[:at])
                 st.emitted = st.call_at
             elif finish_reason is None:
-                keep = self.parser.may_start(pending)
+                keep = self.parser.may_start(pending) if open_ else 0
                 content(pending[: len(pending) - keep])
                 st.emitted += len(pending) - keep
         elif setup.mode == "none":
