@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -69,3 +70,33 @@ def register_tool_parsers(register: Callable[[type], None]) -> None:
 def register_reasoning_parsers(register: Callable[[type], None]) -> None:
     """Register reasoning parsers by calling ``register(cls)`` with subclasses of
     :class:`ruvllm.reasoning.ReasoningParser`; the server picks one with ``--reasoning-parser``."""
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """What a host (the server) tells plugins that add HTTP routes."""
+
+    #: Options given to plugins, by plugin name: ``--plugin-option sona.scope=user`` gives
+    #: ``{"sona": {"scope": "user"}}``.
+    options: Mapping[str, Mapping[str, str]]
+    #: ``api_key_id(request)``: the authenticated caller's non-secret key id (None without keys).
+    api_key_id: Callable[[Any], str | None]
+
+
+@hookspec
+def register_routes(register: Callable[[Any], None], context: RouteContext) -> None:
+    """Add HTTP routes to the server: call ``register(handler_or_router)`` with Litestar route
+    handlers or routers (mounted at the server's root; use paths under ``/v1``). Only plugins whose
+    options ask for it should add anything."""
+
+
+@hookspec
+def model_loaded(model: Any, options: Mapping[str, Mapping[str, str]]) -> None:
+    """The served model (a ``ruvllm.runtime.LoadedModel``) is loaded, before its engine starts;
+    ``options`` are the plugin options by plugin name (a plugin attaches what it needs here)."""
+
+
+@hookspec
+def model_unloading(model: Any) -> None:
+    """The server is stopping and its engine has drained: save and release what ``model_loaded`` set
+    up. Called from a worker thread; may block."""

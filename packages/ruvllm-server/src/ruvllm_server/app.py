@@ -24,6 +24,8 @@ from litestar.response import Stream
 from litestar.types import Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ruvllm.hookspecs import RouteContext
+from ruvllm.plugins import load_plugins
 from ruvllm_server import __version__
 from ruvllm_server.errors import bad_request, handle_exception, model_not_found
 from ruvllm_server.generation import (
@@ -53,8 +55,8 @@ from ruvllm_server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from ruvllm_server.settings import ServerConfigError, ServerSettings, load_settings
-from ruvllm_server.state import ServerState
+from ruvllm_server.settings import ServerSettings, load_settings
+from ruvllm_server.state import ServerState, check_plugin_options
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -221,14 +223,6 @@ def _closing_streams(app: Any) -> Any:
     return close_streams_after
 
 
-def _sona_router() -> Any:
-    try:
-        from ruvllm_sona.http import sona_router
-    except ImportError:
-        raise ServerConfigError("sona is on but ruvllm-sona is not installed: pip install ruvllm-sona") from None
-    return sona_router(api_key_id=_user)
-
-
 def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
     """The ASGI app for ``settings``; ``model`` is an already loaded ``LoadedModel`` or None."""
     state = ServerState(settings, model)
@@ -262,8 +256,11 @@ def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
         ready,
         metrics,
     ]
-    if settings.sona:
-        handlers.append(_sona_router())
+    # Routes plugins add (SONA's feedback and stats when its options enable it).
+    host = model.host if model is not None else load_plugins()
+    options = settings.effective_plugin_options
+    check_plugin_options(host, options)
+    host.hook.register_routes(register=handlers.append, context=RouteContext(options, _user))
     return RuvllmApp(
         state,
         route_handlers=handlers,

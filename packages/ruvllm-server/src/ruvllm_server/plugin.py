@@ -61,6 +61,13 @@ def _add_serve_parser(subparsers: Any) -> None:
         default=None,
         help="split thinking into reasoning_content: think (Qwen3), deepseek_r1, or a plugin's (default: off)",
     )
+    p.add_argument(
+        "--plugin-option",
+        action="append",
+        default=None,
+        metavar="NAME.KEY=VALUE",
+        help="an option for an installed plugin (repeatable), e.g. sona.scope=user",
+    )
     p.add_argument("--sona", action="store_true", default=None, help="attach SONA learning (needs ruvllm-sona)")
     p.add_argument("--sona-scope", default=None, help="SONA adapter scope: global (default), user, ...")
     p.add_argument("--sona-state-dir", default=None, help="directory SONA saves its state to")
@@ -102,6 +109,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "max_num_seqs": args.max_num_seqs,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
+        "plugin_options": args.plugin_option,
         "sona": args.sona,
         "sona_scope": args.sona_scope,
         "sona_state_dir": args.sona_state_dir,

@@ -68,12 +68,31 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_call_parser: str | None = None
     #: Split thinking into ``reasoning_content`` (``think``, ``deepseek_r1``, or a plugin's; none: off).
     reasoning_parser: str | None = None
+    #: Options for plugins, by plugin name (``--plugin-option sona.scope=user``, TOML
+    #: ``[plugin_options.sona]``, ``RUVLLM_PLUGIN_OPTIONS="sona.scope=user,other.key=v"``).
+    plugin_options: dict[str, dict[str, str]] = {}
+    #: Shorthands for the SONA plugin's options (``sona.enabled``, ``sona.scope``, ``sona.state_dir``).
     #: Attach SONA (ruvllm-sona) to the model and serve /v1/feedback and /v1/sona/stats.
     sona: bool = False
     #: SONA's adapter scope: ``global``, ``user`` (the request's ``user``, else the API key id), ...
     sona_scope: str | None = None
     #: Where SONA keeps its state across restarts (none: in memory only).
     sona_state_dir: str | None = None
+
+    @property
+    def effective_plugin_options(self) -> dict[str, dict[str, str]]:
+        """``plugin_options`` with the ``sona*`` shorthands folded in."""
+        out = {name: dict(opts) for name, opts in self.plugin_options.items()}
+        sona = out.setdefault("sona", {})
+        if self.sona:
+            sona["enabled"] = "true"
+        if self.sona_scope:
+            sona["scope"] = self.sona_scope
+        if self.sona_state_dir:
+            sona["state_dir"] = self.sona_state_dir
+        if not sona:
+            del out["sona"]
+        return out
 
     @property
     def model_name(self) -> str:
@@ -107,7 +126,30 @@ def _normalise(source: str, raw: Mapping[str, Any]) -> dict[str, Any]:
             raise ServerConfigError(f"{source}: unknown setting {key!r}")
         if name in _LIST_FIELDS and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
+        if name == "plugin_options":
+            value = parse_plugin_options(value, source)
         out[name] = value
+    return out
+
+
+def parse_plugin_options(value: Any, source: str = "flags") -> dict[str, dict[str, str]]:
+    """``name.key=value`` strings (a list, or one comma-separated string) or a ``{name: {key: value}}``
+    table -> ``{name: {key: value}}``."""
+    if isinstance(value, Mapping):
+        if not all(isinstance(v, Mapping) for v in value.values()):
+            raise ServerConfigError(f"{source}: plugin_options must be a table of tables ([plugin_options.NAME])")
+        return {str(k): {str(kk): str(vv) for kk, vv in v.items()} for k, v in value.items()}
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        item = str(item).strip()
+        if not item:
+            continue
+        key, eq, val = item.partition("=")
+        name, dot, opt = key.strip().partition(".")
+        if not eq or not dot or not name or not opt:
+            raise ServerConfigError(f"{source}: plugin option {item!r} must look like name.key=value")
+        out.setdefault(name, {})[opt] = val.strip()
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -75,6 +75,14 @@ def kv_cache_budget(setting: str | int | None) -> int:
     return min(4 * 2**30, max(256 * 2**20, available // 4))
 
 
+def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:
+    """Options for a plugin that is not installed are an error, not silently ignored."""
+    for name in options:
+        if not host.pm.has_plugin(name):
+            hint = " (pip install ruvllm-sona)" if name == "sona" else ""
+            raise ServerConfigError(f"options given for plugin {name!r}, which is not installed{hint}")
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings, model: LoadedModel | None = None) -> None:
         self.settings = settings
@@ -92,7 +100,8 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
-        self.sona_attached = False
+        #: Whether the plugins' model_loaded hooks ran (model_unloading is owed at stop).
+        self.plugins_loaded = False
         #: Finds tool calls in free text (tool_choice auto); set when the engine starts.
         self.tool_parser: ToolParser | None = None
         #: Splits thinking from the answer (``--reasoning-parser``); None: off.
@@ -154,8 +163,11 @@ class ServerState:
                     f"unknown reasoning_parser {s.reasoning_parser!r} (known: {', '.join(sorted(found))})"
                 )
             self.reasoning_parser = found[s.reasoning_parser]
-        if s.sona:
-            self._attach_sona()
+        options = s.effective_plugin_options
+        check_plugin_options(self.model.host, options)
+        # Plugins set up what they need for the model (SONA attaches its learner here).
+        self.model.host.hook.model_loaded(model=self.model, options=options)
+        self.plugins_loaded = True
         engine = AsyncEngine(self.model, config)
         engine.start()
         self.engine = engine
@@ -178,18 +190,6 @@ class ServerState:
             kv_cache_budget_mib=round(config.kv_cache_memory_bytes / 2**20, 1),
         )
 
-    def _attach_sona(self) -> None:
-        try:
-            from ruvllm_sona.config import SonaConfig
-            from ruvllm_sona.plugin import attach
-        except ImportError:
-            raise ServerConfigError("sona is on but ruvllm-sona is not installed: pip install ruvllm-sona") from None
-        assert self.model is not None
-        config = SonaConfig(scope=self.settings.sona_scope) if self.settings.sona_scope else SonaConfig()
-        attach(self.model, config, state_dir=self.settings.sona_state_dir)
-        self.sona_attached = True
-        log.info("sona attached", scope=config.scope, state_dir=self.settings.sona_state_dir)
-
     async def stop(self) -> None:
         """Refuse new work, let running requests finish (up to ``drain_timeout``), stop the engine."""
         self.draining = True
@@ -203,12 +203,10 @@ class ServerState:
             except TimeoutError:
                 log.warning("drain timed out; aborting what is left", seconds=self.settings.drain_timeout)
                 await self.engine.shutdown(drain=False)
-        if self.sona_attached:
-            from ruvllm_sona.plugin import detach
-
-            # Saving state and joining SONA's threads blocks: keep the event loop free meanwhile.
-            await anyio.to_thread.run_sync(detach)
-            self.sona_attached = False
+        if self.plugins_loaded and self.model is not None:
+            # Plugins save and release (SONA joins its threads): keep the event loop free meanwhile.
+            await anyio.to_thread.run_sync(lambda: self.model.host.hook.model_unloading(model=self.model))
+            self.plugins_loaded = False
 
     # --- accessors ------------------------------------------------------------------------------
 

@@ -8,14 +8,22 @@ SONA needs the model's weights, which hooks do not receive, so whoever loads the
 Until then the hooks do nothing (``GET /v1/sona/stats`` says so). One model per process is attached;
 embedding code that serves several models registers a :class:`~ruvllm_sona.sona.Sona` per host
 instead (``host.register(sona)``).
+
+In the server SONA is a plugin like any other: with the plugin option ``sona.enabled=true``
+(``ruvllm serve --sona`` sets it; ``sona.scope``, ``sona.state_dir`` too) its ``model_loaded`` hook
+attaches it, ``register_routes`` adds ``POST /v1/feedback`` and ``GET /v1/sona/stats``, and
+``model_unloading`` saves and detaches it.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import structlog
 
 from ruvllm.hookspecs import hookimpl
 from ruvllm_sona.config import SonaConfig
@@ -23,8 +31,11 @@ from ruvllm_sona.errors import SonaError
 from ruvllm_sona.sona import Sona
 
 if TYPE_CHECKING:
+    from ruvllm.hookspecs import RouteContext
     from ruvllm.inference import InferenceRequest, InferenceResult
     from ruvllm.runtime import LoadedModel
+
+log = structlog.get_logger("ruvllm_sona")
 
 _active: Sona | None = None
 _attach_lock = threading.Lock()
@@ -56,6 +67,42 @@ def detach(save: bool = True) -> None:
 
 def active() -> Sona | None:
     return _active
+
+
+def _enabled(options: Mapping[str, Mapping[str, str]]) -> Mapping[str, str] | None:
+    mine = options.get("sona") or {}
+    flag = str(mine.get("enabled", "false")).lower()
+    if flag not in ("true", "1", "yes", "false", "0", "no"):
+        raise SonaError(f"plugin option sona.enabled must be true or false, got {mine.get('enabled')!r}")
+    unknown = set(mine) - {"enabled", "scope", "state_dir"}
+    if unknown:
+        raise SonaError(f"unknown plugin option(s) {', '.join(sorted('sona.' + k for k in unknown))} "
+                        "(known: sona.enabled, sona.scope, sona.state_dir)")  # fmt: skip
+    return mine if flag in ("true", "1", "yes") else None
+
+
+@hookimpl
+def model_loaded(model: LoadedModel, options: Mapping[str, Mapping[str, str]]) -> None:
+    mine = _enabled(options)
+    if mine is None:
+        return
+    config = SonaConfig(scope=mine["scope"]) if mine.get("scope") else SonaConfig()
+    attach(model, config, state_dir=mine.get("state_dir") or None)
+    log.info("sona attached", scope=config.scope, state_dir=mine.get("state_dir"))
+
+
+@hookimpl
+def register_routes(register: Callable[[object], None], context: RouteContext) -> None:
+    if _enabled(context.options) is None:
+        return
+    from ruvllm_sona.http import sona_router
+
+    register(sona_router(api_key_id=context.api_key_id))
+
+
+@hookimpl
+def model_unloading(model: LoadedModel) -> None:
+    detach()
 
 
 @hookimpl

@@ -64,3 +64,22 @@ def register_tool_parsers(register):
             return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
 
     register(CallLineParser)
+
+
+@hookimpl
+def model_loaded(model, options):
+    _record({"hook": "model_loaded", "model": model.name, "options": dict(options.get("example", {}))})
+
+
+@hookimpl
+def register_routes(register, context):
+    mine = context.options.get("example", {})
+    if mine.get("route") != "on":
+        return
+    from litestar import Request, get
+
+    @get("/v1/example/hello", sync_to_thread=False)
+    def hello(request: Request) -> dict:
+        return {"hello": mine.get("name", "world"), "key_id": context.api_key_id(request)}
+
+    register(hello)
