@@ -46,7 +46,8 @@ def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None
 @hookspec
 def register_commands(subparsers: Any) -> None:
     """Add ``ruvllm`` sub-commands: ``subparsers`` is the CLI's argparse sub-parser action; set
-    ``func`` (taking the parsed args, returning an exit code) with ``set_defaults``."""
+    ``func`` with ``set_defaults``: the CLI calls ``func(args, host)`` with the parsed args and the
+    :class:`ruvllm.plugins.PluginHost`, and exits with what it returns (an int, None meaning 0)."""
 
 
 @hookspec
