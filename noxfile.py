@@ -39,7 +39,11 @@ TEST_DEPS = [
     "openai>=1.40",
     "httpx>=0.27",
 ]
-TEST_PLUGINS = ["tests/plugins/ruvllm-example-plugin", "tests/plugins/ruvllm-broken-plugin"]
+TEST_PLUGINS = [
+    "tests/plugins/ruvllm-example-plugin",
+    "tests/plugins/ruvllm-broken-plugin",
+    "tests/plugins/ruvllm-backend-float64",  # a third-party backend written from docs/writing-a-backend.md
+]
 
 
 def install_project(session: nox.Session, *, require_native: bool = False) -> None:
