@@ -33,6 +33,7 @@ TEST_DEPS = [
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
     "jsonschema>=4.20",
+    "peft>=0.13",  # the reference for LoRA adapters
     "torch==2.13.0",  # the CPU build; HF transformers runs on it as the reference
     "transformers>=4.46",
     "accelerate>=1.0",  # transformers needs it to load GGUF files

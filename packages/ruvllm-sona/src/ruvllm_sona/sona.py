@@ -327,6 +327,8 @@ class Sona:
     # -- hooks ------------------------------------------------------------------------------------
     @hookimpl
     def pre_inference(self, request: InferenceRequest) -> None:
+        if request.adapter is not None:
+            return  # the request runs an adapter the user chose; SONA neither replaces nor learns it
         scope = self.scope_of(request)
         slot = self._slot(scope, request.prompt_token_ids)
         with slot.lock:

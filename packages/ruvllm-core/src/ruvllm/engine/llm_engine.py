@@ -95,6 +95,7 @@ class LLMEngine:
             prompt=request.prompt,
             user=request.user,
             metadata=dict(request.metadata),
+            adapter=request.adapter,
         )
         # Plugins see only requests that pass every check; what they change is checked again.
         self._check(inference.prompt_token_ids, inference.sampling)

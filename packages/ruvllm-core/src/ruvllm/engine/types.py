@@ -24,6 +24,9 @@ class GenerationRequest:
     #: Opaque values for plugins (e.g. the server's ``api_key_id``); the engine hands a shallow copy
     #: to the hooks as ``InferenceRequest.metadata``.
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: A LoRA adapter (:class:`ruvllm.backend.LoraAdapter`, e.g. a loaded PEFT adapter) to run this
+    #: request with; plugins see it in ``pre_inference``.
+    adapter: Any = None
 
 
 @dataclass
