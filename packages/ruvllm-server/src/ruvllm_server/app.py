@@ -132,9 +132,17 @@ def _card(state: ServerState) -> ModelCard:
     return ModelCard(state.model_name, state.started, max_model_len=state.max_context)
 
 
-@get("/v1/models", summary="List models", tags=["openai"])
+def _adapter_cards(state: ServerState) -> list[ModelCard]:
+    return [
+        ModelCard(name, state.started, max_model_len=state.max_context, parent=state.model_name, root=a.source)
+        for name, a in state.adapters.items()
+    ]
+
+
+@get("/v1/models", summary="List models (the base model and its LoRA adapters)", tags=["openai"])
 async def list_models(request: Request) -> ModelList:
-    return ModelList([_card(_state(request))])
+    state = _state(request)
+    return ModelList([_card(state), *_adapter_cards(state)])
 
 
 @get("/v1/models/{model_id:path}", summary="Retrieve a model", tags=["openai"])
@@ -142,6 +150,9 @@ async def retrieve_model(request: Request, model_id: Annotated[str, Parameter()]
     state = _state(request)
     model_id = model_id.lstrip("/")
     if model_id != state.model_name:
+        for card in _adapter_cards(state):
+            if card.id == model_id:
+                return card
         raise model_not_found(model_id)
     return _card(state)
 

@@ -83,9 +83,14 @@ def sse(obj: Any) -> bytes:
 # --- request conversion -----------------------------------------------------------------------
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
+def check_model(state: ServerState, name: str | None) -> Any:
+    """The LoRA adapter ``name`` picks (None: the base model); an unknown name is a 404."""
+    if name is None or name == state.model_name:
+        return None
+    adapter = state.adapters.get(name)
+    if adapter is None:
         raise model_not_found(name)
+    return adapter
 
 
 def message_dicts(messages: list[ChatMessage], template_reads_tools: bool = True) -> list[dict[str, Any]]:
@@ -311,13 +316,20 @@ def completion_prompts(state: ServerState, prompt: str | list[Any]) -> list[list
 
 
 def engine_request(
-    prompt: list[int], params: SamplingParams, request_id: str, user: str | None, api_key_id: str | None
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str,
+    user: str | None,
+    api_key_id: str | None,
+    adapter: Any = None,
 ) -> GenerationRequest:
     """The engine request of one prompt. ``user`` is the client's claim (OpenAI ``user``), the key id
     its fallback; only ``metadata["api_key_id"]`` is authenticated, so plugins that scope state by
     key (SONA's ``api_key`` scope) read that."""
     metadata: dict[str, Any] = {"api_key_id": api_key_id} if api_key_id else {}
-    return GenerationRequest(prompt, params, request_id=request_id, user=user or api_key_id, metadata=metadata)
+    return GenerationRequest(
+        prompt, params, request_id=request_id, user=user or api_key_id, metadata=metadata, adapter=adapter
+    )
 
 
 # --- running requests -------------------------------------------------------------------------
@@ -553,7 +565,7 @@ class ChatJob:
 
     def prepare(self) -> Run:
         req = self.req
-        check_model(self.state, req.model)
+        adapter = check_model(self.state, req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         self.tools = setup = tool_setup(req)
@@ -582,7 +594,7 @@ class ChatJob:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             structured=structured,
         )
-        return Run(self.state, [engine_request(prompt, params, self.id, req.user, self.api_key_id)])
+        return Run(self.state, [engine_request(prompt, params, self.id, req.user, self.api_key_id, adapter)])
 
     def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, tool calls, finish reason) of a finished choice's text."""
@@ -759,7 +771,7 @@ class CompletionJob:
 
     def prepare(self) -> Run:
         req = self.req
-        check_model(self.state, req.model)
+        adapter = check_model(self.state, req.model)
         if req.suffix:
             raise bad_request("suffix is not supported by this server", param="suffix")
         n = req.n or 1
@@ -781,7 +793,7 @@ class CompletionJob:
                 logprobs=req.logprobs,
             )
             rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
-            requests.append(engine_request(ids, params, rid, req.user, self.api_key_id))
+            requests.append(engine_request(ids, params, rid, req.user, self.api_key_id, adapter))
         return Run(self.state, requests)
 
     def _index(self, run: Run, prompt_index: int, choice_index: int) -> int:

@@ -62,6 +62,14 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="split thinking into reasoning_content: think (Qwen3), deepseek_r1, or a plugin's (default: off)",
     )
     p.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve a PEFT LoRA adapter as model NAME (repeatable; a directory or a cached Hub repo id)",
+    )
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
+    p.add_argument(
         "--plugin-option",
         action="append",
         default=None,
@@ -110,6 +118,8 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "plugin_options": args.plugin_option,
+        "lora_modules": args.lora,
+        "max_lora_rank": args.max_lora_rank,
         "sona": args.sona,
         "sona_scope": args.sona_scope,
         "sona_state_dir": args.sona_state_dir,
@@ -126,6 +136,9 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         raise
     except Exception as exc:  # a loader's own failure: one line and a non-zero exit, not a traceback
         raise ServerConfigError(f"the model failed to load: {type(exc).__name__}: {exc}") from exc
+    from ruvllm_server.state import load_adapters
+
+    load_adapters(settings, model.config)  # a bad adapter fails here, in one line, before listening
     print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
     uvicorn.run(
         create_app(settings, model),

@@ -277,6 +277,9 @@ class ModelCard(Struct):
     object: str = "model"
     #: Longest prompt + completion in tokens (vLLM names it so).
     max_model_len: int | None = None
+    #: For a LoRA adapter: the base model it runs on (``root`` is where it was loaded from).
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(Struct):

@@ -68,6 +68,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_call_parser: str | None = None
     #: Split thinking into ``reasoning_content`` (``think``, ``deepseek_r1``, or a plugin's; none: off).
     reasoning_parser: str | None = None
+    #: LoRA adapters served beside the base model, ``name=path`` (a PEFT adapter directory or a Hub
+    #: repo id in the cache); a request picks one with ``model: "<name>"``.
+    lora_modules: list[str] = []
+    #: Largest adapter rank accepted (none: any).
+    max_lora_rank: Positive | None = None
     #: Options for plugins, by plugin name (``--plugin-option sona.scope=user``, TOML
     #: ``[plugin_options.sona]``, ``RUVLLM_PLUGIN_OPTIONS="sona.scope=user,other.key=v"``).
     plugin_options: dict[str, dict[str, str]] = {}
@@ -111,7 +116,7 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _FIELDS = {f.name: f for f in msgspec.structs.fields(ServerSettings)}
-_LIST_FIELDS = {"api_keys", "cors_origins"}
+_LIST_FIELDS = {"api_keys", "cors_origins", "lora_modules"}
 #: Singular spellings accepted in TOML and the environment (``RUVLLM_API_KEY``).
 _ALIASES = {"api_key": "api_keys", "cors_origin": "cors_origins"}
 ENV_PREFIX = "RUVLLM_"

@@ -75,6 +75,23 @@ def kv_cache_budget(setting: str | int | None) -> int:
     return min(4 * 2**30, max(256 * 2**20, available // 4))
 
 
+def load_adapters(settings: ServerSettings, config: Any) -> dict[str, Any]:
+    """The ``--lora name=path`` adapters, loaded and checked against the base model."""
+    from ruvllm.adapters import load_peft_adapter
+
+    out: dict[str, Any] = {}
+    for item in settings.lora_modules:
+        name, eq, ref = str(item).partition("=")
+        name, ref = name.strip(), ref.strip()
+        if not eq or not name or not ref:
+            raise ServerConfigError(f"--lora {item!r}: give NAME=PATH")
+        if name == settings.model_name or name in out:
+            raise ServerConfigError(f"--lora {item!r}: the name {name!r} is already taken")
+        out[name] = load_peft_adapter(ref, name, config, max_rank=settings.max_lora_rank)
+        log.info("lora adapter loaded", name=name, path=ref, rank=out[name].max_rank)
+    return out
+
+
 def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:
     """Options for a plugin that is not installed are an error, not silently ignored."""
     for name in options:
@@ -100,6 +117,8 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        #: LoRA adapters served by name (``--lora``).
+        self.adapters: dict[str, Any] = {}
         #: Whether the plugins' model_loaded hooks ran (model_unloading is owed at stop).
         self.plugins_loaded = False
         #: Finds tool calls in free text (tool_choice auto); set when the engine starts.
@@ -163,6 +182,7 @@ class ServerState:
                     f"unknown reasoning_parser {s.reasoning_parser!r} (known: {', '.join(sorted(found))})"
                 )
             self.reasoning_parser = found[s.reasoning_parser]
+        self.adapters = load_adapters(s, self.model.config)
         options = s.effective_plugin_options
         check_plugin_options(self.model.host, options)
         # Plugins set up what they need for the model (SONA attaches its learner here).

@@ -1,0 +1,78 @@
+"""LoRA adapters served by name: ``--lora name=path`` loads a PEFT adapter for SmolLM2, a request with
+``model: "<name>"`` runs it (the engine's own result with that adapter), ``/v1/models`` lists it with
+its parent, and bad adapters or names are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
+
+pytest.importorskip("peft")
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapter(smollm2_path, tmp_path_factory) -> Path:
+    """A random rank-8 adapter on q/v/down of SmolLM2, written by peft."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    out = tmp_path_factory.mktemp("smollm2-lora")
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_request_picks_an_adapter_by_name(smollm2_model, smollm2_adapter):  # noqa: F811
+    from ruvllm.adapters import load_peft_adapter
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.sampling import SamplingParams
+
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with live_server(smollm2_model, lora_modules=[f"french={smollm2_adapter}"]) as srv:
+        models = httpx.get(srv.url("/v1/models"), timeout=30).json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(MODEL, None), ("french", MODEL)]
+        tuned = httpx.post(srv.url("/v1/completions"), json={"model": "french", **body}, timeout=120).json()
+        base = httpx.post(srv.url("/v1/completions"), json={"model": MODEL, **body}, timeout=120).json()
+        missing = httpx.post(srv.url("/v1/completions"), json={"model": "spanish", **body}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    lora = load_peft_adapter(smollm2_adapter, "french", smollm2_model.config)
+    engine = LLMEngine(smollm2_model, EngineConfig(num_blocks=64))
+    prompt = smollm2_model.tokenizer.encode(body["prompt"])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (alone,) = engine.generate([GenerationRequest(prompt, params, adapter=lora)])
+    want = smollm2_model.tokenizer.decode([t for o in alone for d in o.deltas for t in d.token_ids])
+    assert tuned["choices"][0]["text"] == want != base["choices"][0]["text"]
+
+
+def test_bad_adapters_fail_at_start_in_one_line(smollm2_path, smollm2_adapter, tmp_path):
+    import subprocess
+    import sys
+
+    def serve(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "ruvllm", "serve", str(smollm2_path), "--backend", "candle-compat", *extra],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    for extra, needle in (
+        (["--lora", f"french={smollm2_adapter}", "--max-lora-rank", "4"], "above max_lora_rank 4"),
+        (["--lora", f"nowhere={tmp_path / 'none'}"], "not found"),
+        (["--lora", "no-equals-sign"], "NAME=PATH"),
+    ):
+        proc = serve(*extra)
+        lines = [
+            ln for ln in proc.stderr.splitlines() if ln.strip() and '"level"' not in ln and "plugin failed" not in ln
+        ]
+        assert proc.returncode != 0 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
