@@ -76,3 +76,70 @@ def test_bad_adapters_fail_at_start_in_one_line(smollm2_path, smollm2_adapter, t
             ln for ln in proc.stderr.splitlines() if ln.strip() and '"level"' not in ln and "plugin failed" not in ln
         ]
         assert proc.returncode != 0 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+
+
+def test_adapters_load_and_unload_at_run_time(smollm2_model, smollm2_adapter, tmp_path):  # noqa: F811
+    """Off unless enabled; behind the API key; an adapter loaded mid-run serves the next request; an
+    unload while a stream runs on it lets that stream finish; 20 load/unload cycles keep the
+    adapter table (and the device cache, bounded by its LRU) from growing."""
+    import threading
+
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with live_server(smollm2_model) as srv:  # not enabled: no such route
+        r = httpx.post(srv.url("/v1/load_lora_adapter"), json={"lora_name": "x", "lora_path": "y"}, timeout=30)
+        assert r.status_code in (404, 405)
+    auth = {"Authorization": "Bearer sk-test"}
+    with live_server(smollm2_model, enable_lora_runtime_updates=True, api_keys=["sk-test"]) as srv:
+        load = {"lora_name": "french", "lora_path": str(smollm2_adapter)}
+        assert httpx.post(srv.url("/v1/load_lora_adapter"), json=load, timeout=30).status_code == 401
+        r = httpx.post(srv.url("/v1/load_lora_adapter"), json=load, headers=auth, timeout=120)
+        assert r.status_code == 200 and r.json() == {"lora_name": "french", "status": "loaded"}
+        tuned = httpx.post(
+            srv.url("/v1/completions"), json={"model": "french", **body}, headers=auth, timeout=120
+        ).json()["choices"][0]["text"]
+        # A long stream on the adapter; the adapter is unloaded while it runs.
+        streamed: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST",
+                srv.url("/v1/completions"),
+                json={"model": "french", **body, "max_tokens": 40, "stream": True},
+                headers=auth,
+                timeout=300,
+            ) as resp:
+                for line in resp.iter_lines():
+                    streamed.append(line)
+
+        th = threading.Thread(target=stream)
+        th.start()
+        while not any(line.startswith("data: {") for line in streamed):
+            assert th.is_alive()
+        r = httpx.post(srv.url("/v1/unload_lora_adapter"), json={"lora_name": "french"}, headers=auth, timeout=30)
+        assert r.status_code == 200
+        th.join(timeout=300)
+        assert [line for line in streamed if line][-1] == "data: [DONE]"
+        assert not any('"error"' in line for line in streamed)
+        import json
+
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed if line.startswith("data: {"))
+        assert text.startswith(tuned)  # the stream ran on the adapter to its end
+        gone = httpx.post(srv.url("/v1/completions"), json={"model": "french", **body}, headers=auth, timeout=30)
+        assert gone.status_code == 404
+        bad = httpx.post(
+            srv.url("/v1/load_lora_adapter"), json={"lora_name": "x", "lora_path": str(tmp_path)}, headers=auth
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        for i in range(20):
+            assert httpx.post(srv.url("/v1/load_lora_adapter"), json=load, headers=auth, timeout=60).status_code == 200
+            again = httpx.post(
+                srv.url("/v1/completions"), json={"model": "french", **body}, headers=auth, timeout=120
+            ).json()["choices"][0]["text"]
+            assert again == tuned, i
+            assert (
+                httpx.post(
+                    srv.url("/v1/unload_lora_adapter"), json={"lora_name": "french"}, headers=auth, timeout=30
+                ).status_code
+                == 200
+            )
+        assert srv.state.adapters == {}

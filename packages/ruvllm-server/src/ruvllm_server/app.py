@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ruvllm.hookspecs import RouteContext
 from ruvllm.plugins import load_plugins
 from ruvllm_server import __version__
-from ruvllm_server.errors import bad_request, handle_exception, model_not_found
+from ruvllm_server.errors import APIError, bad_request, handle_exception, model_not_found
 from ruvllm_server.generation import (
     ChatJob,
     CompletionJob,
@@ -49,11 +49,14 @@ from ruvllm_server.schemas import (
     EmbeddingRequest,
     EmbeddingUsage,
     Health,
+    LoadLoraAdapterRequest,
+    LoraAdapterStatus,
     ModelCard,
     ModelList,
     Readiness,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 from ruvllm_server.settings import ServerSettings, load_settings
 from ruvllm_server.state import ServerState, check_plugin_options
@@ -155,6 +158,36 @@ async def retrieve_model(request: Request, model_id: Annotated[str, Parameter()]
                 return card
         raise model_not_found(model_id)
     return _card(state)
+
+
+@post("/v1/load_lora_adapter", status_code=200, summary="Load a PEFT LoRA adapter", tags=["adapters"])
+async def load_lora_adapter(request: Request, data: Annotated[LoadLoraAdapterRequest, Body()]) -> LoraAdapterStatus:
+    from ruvllm.adapters import load_peft_adapter
+    from ruvllm.errors import RuvllmError
+
+    state = _state(request)
+    if data.lora_name == state.model_name or data.lora_name in state.adapters:
+        raise bad_request(f"the name {data.lora_name!r} is already taken", param="lora_name")
+    assert state.model is not None
+    try:
+        adapter = await anyio.to_thread.run_sync(
+            lambda: load_peft_adapter(
+                data.lora_path, data.lora_name, state.model.config, max_rank=state.settings.max_lora_rank
+            )
+        )
+    except RuvllmError as exc:
+        raise bad_request(str(exc), param="lora_path") from None
+    state.adapters[data.lora_name] = adapter  # the next request that names it runs it
+    return LoraAdapterStatus(data.lora_name, "loaded")
+
+
+@post("/v1/unload_lora_adapter", status_code=200, summary="Unload a LoRA adapter", tags=["adapters"])
+async def unload_lora_adapter(request: Request, data: Annotated[UnloadLoraAdapterRequest, Body()]) -> LoraAdapterStatus:
+    state = _state(request)
+    if state.adapters.pop(data.lora_name, None) is None:
+        raise APIError(404, f"no adapter named {data.lora_name!r} is loaded", param="lora_name", code="not_found")
+    # Requests already running keep their reference to it and finish on it.
+    return LoraAdapterStatus(data.lora_name, "unloaded")
 
 
 @post("/tokenize", status_code=200, summary="Token ids of a prompt or chat", tags=["tokenizer"])
@@ -267,6 +300,8 @@ def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
         ready,
         metrics,
     ]
+    if settings.enable_lora_runtime_updates:
+        handlers += [load_lora_adapter, unload_lora_adapter]
     # Routes plugins add (SONA's feedback and stats when its options enable it).
     host = model.host if model is not None else load_plugins()
     options = settings.effective_plugin_options

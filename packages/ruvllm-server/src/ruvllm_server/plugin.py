@@ -70,6 +70,12 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
     p.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        default=None,
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    p.add_argument(
         "--plugin-option",
         action="append",
         default=None,
@@ -120,6 +126,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "plugin_options": args.plugin_option,
         "lora_modules": args.lora,
         "max_lora_rank": args.max_lora_rank,
+        "enable_lora_runtime_updates": args.enable_lora_runtime_updates,
         "sona": args.sona,
         "sona_scope": args.sona_scope,
         "sona_state_dir": args.sona_state_dir,

@@ -359,3 +359,20 @@ class Readiness(Struct):
 
 def encode_json(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
+
+
+class LoadLoraAdapterRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)]
+    lora_path: Annotated[str, Meta(min_length=1)]
+
+
+class UnloadLoraAdapterRequest(Struct, forbid_unknown_fields=True):
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)]
+    lora_int_id: int | None = None
+
+
+class LoraAdapterStatus(Struct):
+    lora_name: str
+    status: str

@@ -73,6 +73,8 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_modules: list[str] = []
     #: Largest adapter rank accepted (none: any).
     max_lora_rank: Positive | None = None
+    #: Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (behind the API keys).
+    enable_lora_runtime_updates: bool = False
     #: Options for plugins, by plugin name (``--plugin-option sona.scope=user``, TOML
     #: ``[plugin_options.sona]``, ``RUVLLM_PLUGIN_OPTIONS="sona.scope=user,other.key=v"``).
     plugin_options: dict[str, dict[str, str]] = {}
