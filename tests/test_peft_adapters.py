@@ -158,3 +158,33 @@ def test_adapters_that_do_not_fit_are_refused_in_one_line(base_dir, adapters, tm
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
     with pytest.raises(AdapterError, match="peft_type 'IA3'"):
         load_peft_adapter(broken, "x", cfg)
+
+
+def test_reloading_adapters_does_not_grow_device_memory(base_dir, adapters):
+    """A reload makes a new adapter object each time (what hot-loading does): the jax backend's device
+    copies stay bounded by its LRU, measured as the bytes of live device arrays."""
+    import jax
+
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+    from ruvllm_jax.lora import ADAPTER_CACHE_SIZE
+
+    llm = load_model(str(base_dir), backend="jax", host=load_plugins())
+    d, _ = adapters["all-r8-rslora"]
+    cache = llm.allocate_cache(16, 4)
+    ids = np.arange(3, 10, dtype=np.int32)
+
+    def cycle() -> None:
+        lora = load_peft_adapter(d, "x", llm.config)  # a fresh object, as after unload + load
+        llm.forward(ForwardBatch([SequenceChunk(ids, 0, np.arange(2, dtype=np.int32), adapter=lora)], 4), cache)
+
+    def live_bytes() -> int:
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    for _ in range(ADAPTER_CACHE_SIZE + 4):
+        cycle()
+    before = live_bytes()
+    for _ in range(20):
+        cycle()
+    assert live_bytes() <= before
+    assert len(llm.model.adapters._entries) <= ADAPTER_CACHE_SIZE
