@@ -46,6 +46,12 @@ def test_a_request_picks_an_adapter_by_name(smollm2_model, smollm2_adapter):  # 
         tuned = httpx.post(srv.url("/v1/completions"), json={"model": "french", **body}, timeout=120).json()
         base = httpx.post(srv.url("/v1/completions"), json={"model": MODEL, **body}, timeout=120).json()
         missing = httpx.post(srv.url("/v1/completions"), json={"model": "spanish", **body}, timeout=30)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url("/metrics")).text)}
+        per_adapter = {(s.name, s.labels.get("lora_name")): s.value for f in fams.values() for s in f.samples}
+        assert per_adapter[("ruvllm_lora_requests_total", "french")] == 1
+        assert per_adapter[("ruvllm_lora_generation_tokens_total", "french")] == 8
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     lora = load_peft_adapter(smollm2_adapter, "french", smollm2_model.config)
     engine = LLMEngine(smollm2_model, EngineConfig(num_blocks=64))

@@ -371,7 +371,10 @@ class Run:
         self.last[i] = out
         if out.finished:
             self.finished.add(i)
-            self.state.metrics.observe_request(out.metrics, [d.finish_reason for d in out.deltas if d.finish_reason])
+            adapter = getattr(self.requests[i].adapter, "name", None) if self.requests[i].adapter is not None else None
+            self.state.metrics.observe_request(
+                out.metrics, [d.finish_reason for d in out.deltas if d.finish_reason], adapter
+            )
         return i, out
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -134,6 +134,12 @@ class ServerMetrics:
         self.finished = Counter(
             "ruvllm_request_finished", "Generation requests by finish reason", ["finish_reason"], registry=r
         )
+        self.lora_requests = Counter(
+            "ruvllm_lora_requests", "Finished requests per LoRA adapter (model name)", ["lora_name"], registry=r
+        )
+        self.lora_tokens = Counter(
+            "ruvllm_lora_generation_tokens", "Tokens generated per LoRA adapter", ["lora_name"], registry=r
+        )
 
     def watch(
         self,
@@ -143,7 +149,10 @@ class ServerMetrics:
     ) -> None:
         self.registry.register(_StateCollector(engine_stats, admission, max_lora))
 
-    def observe_request(self, m: RequestMetrics, finish_reasons: list[str]) -> None:
+    def observe_request(self, m: RequestMetrics, finish_reasons: list[str], adapter: str | None = None) -> None:
+        if adapter:
+            self.lora_requests.labels(adapter).inc()
+            self.lora_tokens.labels(adapter).inc(m.completion_tokens)
         self.prompt_tokens.inc(m.prompt_tokens)
         self.cached_tokens.inc(m.cached_tokens)
         self.completion_tokens.inc(m.completion_tokens)
