@@ -188,3 +188,29 @@ def test_reloading_adapters_does_not_grow_device_memory(base_dir, adapters):
         cycle()
     assert live_bytes() <= before
     assert len(llm.model.adapters._entries) <= ADAPTER_CACHE_SIZE
+
+
+def test_max_adapters_bounds_device_residency_and_results_stay_exact(base_dir, adapters):
+    """With room for two adapters on the device, a step cycling through three keeps at most two
+    resident (the least recently used is dropped and uploaded again) and computes the same logits."""
+    from ruvllm.backend import LoadOptions
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    llm = load_model(str(base_dir), backend="jax", host=load_plugins(), options=LoadOptions(max_adapters=2))
+    loras = [load_peft_adapter(d, k, llm.config) for k, (d, _) in adapters.items()]
+    ids = np.random.default_rng(9).integers(3, 101, size=6).astype(np.int32)
+    cache = llm.allocate_cache(16, 4)
+
+    def logits(lora):
+        chunk = SequenceChunk(ids, 0, np.arange(2, dtype=np.int32), all_logits=True, adapter=lora)
+        return llm.forward(ForwardBatch([chunk], 4), cache).all_logits[0]
+
+    first = [logits(a) for a in loras]
+    again = [logits(a) for a in loras]
+    cache_ = llm.model.adapters
+    assert len(cache_._entries) <= 2 and cache_.uploads >= 5
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(Exception, match="max_adapters"):
+        load_model(str(base_dir), backend="jax", host=load_plugins(), options=LoadOptions(max_adapters=0))

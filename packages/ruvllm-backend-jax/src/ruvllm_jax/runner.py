@@ -21,7 +21,7 @@ from ruvllm.errors import BackendError, RequestError
 from ruvllm_jax import native
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
-from ruvllm_jax.lora import AdapterCache, plan_adapters
+from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
 from ruvllm_jax.model import KVState, LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, bucket, forward_step
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weights
@@ -115,7 +115,10 @@ class JaxModel:
     def __post_init__(self) -> None:
         self.native = self._want_native()
         sharding = replicated(self.mesh) if self.mesh.size > 1 else None
-        self.adapters = AdapterCache(self.spec, lambda a: jax.device_put(a, sharding))
+        capacity = self.options.max_adapters
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise BackendError(f"jax backend: max_adapters must be a positive integer, got {capacity!r}")
+        self.adapters = AdapterCache(self.spec, lambda a: jax.device_put(a, sharding), capacity or ADAPTER_CACHE_SIZE)
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod

@@ -41,6 +41,10 @@ class LoadOptions:
     dtype: str = "float32"
     #: Backend-specific extras (thread counts, device, tensor-parallel size, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Adapters a backend keeps on its device at once (least recently used ones are dropped and
+    #: uploaded again when next used); None: the backend's default. Host backends have no device
+    #: copies and ignore it.
+    max_adapters: int | None = None
 
 
 #: Projections an adapter may adapt, in Hugging Face naming.

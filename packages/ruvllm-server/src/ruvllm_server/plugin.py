@@ -69,6 +69,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="serve a PEFT LoRA adapter as model NAME (repeatable; a directory or a cached Hub repo id)",
     )
     p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
+    p.add_argument("--max-loras", type=int, default=None, help="adapters kept on the device at once (LRU)")
     p.add_argument(
         "--enable-lora-runtime-updates",
         action="store_true",
@@ -126,6 +127,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "plugin_options": args.plugin_option,
         "lora_modules": args.lora,
         "max_lora_rank": args.max_lora_rank,
+        "max_loras": args.max_loras,
         "enable_lora_runtime_updates": args.enable_lora_runtime_updates,
         "sona": args.sona,
         "sona_scope": args.sona_scope,

@@ -73,6 +73,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_modules: list[str] = []
     #: Largest adapter rank accepted (none: any).
     max_lora_rank: Positive | None = None
+    #: Adapters kept on the device at once (LRU beyond that, uploaded again when used; none: the
+    #: backend's default).
+    max_loras: Positive | None = None
     #: Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (behind the API keys).
     enable_lora_runtime_updates: bool = False
     #: Options for plugins, by plugin name (``--plugin-option sona.scope=user``, TOML

@@ -40,6 +40,7 @@ def load_model(settings: ServerSettings) -> LoadedModel:
         options=LoadOptions(
             quantization=settings.quantization,
             extra={} if settings.threads is None else {"threads": settings.threads},
+            max_adapters=settings.max_loras,
         ),
     )
 
@@ -128,7 +129,9 @@ class ServerState:
         self._loader: asyncio.Task[None] | None = None
         # Every sequence may carry its own adapter: a batch holds up to max_num_seqs of them.
         self.metrics.watch(
-            self.engine_stats, lambda: (self.admission.running, self.admission.queued), settings.max_num_seqs
+            self.engine_stats,
+            lambda: (self.admission.running, self.admission.queued),
+            settings.max_loras or settings.max_num_seqs,
         )
 
     # --- lifecycle ------------------------------------------------------------------------------
