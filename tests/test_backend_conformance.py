@@ -24,7 +24,9 @@ def test_the_kit_catches_skipped_block_copies(tmp_path, monkeypatch):
 
 def test_the_kit_catches_a_wrong_adapter(tmp_path, monkeypatch):
     # An adapter the backend never applies: the LoRA check must see it.
-    monkeypatch.setattr(kit._Lora, "delta", lambda self, layer, proj, x: None)
+    from ruvllm.adapters import LoraWeights
+
+    monkeypatch.setattr(LoraWeights, "delta", lambda self, layer, proj, x: None)
     with pytest.raises(AssertionError, match="adapters"):
         run_backend_conformance("candle-compat", tmp_path, checks=["adapters"])
 

@@ -52,8 +52,9 @@ def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int 
     """float32 keys and values of every layer (a two-tier cache's blocks start float32 too)."""
     if not isinstance(model, CandleCompatModel):
         return None
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * 4
+    from ruvllm.engine.config import kv_block_bytes as float32_block_bytes
+
+    return float32_block_bytes(model.config, block_size)
 
 
 @hookimpl

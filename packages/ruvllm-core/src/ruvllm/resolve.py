@@ -165,7 +165,9 @@ def resolve(ref: str, *, cache: str | os.PathLike[str] | None = None, revision: 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        snap = Path(snapshot_download(ref, revision=revision, cache_dir=hub_cache_dir(cache), local_files_only=True))
+        snap = Path(
+            snapshot_download(ref, revision=revision, cache_dir=hub_cache_dir(cache), local_files_only=True)
+        )
     except LocalEntryNotFoundError:
         raise ModelNotFoundError(
             f"model {ref!r} is not in the cache ({hub_cache_dir(cache)}): run `ruvllm download {ref}` while online"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -181,8 +182,6 @@ class Constraint:
         if self._future is None:
             self._future = _POOL.submit(self._compute)
         if not self._future.done():
-            import time
-
             t0 = time.perf_counter()
             out = self._future.result()
             self.mask_wait_seconds += time.perf_counter() - t0

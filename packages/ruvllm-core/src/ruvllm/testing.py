@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from ruvllm.adapters import LoraWeights
 from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
 from ruvllm.errors import BackendError
 
@@ -159,38 +160,25 @@ def reference_logits(
     return x if hidden else x @ w["lm_head.weight"].T
 
 
-class _Lora:
-    """A LoRA adapter (both protocol methods) on q and v of layer 0 and down of layer 1."""
-
-    version = 1
-
-    def __init__(self, seed: int = 3) -> None:
-        rng = np.random.default_rng(seed)
-        t = TINY
-        hd = t["hidden"] // t["heads"]
-        shapes = {
-            (0, "q_proj"): (t["hidden"], t["heads"] * hd),
-            (0, "v_proj"): (t["hidden"], t["kv_heads"] * hd),
-            (1, "down_proj"): (t["ffn"], t["hidden"]),
-        }
-        self.params = {
-            key: (
-                (rng.standard_normal((4, inp)) / np.sqrt(inp)).astype(np.float32),
-                (rng.standard_normal((out, 4)) * 0.5).astype(np.float32),
-                0.75,
-            )
-            for key, (inp, out) in shapes.items()
-        }
-
-    def lora_params(self) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
-        return self.params
-
-    def delta(self, layer: int, proj: str, x: np.ndarray) -> np.ndarray | None:
-        entry = self.params.get((layer, proj))
-        if entry is None:
-            return None
-        a, b, scale = entry
-        return (scale * (x @ a.T) @ b.T).astype(np.float32)
+def _random_lora(seed: int = 3) -> LoraWeights:
+    """A LoRA adapter on q and v of layer 0 and down of layer 1 (both adapter protocol methods)."""
+    rng = np.random.default_rng(seed)
+    t = TINY
+    hd = t["hidden"] // t["heads"]
+    shapes = {
+        (0, "q_proj"): (t["hidden"], t["heads"] * hd),
+        (0, "v_proj"): (t["hidden"], t["kv_heads"] * hd),
+        (1, "down_proj"): (t["ffn"], t["hidden"]),
+    }
+    params = {
+        key: (
+            (rng.standard_normal((4, inp)) / np.sqrt(inp)).astype(np.float32),
+            (rng.standard_normal((out, 4)) * 0.5).astype(np.float32),
+            0.75,
+        )
+        for key, (inp, out) in shapes.items()
+    }
+    return LoraWeights("conformance", params)
 
 
 class _Runner:
@@ -277,7 +265,7 @@ def _hidden(r: _Runner) -> None:
 
 def _adapters(r: _Runner) -> None:
     ids = np.random.default_rng(6).integers(3, TINY["vocab"], size=9).tolist()
-    lora = _Lora()
+    lora = _random_lora()
     try:
         out = r.step(r.cache(), [_chunk(ids, 0, [3, 4, 5], all_logits=True, adapter=lora)])
     except BackendError:

@@ -53,35 +53,11 @@ _TEKKEN = (
 )
 _SINGLE_DIGITS = r"\p{N}"
 
-_GPT2_NAMES = (
-    "gpt-2",
-    "phi-2",
-    "jina-es",
-    "jina-de",
-    "jina-v1-en",
-    "jina-v2-es",
-    "jina-v2-de",
-    "jina-v2-code",
-    "gigachat",
-    "roberta-bpe",
-    "mpt",
-    "olmo",
-    "jais",
-    "trillion",
-)
+_GPT2_NAMES = ("gpt-2", "phi-2", "jina-es", "jina-de", "jina-v1-en", "jina-v2-es", "jina-v2-de", "jina-v2-code",
+               "gigachat", "roberta-bpe", "mpt", "olmo", "jais", "trillion")
 _DIGITS_GPT2_NAMES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
-_LLAMA3_NAMES = (
-    "llama3",
-    "llama-v3",
-    "llama-bpe",
-    "falcon3",
-    "falcon-h1",
-    "pixtral",
-    "midm-2.0",
-    "lfm2",
-    "dbrx",
-    "smaug-bpe",
-)
+_LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                 "dbrx", "smaug-bpe")
 # Llama 3 style vocabularies take a whole pre-token that is itself a token before trying merges.
 _IGNORE_MERGES_NAMES = frozenset(_LLAMA3_NAMES) - {"dbrx", "smaug-bpe"}
 _QWEN2_NAMES = ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez")
@@ -423,7 +399,9 @@ def _sentencepiece_bpe(
     candidates.sort()
     merges = [(tokens[left], tokens[right]) for _, _, left, right in candidates]
     inner = tokenizers.Tokenizer(
-        models.BPE(vocab, merges, unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True)
+        models.BPE(
+            vocab, merges, unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True
+        )
     )
     # Like llama.cpp (and sentencepiece on plain text): spaces become "▁" and every run of text gets a
     # leading "▁", even one that already starts with a space or follows a special token. (transformers'
@@ -535,13 +513,8 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         # jinja's own tojson HTML-escapes; chat templates expect plain JSON.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

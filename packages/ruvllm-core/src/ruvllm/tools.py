@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,7 +39,7 @@ class ParsedOutput:
     tool_calls: list[ToolCall]
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Finds tool calls in a model's output. Subclasses set ``name`` and ``markers`` (text that starts
     a call: in a stream, text before a marker is content, text from it on is held until the end) and
     implement :meth:`parse`."""
@@ -48,8 +49,10 @@ class ToolParser:
     #: Markers count only at the very start of the output (after whitespace).
     markers_at_start: ClassVar[bool] = False
 
+    @abstractmethod
     def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
-        raise NotImplementedError
+        """The content (None when the output is only calls) and the calls in ``text``; text that is
+        not a well-formed call of one of ``tools`` comes back whole as content."""
 
     def call_start(self, text: str) -> int | None:
         """Where the first call starts in ``text`` (None: no call yet)."""
@@ -89,19 +92,21 @@ def _call_from(obj: Any, names: set[str], args_keys: tuple[str, ...] = ("argumen
     return ToolCall(str(obj["name"]), json.dumps(args, ensure_ascii=False))
 
 
-def _json_values(text: str) -> list[Any]:
-    """Consecutive JSON values in ``text`` (separated by whitespace, commas or semicolons)."""
+def _json_values(text: str) -> tuple[list[Any], bool]:
+    """Consecutive JSON values at the start of ``text`` (separated by whitespace, commas or
+    semicolons), and whether they are all of it (no prose after them)."""
     decoder = json.JSONDecoder()
-    out, i = [], 0
+    out: list[Any] = []
+    i = 0
     while True:
         while i < len(text) and text[i] in " \t\r\n,;":
             i += 1
         if i >= len(text):
-            return out
+            return out, True
         try:
             value, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
-            return out
+            return out, False
         out.append(value)
 
 
@@ -114,7 +119,7 @@ class HermesParser(ToolParser):
         names = _tool_names(tools)
         calls = []
         for body in self._BLOCK.findall(text):
-            values = _json_values(body)
+            values, _ = _json_values(body)
             call = _call_from(values[0], names) if values else None
             if call is None:
                 return ParsedOutput(text, [])  # not a well-formed call: the text is the answer
@@ -139,29 +144,14 @@ class JsonParser(ToolParser):
         m = self._FENCE.match(text)
         if m:
             body = m.group(1)
-        values = _json_values(body)
+        values, whole = _json_values(body)
         if len(values) == 1 and isinstance(values[0], list):
             values = values[0]
         names = _tool_names(tools)
         calls = [_call_from(v, names) for v in values]
-        if not calls or any(c is None for c in calls) or _json_values(body) == [] or not _consumed(body):
+        if not whole or not calls or any(c is None for c in calls):
             return ParsedOutput(text, [])
         return ParsedOutput(None, [c for c in calls if c is not None])
-
-
-def _consumed(body: str) -> bool:
-    """The body is JSON values and separators only (no trailing prose)."""
-    decoder = json.JSONDecoder()
-    i = 0
-    while True:
-        while i < len(body) and body[i] in " \t\r\n,;":
-            i += 1
-        if i >= len(body):
-            return True
-        try:
-            _, i = decoder.raw_decode(body, i)
-        except json.JSONDecodeError:
-            return False
 
 
 class Llama3JsonParser(JsonParser):
@@ -183,7 +173,7 @@ class MistralParser(ToolParser):
         at = text.find("[TOOL_CALLS]")
         if at < 0:
             return ParsedOutput(text, [])
-        values = _json_values(text[at + len("[TOOL_CALLS]") :])
+        values, _ = _json_values(text[at + len("[TOOL_CALLS]") :])
         if len(values) == 1 and isinstance(values[0], list):
             values = values[0]
         names = _tool_names(tools)
@@ -299,6 +289,3 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}]")
     return [dict(t) for t in tools]
-
-
-Register = Callable[[type[ToolParser]], None]

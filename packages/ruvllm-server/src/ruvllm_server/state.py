@@ -35,9 +35,7 @@ def load_model(settings: ServerSettings) -> LoadedModel:
     if not settings.model:
         raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
     return runtime_load(
-        settings.model,
-        backend=settings.backend,
-        options=LoadOptions(
+        settings.model, backend=settings.backend, options=LoadOptions(
             quantization=settings.quantization,
             extra={} if settings.threads is None else {"threads": settings.threads},
             max_adapters=settings.max_loras,

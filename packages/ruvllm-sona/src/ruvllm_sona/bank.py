@@ -162,11 +162,8 @@ class ReasoningBank:
             "entries": len(self._entries),
             "rated": int(np.sum(~np.isnan(self._quality))),
             "patterns": [
-                {
-                    "size": p.size,
-                    "mean_quality": None if math.isnan(p.mean_quality) else round(p.mean_quality, 4),
-                    "scope": p.scope,
-                }
+                {"size": p.size, "mean_quality": None if math.isnan(p.mean_quality) else round(p.mean_quality, 4),
+                 "scope": p.scope}
                 for p in self.patterns
             ],
         }
@@ -190,10 +187,8 @@ class ReasoningBank:
             "format": BANK_FORMAT,
             "dim": self.dim,
             "entries": [asdict(e) for e in self._entries],
-            "patterns": [
-                asdict(p) | {"mean_quality": None if math.isnan(p.mean_quality) else p.mean_quality}
-                for p in self.patterns
-            ],
+            "patterns": [asdict(p) | {"mean_quality": None if math.isnan(p.mean_quality) else p.mean_quality}
+                         for p in self.patterns],
         }
         tmpj = directory / "bank.json.tmp"
         tmpj.write_text(json.dumps(manifest, indent=1))
@@ -222,11 +217,7 @@ class ReasoningBank:
         self._assign = arrays["assignments"].astype(np.int32)
         self.centroids = arrays["centroids"].astype(np.float32)
         self.patterns = [
-            Pattern(
-                int(p["index"]),
-                int(p["size"]),
-                math.nan if p["mean_quality"] is None else float(p["mean_quality"]),
-                p["scope"],
-            )
+            Pattern(int(p["index"]), int(p["size"]),
+                    math.nan if p["mean_quality"] is None else float(p["mean_quality"]), p["scope"])
             for p in manifest["patterns"]
         ]

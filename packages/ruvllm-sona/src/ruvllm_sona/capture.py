@@ -60,21 +60,8 @@ class InstantCapture:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            a.nbytes
-            for a in (
-                self.x,
-                self.x_rows,
-                self.a_rows,
-                self.dh_rows,
-                self.probs,
-                self.dout,
-                self.dq_rows,
-                self.q_rows,
-                self.k,
-                self.v,
-            )
-        )
+        return sum(a.nbytes for a in (self.x, self.x_rows, self.a_rows, self.dh_rows, self.probs, self.dout,
+                                      self.dq_rows, self.q_rows, self.k, self.v))
 
 
 @dataclass(frozen=True)
@@ -196,10 +183,8 @@ def instant_gradient(
     if (li, "q_proj") in keys:
         f = ic.factors[(li, "q_proj")]
         s = np.float32(f.scale)
-        grads[(li, "q_proj")] = (
-            ((ic.dq_rows @ f.B) * (w * s)).T @ ic.x_rows,
-            ic.dq_rows.T @ ((ic.x_rows @ f.A.T) * (w * s)),
-        )
+        grads[(li, "q_proj")] = (((ic.dq_rows @ f.B) * (w * s)).T @ ic.x_rows,
+                                 ic.dq_rows.T @ ((ic.x_rows @ f.A.T) * (w * s)))
     if (li, "v_proj") in keys:
         f = ic.factors[(li, "v_proj")]
         s = np.float32(f.scale)

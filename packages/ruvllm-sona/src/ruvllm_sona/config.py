@@ -114,16 +114,8 @@ class SonaConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 bad(f"{name} must be in [0, 1], got {v!r}")
-        for name in (
-            "boundary_patience",
-            "captures_per_cycle",
-            "max_trajectories",
-            "bank_patterns",
-            "bank_max_entries",
-            "bank_recluster_every",
-            "deep_epochs",
-            "deep_max_samples",
-        ):
+        for name in ("boundary_patience", "captures_per_cycle", "max_trajectories", "bank_patterns",
+                     "bank_max_entries", "bank_recluster_every", "deep_epochs", "deep_max_samples"):
             if getattr(self, name) < 1:
                 bad(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.boundary_warmup < 2:

@@ -31,15 +31,8 @@ import numpy as np
 from ruvllm_sona.params import Key, Params, copy_params
 
 #: Projections that read the same input share one covariance.
-INPUT_GROUP = {
-    "q_proj": "attn",
-    "k_proj": "attn",
-    "v_proj": "attn",
-    "o_proj": "o",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "down",
-}
+INPUT_GROUP = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
+               "up_proj": "mlp", "down_proj": "down"}
 
 Group = tuple[int, str]
 
@@ -86,14 +79,7 @@ class _Factors:
 
 class EwcPlusPlus:
     def __init__(
-        self,
-        initial: Params,
-        scale: float,
-        *,
-        lam: float,
-        decay: float,
-        threshold: float,
-        patience: int,
+        self, initial: Params, scale: float, *, lam: float, decay: float, threshold: float, patience: int,
         warmup: int,
     ) -> None:
         self.keys = list(initial)
@@ -224,7 +210,7 @@ class EwcPlusPlus:
     # -- persistence ------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        for li, proj in self.keys:
+        for (li, proj) in self.keys:
             out[f"ewc.f.layers.{li}.{proj}"] = self.consolidated.f[(li, proj)]
             out[f"ewc.anchor.layers.{li}.{proj}.lora_A"] = self.anchor[(li, proj)][0]
             out[f"ewc.anchor.layers.{li}.{proj}.lora_B"] = self.anchor[(li, proj)][1]
@@ -233,18 +219,11 @@ class EwcPlusPlus:
         return out
 
     def load_arrays(self, arrays: Mapping[str, np.ndarray], consolidations: int, consolidated_samples: int) -> None:
-        for li, proj in self.keys:
+        for (li, proj) in self.keys:
             self.consolidated.f[(li, proj)][...] = arrays[f"ewc.f.layers.{li}.{proj}"]
         for (li, g), s in self.consolidated.sigma.items():
             s[...] = arrays[f"ewc.sigma.layers.{li}.{g}"]
         self.consolidated.count = consolidated_samples
         self.consolidations = consolidations
-        self.set_anchor(
-            {
-                k: (
-                    arrays[f"ewc.anchor.layers.{k[0]}.{k[1]}.lora_A"],
-                    arrays[f"ewc.anchor.layers.{k[0]}.{k[1]}.lora_B"],
-                )
-                for k in self.keys
-            }
-        )
+        self.set_anchor({k: (arrays[f"ewc.anchor.layers.{k[0]}.{k[1]}.lora_A"],
+                             arrays[f"ewc.anchor.layers.{k[0]}.{k[1]}.lora_B"]) for k in self.keys})

@@ -29,7 +29,9 @@ class SonaAdapter:
     def __init__(self, scope: str, version: int, entries: Mapping[tuple[int, str], LoraFactors]) -> None:
         self.scope = scope
         self.version = version
-        self._entries = {key: LoraFactors(_frozen(f.A), _frozen(f.B), float(f.scale)) for key, f in entries.items()}
+        self._entries = {
+            key: LoraFactors(_frozen(f.A), _frozen(f.B), float(f.scale)) for key, f in entries.items()
+        }
         self._active = {key: f for key, f in self._entries.items() if np.any(f.B)}
         # ``scale * B.T`` once, so ``delta`` is two small matmuls per call.
         self._scaled_bt = {key: _frozen(f.B.T * np.float32(f.scale)) for key, f in self._active.items()}

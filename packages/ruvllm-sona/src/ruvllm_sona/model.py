@@ -111,11 +111,7 @@ class LoraLlama:
     """Float32 weights of a Llama-family checkpoint with a LoRA-aware forward and backward."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        embed: np.ndarray,
-        layers: Sequence[LayerWeights],
-        final_norm: np.ndarray,
+        self, config: ModelConfig, embed: np.ndarray, layers: Sequence[LayerWeights], final_norm: np.ndarray,
         lm_head: np.ndarray,
     ) -> None:
         self.config = config
@@ -149,9 +145,8 @@ class LoraLlama:
         for n in range(cfg.num_layers):
             p = f"model.layers.{n}."
             w = {
-                proj: np.ascontiguousarray(
-                    checkpoint.tensor(p + ("self_attn." if proj in _ATTN else "mlp.") + proj + ".weight").T
-                )
+                proj: np.ascontiguousarray(checkpoint.tensor(p + ("self_attn." if proj in _ATTN else "mlp.") + proj
+                                                             + ".weight").T)
                 for proj in PROJECTIONS
             }
             bias = {}
@@ -314,15 +309,8 @@ class LoraLlama:
         return dr.astype(np.float32), lp[np.arange(len(rows)), targets]
 
     def _proj_backward(
-        self,
-        li: int,
-        proj: str,
-        x: np.ndarray,
-        dy: np.ndarray,
-        lora: LoraParams,
-        grads: LoraGrads | None,
-        trainable: set[tuple[int, str]] | None,
-        taps: Taps | None = None,
+        self, li: int, proj: str, x: np.ndarray, dy: np.ndarray, lora: LoraParams, grads: LoraGrads | None,
+        trainable: set[tuple[int, str]] | None, taps: Taps | None = None,
     ) -> np.ndarray:
         """dx of ``y = x @ W (+ LoRA)`` given ``dy``; accumulates LoRA factor gradients and records
         ``(x, dy)`` of adapted projections in ``taps``."""
@@ -345,14 +333,8 @@ class LoraLlama:
         return dx
 
     def attention_backward(
-        self,
-        probs: np.ndarray,
-        q: np.ndarray,
-        k: np.ndarray,
-        v: np.ndarray,
-        da: np.ndarray,
-        need_q: bool = True,
-        need_k: bool = True,
+        self, probs: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, da: np.ndarray,
+        need_q: bool = True, need_k: bool = True,
     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
         """Gradients w.r.t. roped ``q [nq, H, hd]``, roped ``k`` and ``v [n, KV, hd]`` from the output
         gradient ``da [nq, H*hd]``; ``probs [KV, G, nq, n]`` (``nq`` query rows, any subset).
@@ -379,13 +361,8 @@ class LoraLlama:
         return dq, dk, dv
 
     def mlp_backward(
-        self,
-        lt: LayerTape,
-        dout: np.ndarray,
-        lora: LoraParams,
-        grads: LoraGrads | None = None,
-        trainable: set[tuple[int, str]] | None = None,
-        taps: Taps | None = None,
+        self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, grads: LoraGrads | None = None,
+        trainable: set[tuple[int, str]] | None = None, taps: Taps | None = None,
     ) -> np.ndarray:
         """Gradient w.r.t. ``h`` (the residual after attention) from the layer output's gradient."""
         li = lt.layer
@@ -397,14 +374,8 @@ class LoraLlama:
         return dout + self._norm_backward(lt.h, lt.inv2, self.layers[li].mlp_norm, dy)
 
     def layer_backward(
-        self,
-        lt: LayerTape,
-        dout: np.ndarray,
-        lora: LoraParams,
-        rope: tuple[np.ndarray, np.ndarray],
-        grads: LoraGrads,
-        trainable: set[tuple[int, str]] | None = None,
-        taps: Taps | None = None,
+        self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, rope: tuple[np.ndarray, np.ndarray],
+        grads: LoraGrads, trainable: set[tuple[int, str]] | None = None, taps: Taps | None = None,
     ) -> np.ndarray:
         """Gradient w.r.t. the layer's input residual; LoRA gradients accumulate into ``grads``."""
         li, n = lt.layer, lt.r.shape[0]
@@ -421,11 +392,7 @@ class LoraLlama:
         return dh + self._norm_backward(lt.r, lt.inv1, self.layers[li].attn_norm, dx)
 
     def tail_backward(
-        self,
-        tape: TailTape,
-        dr_out: np.ndarray,
-        lora: LoraParams,
-        trainable: set[tuple[int, str]] | None = None,
+        self, tape: TailTape, dr_out: np.ndarray, lora: LoraParams, trainable: set[tuple[int, str]] | None = None,
         taps: Taps | None = None,
     ) -> tuple[LoraGrads, np.ndarray]:
         """LoRA gradients of the tail layers and the gradient w.r.t. the residual entering them."""

@@ -149,11 +149,8 @@ def _percentiles(values: Iterable[float]) -> dict[str, float | None]:
     v = np.asarray(list(values), dtype=np.float64)
     if not len(v):
         return {"count": 0, "p50_ms": None, "p99_ms": None}
-    return {
-        "count": len(v),
-        "p50_ms": round(float(np.percentile(v, 50)) * 1e3, 4),
-        "p99_ms": round(float(np.percentile(v, 99)) * 1e3, 4),
-    }
+    return {"count": len(v), "p50_ms": round(float(np.percentile(v, 50)) * 1e3, 4),
+            "p99_ms": round(float(np.percentile(v, 99)) * 1e3, 4)}
 
 
 class Sona:
@@ -181,9 +178,8 @@ class Sona:
         self.keys: list[Key] = [(li, p) for li in layers for p in config.projections]
         self.first_layer = layers[0]
         last = mc.num_layers - 1
-        self.instant_keys: list[Key] = [
-            (last, p) for p in config.projections if p in INSTANT_PROJECTIONS and last in layers
-        ]
+        self.instant_keys: list[Key] = [(last, p) for p in config.projections if p in INSTANT_PROJECTIONS and
+                                        last in layers]
         if config.instant_lr > 0 and not self.instant_keys:
             raise SonaError(
                 "bad SONA config: the instant loop adapts the last layer's q/k/v/o projections; include layer "
@@ -199,22 +195,11 @@ class Sona:
         self._samples: dict[str, deque[Sample]] = {}
         self._merged: Params | None = None
         self._merge_dirty = False
-        self.bank = ReasoningBank(
-            mc.hidden_size, max_entries=config.bank_max_entries, num_patterns=config.bank_patterns, seed=config.seed
-        )
-        self._counters = {
-            "trajectories": 0,
-            "captures": 0,
-            "capture_errors": 0,
-            "feedback": 0,
-            "corrections": 0,
-            "instant_updates": 0,
-            "boundaries": 0,
-            "merges": 0,
-            "routed": 0,
-            "deep_runs": 0,
-            "cycles": 0,
-        }
+        self.bank = ReasoningBank(mc.hidden_size, max_entries=config.bank_max_entries,
+                                  num_patterns=config.bank_patterns, seed=config.seed)
+        self._counters = {"trajectories": 0, "captures": 0, "capture_errors": 0, "feedback": 0,
+                          "corrections": 0, "instant_updates": 0, "boundaries": 0, "merges": 0, "routed": 0,
+                          "deep_runs": 0, "cycles": 0}
         self._instant_times: deque[float] = deque(maxlen=2000)
         self._capture_times: deque[float] = deque(maxlen=500)
         self._cycle_times: deque[float] = deque(maxlen=500)
@@ -288,15 +273,8 @@ class Sona:
 
     def _new_ewc(self, params: Params) -> EwcPlusPlus:
         c = self.config
-        return EwcPlusPlus(
-            params,
-            c.scale,
-            lam=c.ewc_lambda,
-            decay=c.ewc_decay,
-            threshold=c.boundary_threshold,
-            patience=c.boundary_patience,
-            warmup=c.boundary_warmup,
-        )
+        return EwcPlusPlus(params, c.scale, lam=c.ewc_lambda, decay=c.ewc_decay, threshold=c.boundary_threshold,
+                           patience=c.boundary_patience, warmup=c.boundary_warmup)
 
     @property
     def _isolated(self) -> bool:
@@ -343,14 +321,8 @@ class Sona:
         snap = request.metadata.get(ADAPTER_METADATA_KEY)
         if not isinstance(snap, SonaAdapter) or result.finish_reason == "abort" or not result.output_token_ids:
             return
-        traj = Trajectory(
-            request.request_id,
-            snap.scope,
-            [int(t) for t in request.prompt_token_ids],
-            [int(t) for t in result.output_token_ids],
-            snap,
-            time.monotonic(),
-        )
+        traj = Trajectory(request.request_id, snap.scope, [int(t) for t in request.prompt_token_ids],
+                          [int(t) for t in result.output_token_ids], snap, time.monotonic())
         self.record(traj)
 
     def record(self, traj: Trajectory) -> None:
@@ -368,11 +340,7 @@ class Sona:
 
     # -- feedback ---------------------------------------------------------------------------------
     def feedback(
-        self,
-        response_id: str,
-        score: float,
-        correction: str | Sequence[int] | None = None,
-        *,
+        self, response_id: str, score: float, correction: str | Sequence[int] | None = None, *,
         api_key_id: str | None = None,
     ) -> FeedbackReceipt:
         """Rate a finished response (``score`` in [0, 1]) and optionally give the completion it
@@ -387,12 +355,8 @@ class Sona:
             raise FeedbackError(f"score must be in [0, 1], got {score}")
         with self._lock:
             traj = self._trajectories.get(response_id)
-        if (
-            traj is not None
-            and api_key_id is not None
-            and self.config.scope == "api_key"
-            and traj.scope != key_scope(api_key_id)
-        ):
+        if (traj is not None and api_key_id is not None and self.config.scope == "api_key"
+                and traj.scope != key_scope(api_key_id)):
             traj = None  # another key's response: answered exactly like an unknown one
         if traj is None:
             raise UnknownResponseError(f"no response {response_id!r} is held for feedback (unknown or expired)")
@@ -412,16 +376,8 @@ class Sona:
             if correction_ids is not None:
                 self._counters["corrections"] += 1
                 rid = f"{response_id}#correction{self._counters['corrections']}"
-                fixed = Trajectory(
-                    rid,
-                    traj.scope,
-                    traj.prompt_ids,
-                    correction_ids,
-                    current,
-                    time.monotonic(),
-                    correction_of=response_id,
-                    pending_weight=self.config.correction_weight,
-                )
+                fixed = Trajectory(rid, traj.scope, traj.prompt_ids, correction_ids, current, time.monotonic(),
+                                   correction_of=response_id, pending_weight=self.config.correction_weight)
                 self._trajectories[rid] = fixed
                 self._feedback_waiting.append(rid)
                 self._add_sample(fixed, self.config.correction_weight)
@@ -456,15 +412,10 @@ class Sona:
 
     def _add_sample(self, traj: Trajectory, weight: float) -> None:
         cap = traj.capture
-        self._samples[traj.scope].append(
-            Sample(
-                traj.request_id,
-                traj.prompt_ids + traj.completion_ids,
-                len(traj.prompt_ids),
-                float(weight),
-                cap.residual if cap is not None else None,
-            )
-        )
+        self._samples[traj.scope].append(Sample(
+            traj.request_id, traj.prompt_ids + traj.completion_ids, len(traj.prompt_ids), float(weight),
+            cap.residual if cap is not None else None,
+        ))
 
     def _apply_instant(self, traj: Trajectory, weight: float) -> int:
         """One instant step from a captured trajectory: ``weight`` per token (advantage or the
@@ -476,9 +427,8 @@ class Sona:
                 return slot.version
         t0 = time.perf_counter()
         t_count = len(cap.rows)
-        grads = instant_gradient(
-            self.net, cap.instant, np.full(t_count, weight / t_count, np.float32), self.instant_keys
-        )
+        grads = instant_gradient(self.net, cap.instant, np.full(t_count, weight / t_count, np.float32),
+                                 self.instant_keys)
         lr = np.float32(self.config.instant_lr)
         norm = float(np.linalg.norm(flat(grads, list(grads))))
         clip = np.float32(min(1.0, self.config.instant_max_norm / norm) if norm > 0 else 1.0)
@@ -505,13 +455,9 @@ class Sona:
         t0 = time.perf_counter()
         with self._lock:
             self._expire()
-            to_capture = [
-                self._trajectories[r]
-                for r in self._feedback_waiting
-                if r in self._trajectories
-                and self._trajectories[r].capture is None
-                and self._trajectories[r].capture_error is None
-            ]
+            to_capture = [self._trajectories[r] for r in self._feedback_waiting
+                    if r in self._trajectories and self._trajectories[r].capture is None
+                    and self._trajectories[r].capture_error is None]
             budget = self.config.captures_per_cycle
             while len(to_capture) < budget and self._capture_queue:
                 t = self._trajectories.get(self._capture_queue.pop())  # newest first
@@ -523,8 +469,7 @@ class Sona:
         applied = self._apply_waiting()
         with self._lock:
             if self.bank.added_since_clustering >= self.config.bank_recluster_every or (
-                len(self.bank) and not self.bank.patterns
-            ):
+                    len(self.bank) and not self.bank.patterns):
                 self.bank.cluster()
         routed = self._route_pending()
         merged = self._maybe_merge()
@@ -535,14 +480,8 @@ class Sona:
             self._counters["cycles"] += 1
             if worked:
                 self._cycle_times.append(elapsed)
-        return {
-            "captured": captured,
-            "applied": applied,
-            "routed": routed,
-            "merged": merged,
-            "deep_started": started,
-            "seconds": elapsed,
-        }
+        return {"captured": captured, "applied": applied, "routed": routed, "merged": merged,
+                "deep_started": started, "seconds": elapsed}
 
     def _expire(self) -> None:
         horizon = time.monotonic() - self.config.trajectory_ttl
@@ -561,9 +500,8 @@ class Sona:
         try:
             if len(tokens) > self.model_config.max_position_embeddings:
                 raise SonaError(f"trajectory of {len(tokens)} tokens exceeds the model context")
-            fisher, cap = capture_trajectory(
-                self.net, tokens, len(traj.prompt_ids), snap.entries, snap.version, self.first_layer, self.instant_keys
-            )
+            fisher, cap = capture_trajectory(self.net, tokens, len(traj.prompt_ids), snap.entries, snap.version,
+                                             self.first_layer, self.instant_keys)
             base = self.net.tail_forward(cap.residual[: len(traj.prompt_ids)], self.first_layer, {})
             embedding = base.z.mean(axis=0)
         except Exception as exc:
@@ -589,12 +527,9 @@ class Sona:
 
     def _apply_waiting(self) -> int:
         with self._lock:
-            ready = [
-                self._trajectories[r]
-                for r in self._feedback_waiting
-                if r in self._trajectories
-                and (self._trajectories[r].capture is not None or self._trajectories[r].capture_error is not None)
-            ]
+            ready = [self._trajectories[r] for r in self._feedback_waiting
+                     if r in self._trajectories and (self._trajectories[r].capture is not None
+                                                     or self._trajectories[r].capture_error is not None)]
             for t in ready:
                 self._feedback_waiting.remove(t.request_id)
         applied = 0
@@ -739,7 +674,7 @@ class Sona:
                 entries = {k: LoraFactors(a, b, slot.scale) for k, (a, b) in params.items()}
                 tape = self.net.tail_forward(s.residual, self.first_layer, entries)
                 rows = np.arange(s.num_prompt - 1, len(s.token_ids) - 1)
-                targets = np.asarray(s.token_ids[s.num_prompt :], dtype=np.int64)
+                targets = np.asarray(s.token_ids[s.num_prompt:], dtype=np.int64)
                 w = np.full(len(rows), s.weight / len(rows), np.float32)
                 dr, lp = self.net.head_backward(tape, rows, targets, w)
                 grads, _ = self.net.tail_backward(tape, dr, entries)
@@ -763,15 +698,12 @@ class Sona:
             epoch_losses.append(total / max(tokens, 1e-12))
         with slot.lock:
             # Keep what the instant loop learnt while this run trained.
-            slot.params = {
-                k: (params[k][0] + (slot.params[k][0] - start[k][0]), params[k][1] + (slot.params[k][1] - start[k][1]))
-                for k in self.keys
-            }
+            slot.params = {k: (params[k][0] + (slot.params[k][0] - start[k][0]),
+                               params[k][1] + (slot.params[k][1] - start[k][1])) for k in self.keys}
             slot.deep_runs += 1
             version = slot.publish().version
-        report = DeepRunReport(
-            scope, len(samples), step, time.perf_counter() - t_start, epoch_losses[0], epoch_losses[-1], version
-        )
+        report = DeepRunReport(scope, len(samples), step, time.perf_counter() - t_start, epoch_losses[0],
+                               epoch_losses[-1], version)
         with self._lock:
             self._counters["deep_runs"] += 1
             self._last_deep = report
@@ -799,20 +731,12 @@ class Sona:
         adapters = []
         for s in slots:
             with s.lock:
-                adapters.append(
-                    {
-                        "scope": s.scope,
-                        "version": s.version,
-                        "active": not s.snapshot.is_zero,
-                        "feedback": s.feedback_count,
-                        "instant_updates": s.instant_updates,
-                        "deep_runs": s.deep_runs,
-                        "baseline": round(s.baseline, 4),
-                        "pending_quality": round(s.pending_quality, 4),
-                        "routed_from": s.routed_from,
-                        "ewc": s.ewc.stats(),
-                    }
-                )
+                adapters.append({
+                    "scope": s.scope, "version": s.version, "active": not s.snapshot.is_zero,
+                    "feedback": s.feedback_count, "instant_updates": s.instant_updates, "deep_runs": s.deep_runs,
+                    "baseline": round(s.baseline, 4), "pending_quality": round(s.pending_quality, 4),
+                    "routed_from": s.routed_from, "ewc": s.ewc.stats(),
+                })
         return {
             "model": self.model_config.name,
             "scope_mode": self.config.scope,
@@ -826,12 +750,8 @@ class Sona:
             "background_cycle": _percentiles(self._cycle_times),
             "deep": {
                 "running": self._deep_thread is not None and self._deep_thread.is_alive(),
-                "last": None
-                if last_deep is None
-                else {
-                    "scope": last_deep.scope,
-                    "samples": last_deep.samples,
-                    "steps": last_deep.steps,
+                "last": None if last_deep is None else {
+                    "scope": last_deep.scope, "samples": last_deep.samples, "steps": last_deep.steps,
                     "seconds": round(last_deep.seconds, 3),
                     "first_epoch_loss": round(last_deep.first_epoch_loss, 4),
                     "last_epoch_loss": round(last_deep.last_epoch_loss, 4),
@@ -847,13 +767,8 @@ class Sona:
     def _fingerprint(self) -> dict[str, Any]:
         mc = self.model_config
         digest = hashlib.sha256(self.net.final_norm.tobytes() + self.net.embed[:8].tobytes()).hexdigest()
-        return {
-            "name": mc.name,
-            "hidden_size": mc.hidden_size,
-            "num_layers": mc.num_layers,
-            "vocab_size": mc.vocab_size,
-            "weights_sha256": digest,
-        }
+        return {"name": mc.name, "hidden_size": mc.hidden_size, "num_layers": mc.num_layers,
+                "vocab_size": mc.vocab_size, "weights_sha256": digest}
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Write adapters (safetensors, one file per scope, with their EWC++ state), the bank
@@ -876,38 +791,19 @@ class Sona:
                     tensors[f"layers.{li}.{proj}.lora_B"] = np.ascontiguousarray(b)
                 tensors.update({k: np.ascontiguousarray(v) for k, v in s.ewc.state_arrays().items()})
                 entry: dict[str, Any] = {
-                    "scope": s.scope,
-                    "file": f"adapters/{i:04d}.safetensors",
-                    "version": s.version,
-                    "baseline": s.baseline,
-                    "feedback_count": s.feedback_count,
-                    "instant_updates": s.instant_updates,
-                    "deep_runs": s.deep_runs,
-                    "ewc_consolidations": s.ewc.consolidations,
-                    "ewc_consolidated_samples": s.ewc.consolidated.count,
-                    "routed_from": s.routed_from,
+                    "scope": s.scope, "file": f"adapters/{i:04d}.safetensors", "version": s.version,
+                    "baseline": s.baseline, "feedback_count": s.feedback_count, "instant_updates": s.instant_updates,
+                    "deep_runs": s.deep_runs, "ewc_consolidations": s.ewc.consolidations,
+                    "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from,
                 }
             tmp = target / (entry["file"] + ".tmp")
-            save_file(
-                tensors,
-                str(tmp),
-                metadata={
-                    "format": STATE_FORMAT,
-                    "scope": s.scope,
-                    "scale": repr(s.scale),
-                    "rank": str(self.config.rank),
-                },
-            )
+            save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "scope": s.scope,
+                                                    "scale": repr(s.scale), "rank": str(self.config.rank)})
             os.replace(tmp, target / entry["file"])
             scopes.append(entry)
-        manifest = {
-            "format": STATE_FORMAT,
-            "model": self._fingerprint(),
-            "config": self.config.to_json(),
-            "adapted": [[li, p] for li, p in self.keys],
-            "scopes": scopes,
-            "bank": ["bank.safetensors", "bank.json"],
-        }
+        manifest = {"format": STATE_FORMAT, "model": self._fingerprint(), "config": self.config.to_json(),
+                    "adapted": [[li, p] for li, p in self.keys], "scopes": scopes, "bank": ["bank.safetensors",
+                                                                                             "bank.json"]}
         tmp = target / "manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, target / "manifest.json")
@@ -931,12 +827,8 @@ class Sona:
             slots = {e["scope"]: self._load_slot(d, e) for e in manifest["scopes"]}
         except (KeyError, TypeError, ValueError) as exc:
             raise SonaStateError(f"{d}: manifest.json is malformed ({type(exc).__name__}: {exc})") from exc
-        bank = ReasoningBank(
-            self.model_config.hidden_size,
-            max_entries=self.config.bank_max_entries,
-            num_patterns=self.config.bank_patterns,
-            seed=self.config.seed,
-        )
+        bank = ReasoningBank(self.model_config.hidden_size, max_entries=self.config.bank_max_entries,
+                             num_patterns=self.config.bank_patterns, seed=self.config.seed)
         bank.load(d)
         with self._lock:
             self._slots = slots
@@ -944,6 +836,7 @@ class Sona:
                 self._samples.setdefault(scope, deque(maxlen=self.config.deep_max_samples))
             self.bank = bank
         self._slot(GLOBAL_SCOPE)
+
 
     def _load_slot(self, d: Path, entry: dict[str, Any]) -> Slot:
         from safetensors.numpy import load_file
@@ -953,21 +846,15 @@ class Sona:
         except Exception as exc:  # safetensors raises its own SafetensorError for bad headers
             raise SonaStateError(f"{d / entry['file']}: unreadable adapter ({exc})") from exc
         try:
-            params = {
-                (li, p): (
-                    arrays[f"layers.{li}.{p}.lora_A"].astype(np.float32),
-                    arrays[f"layers.{li}.{p}.lora_B"].astype(np.float32),
-                )
-                for li, p in self.keys
-            }
+            params = {(li, p): (arrays[f"layers.{li}.{p}.lora_A"].astype(np.float32),
+                                arrays[f"layers.{li}.{p}.lora_B"].astype(np.float32)) for li, p in self.keys}
         except KeyError as exc:
             raise SonaStateError(f"{d / entry['file']}: tensor {exc} is missing") from exc
         for (li, p), (a, b) in params.items():
             want = ((self.config.rank, self.net.in_features(p)), (self.net.out_features(p), self.config.rank))
             if (a.shape, b.shape) != want:
-                raise SonaStateError(
-                    f"{d / entry['file']}: layers.{li}.{p} has shapes {a.shape}, {b.shape}; expected {want}"
-                )
+                raise SonaStateError(f"{d / entry['file']}: layers.{li}.{p} has shapes {a.shape}, {b.shape}; "
+                                     f"expected {want}")
         slot = Slot(entry["scope"], params, self.config.scale, self._new_ewc(params), float(entry["baseline"]))
         try:
             slot.ewc.load_arrays(arrays, int(entry["ewc_consolidations"]), int(entry["ewc_consolidated_samples"]))
