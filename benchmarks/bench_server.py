@@ -5,6 +5,11 @@ with 2 threads.
 
 Each server runs as its own process on 127.0.0.1; the client streams OpenAI chat completions over
 raw SSE (httpx) and times every event. Run: ``python benchmarks/bench_server.py [--json out.json]``.
+
+``--workload mixed`` is the serving-stall check: right after the server reports ready (no warm-up),
+8 and 32 streams send prompts of 10 to 1,500 tokens (a fixed spread) with max_tokens from 8 to 128;
+it reports TTFT and inter-token-latency percentiles and counts the step compilations our server
+logged while serving (``step compiled while serving``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class LevelResult:
     itl_ms: dict[str, float] = field(default_factory=dict)
     e2e_ms: dict[str, float] = field(default_factory=dict)
     errors: int = 0
+    #: Step compilations the server logged while serving, counted after this level (ours only).
+    compiles: int | None = None
 
 
 def _free_port() -> int:
@@ -82,6 +89,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> 
 async def one_request(
     client: httpx.AsyncClient, model: str, i: int, max_tokens: int, messages: list[dict] | None = None
 ) -> RequestTiming:
+    """Stream one chat completion; ``messages`` default to a short story prompt."""
     body = {
         "model": model,
         "messages": messages or [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
@@ -114,8 +122,16 @@ async def one_request(
 
 
 async def run_level(
-    base: str, model: str, name: str, concurrency: int, n_requests: int, max_tokens: int
+    base: str,
+    model: str,
+    name: str,
+    concurrency: int,
+    n_requests: int,
+    max_tokens: int,
+    mixed: list[tuple[str, int]] | None = None,
 ) -> LevelResult:
+    """``n_requests`` at ``concurrency`` streams; ``mixed``: request ``i`` sends ``mixed[i]``'s prompt
+    text and max_tokens instead of a story prompt."""
     limits = httpx.Limits(max_connections=concurrency + 4)
     sem = asyncio.Semaphore(concurrency)
     timings: list[RequestTiming] = []
@@ -127,7 +143,12 @@ async def run_level(
             nonlocal errors
             async with sem:
                 try:
-                    timings.append(await one_request(client, model, i, max_tokens))
+                    if mixed:
+                        text, mt = mixed[i % len(mixed)]
+                        msgs = [{"role": "user", "content": text}]
+                        timings.append(await one_request(client, model, i, mt, msgs))
+                    else:
+                        timings.append(await one_request(client, model, i, max_tokens))
                 except httpx.HTTPError as exc:
                     errors += 1
                     print(f"  request {i} failed: {exc!r}", file=sys.stderr)
@@ -180,6 +201,31 @@ async def prefix_ttft(base: str, model: str, rounds: int) -> dict[str, float]:
     }
 
 
+#: max_tokens of the mixed workload, cycled.
+MIXED_MAX_TOKENS = [8, 64, 16, 128, 32, 48, 8, 96]
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """``n`` (prompt text, max_tokens): prompt lengths spread log-uniformly over 10-1,500 tokens of
+    SmolLM2's tokenizer (the text is cut at a token boundary), each made unique by a leading number."""
+    from ruvllm.resolve import resolve
+    from ruvllm.checkpoint import open_checkpoint
+
+    tok = open_checkpoint(resolve("smollm2")).tokenizer()
+    ids = tok.encode(DOCUMENT * 8, add_special_tokens=False)
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.uniform(np.log(10), np.log(1500), n)).astype(int)
+    return [
+        (f"{i}. " + tok.decode(ids[: int(k)]) + "\nSummarize.", MIXED_MAX_TOKENS[i % len(MIXED_MAX_TOKENS)])
+        for i, k in enumerate(lengths)
+    ]
+
+
+def compiles_while_serving(log: Path) -> int:
+    """Step compilations our server logged after it reported ready."""
+    return log.read_text(errors="replace").count("step compiled while serving")
+
+
 def _check_alive(proc: subprocess.Popen, name: str, log: Path, wait: float) -> None:
     """Raise :class:`ServerCrashed` if the server process has died (waiting up to ``wait`` s)."""
     try:
@@ -204,17 +250,22 @@ def bench_server(
     try:
         _wait_ready(proc, base + args.ready_path.get(name, "/v1/models"), args.startup_timeout, log)
         for c in args.levels:
-            # Warm-up at this concurrency first: JIT backends compile per batch shape, and that
-            # one-off cost is not what a running server pays.
-            warm = asyncio.run(run_level(base, model, name, c, c, 4))
-            _check_alive(proc, name, log, wait=5.0 if warm.errors else 0.0)
             n = max(c * args.requests_per_stream, 4)
-            res = asyncio.run(run_level(base, model, name, c, n, args.max_tokens))
+            if args.workload == "mixed":
+                # No warm-up: a server must not compile once it says it is ready.
+                res = asyncio.run(run_level(base, model, name, c, n, 0, mixed_prompts(n, seed=c)))
+                res.compiles = compiles_while_serving(log)
+            else:
+                # Warm-up at this concurrency first: JIT backends compile per batch shape, and that
+                # one-off cost is not what a running server pays.
+                warm = asyncio.run(run_level(base, model, name, c, c, 4))
+                _check_alive(proc, name, log, wait=5.0 if warm.errors else 0.0)
+                res = asyncio.run(run_level(base, model, name, c, n, args.max_tokens))
             _check_alive(proc, name, log, wait=5.0 if res.errors else 0.0)
             print(f"  c={c:<3} {res.tokens_per_s:>8.1f} tok/s  TTFT p50 {res.ttft_ms.get('p50')} ms  "
                   f"ITL p50 {res.itl_ms.get('p50')} ms  errors {res.errors}", file=sys.stderr)  # fmt: skip
             results.append(res)
-        if args.prefix_rounds:
+        if args.prefix_rounds and args.workload == "chat":
             asyncio.run(prefix_ttft(base, model, 1))  # warm-up (compiles the long-prefill shapes)
             args.prefix_results[name] = asyncio.run(prefix_ttft(base, model, args.prefix_rounds))
             print(f"  shared 500-token prefix: {args.prefix_results[name]}", file=sys.stderr)
@@ -240,7 +291,8 @@ def pick_backend() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--workload", choices=["chat", "mixed"], default="chat", help="see the module docstring")
+    p.add_argument("--levels", type=int, nargs="+", default=None, help="streams (default 1 8 32 64; mixed: 8 32)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
     p.add_argument("--backend", default=None, help="ruvllm backend (default: jax if installed, else candle-compat)")
@@ -252,6 +304,7 @@ def main() -> int:
     p.add_argument("--prefix-rounds", type=int, default=3, help="rounds of the shared-prefix TTFT measurement")
     p.add_argument("--server-log-level", default="WARNING", help="RUVLLM_LOG for our server (INFO shows compiles)")
     args = p.parse_args()
+    args.levels = args.levels or ([8, 32] if args.workload == "mixed" else [1, 8, 32, 64])
 
     import tempfile
 
@@ -303,13 +356,18 @@ def main() -> int:
     if peer_build:
         print(f"llama.cpp: {llama_cpp_summary(peer_build)}")
     print()
-    print("| server | streams | requests | tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | errors |")
-    print("|---|---:|---:|---:|---:|---|---|---:|")
+    if args.workload == "mixed":
+        print("workload: mixed, prompts 10-1,500 tokens, max_tokens 8-128, no warm-up after ready")
+    print("| server | streams | requests | tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | ITL p99/p50 "
+          "| compiles while serving | errors |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---|---|---:|---:|---:|")
     for r in results:
         ttft = "/".join(str(r.ttft_ms.get(k, "-")) for k in ("p50", "p90", "p99"))
         itl = "/".join(str(r.itl_ms.get(k, "-")) for k in ("p50", "p90", "p99"))
+        ratio = f"{r.itl_ms['p99'] / max(r.itl_ms['p50'], 1e-9):.1f}" if r.itl_ms else "-"
+        compiles = "-" if r.compiles is None else r.compiles
         print(f"| {r.server} | {r.concurrency} | {r.requests} | {r.tokens_per_s} | {r.requests_per_s} | {ttft} | {itl} "
-              f"| {r.errors} |")  # fmt: skip
+              f"| {ratio} | {compiles} | {r.errors} |")  # fmt: skip
     if args.prefix_results:
         print("\n| server | TTFT, new 500-token context (ms) | TTFT, same context again (ms) | ratio |")
         print("|---|---:|---:|---:|")

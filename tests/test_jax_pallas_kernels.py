@@ -166,6 +166,36 @@ def test_kernels_apply_sliding_windows_and_score_scale(window):
     np.testing.assert_allclose(got[real], want[real], atol=ATOL, rtol=0)
 
 
+# Tables as wide as the longest context served (one compiled shape for all lengths): the reference
+# loops over key chunks of KEY_CHUNK_TOKENS, only those some query sees; long contexts, a window
+# that skips leading chunks, padding rows and a table far wider than any context.
+@pytest.mark.parametrize("window", [0, 300])
+def test_reference_attention_loops_over_key_chunks_of_wide_tables(window):
+    rng = np.random.default_rng(7 + window)
+    heads, kv, hd, bs = 6, 2, 16, 16
+    contexts = np.asarray([700, 0, 257, 1, 1030], np.int32)
+    seqs, width = len(contexts), 128  # 2048 tokens of table
+    q, k, v, _ = _case(rng, seqs=seqs, q_len=1, heads=heads, kv_heads=kv, head_dim=hd, block_size=bs, num_blocks=80)
+    tables = np.zeros((seqs, width), np.int32)
+    for s, c in enumerate(contexts):
+        n = -(-int(c) // bs)
+        tables[s, :n] = rng.choice(80, n, replace=True)
+    q_pos = (contexts - 1)[:, None]
+    want = numpy_attention(q, k, v, 1, tables, q_pos, contexts, window)
+    ref = np.asarray(reference_paged_attention(q, k, v, jnp.int32(1), tables, q_pos, contexts, jnp.int32(window)))
+    np.testing.assert_allclose(ref, want, atol=ATOL, rtol=0)
+
+    start = np.asarray([600, 0, 200, 0, 1000], np.int32)
+    q_len = 40
+    ctx = np.where(contexts > 0, np.minimum(start + q_len, contexts), 0).astype(np.int32)
+    qp = rng.standard_normal((seqs, q_len, heads, hd)).astype(np.float32)
+    q_pos = start[:, None] + np.arange(q_len, dtype=np.int32)[None, :]
+    want = numpy_attention(qp, k, v, 0, tables, q_pos, ctx, window)
+    ref = np.asarray(reference_paged_attention(qp, k, v, jnp.int32(0), tables, q_pos, ctx, jnp.int32(window)))
+    real = q_pos < ctx[:, None]
+    np.testing.assert_allclose(ref[real], want[real], atol=ATOL, rtol=0)
+
+
 def test_kernels_inside_the_model_match_reference_attention(tmp_path):
     """A whole model step with the kernels (interpreted) equals the jax.numpy attention path."""
     from _gguf_files import write_tiny_llama_gguf

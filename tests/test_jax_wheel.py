@@ -91,7 +91,7 @@ def test_server_answers_from_the_wheel_without_a_compiler(wheel_dir, smollm2_pat
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ruvllm", "serve", str(smollm2_path), "--served-model-name", "smollm2",
-             "--backend", "jax", "--port", str(port)],
+             "--backend", "jax", "--port", str(port), "--no-precompile"],
             stdout=subprocess.DEVNULL, stderr=err, env=env,
         )  # fmt: skip
     try:

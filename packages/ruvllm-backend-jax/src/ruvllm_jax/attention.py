@@ -34,6 +34,12 @@ def window_start(q_pos: jax.Array, window: jax.Array | int) -> jax.Array:
     return jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
 
 
+#: Keys the reference attention processes per loop iteration. Block tables are as wide as the
+#: longest sequence the engine serves (one compiled shape for every context length); the loop runs
+#: only over the chunks that hold keys some query of the step can see.
+KEY_CHUNK_TOKENS = 256
+
+
 @functools.partial(jax.jit, static_argnames=("scale",))
 def reference_paged_attention(
     q: jax.Array,
@@ -51,50 +57,77 @@ def reference_paged_attention(
     scale = score_scale(scale, hd)
     _, _, bs, nkv, _ = k_cache.shape
     group = nh // nkv
-    keys = tables.shape[1] * bs
-    k = k_cache[layer, tables].reshape(s, keys, nkv, hd)
-    v = v_cache[layer, tables].reshape(s, keys, nkv, hd)
     lo = window_start(q_pos, window)
-    if nq > 1:
-        return _prefill_attention(q, k, v, q_pos, lo, context, scale)
-    qg = q.reshape(s, nq, nkv, group, hd)
-    scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) * scale
-    p = _masked_softmax(scores, q_pos, lo, context)
-    out = jnp.einsum("skgql,slkd->sqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(s, nq, nh, hd).astype(q.dtype)
+    per_chunk = max(1, KEY_CHUNK_TOKENS // bs)
+    if tables.shape[1] <= per_chunk:  # one chunk: no loop
+        return _attend_keys(q, k_cache, v_cache, layer, tables, 0, q_pos, lo, context, scale)[0]
+    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % per_chunk)))
+    chunk = per_chunk * bs
+    live = context > 0
+    # Chunks [first, last) hold every key a live query may see (a sliding window skips old ones).
+    first = jnp.min(jnp.where(live[:, None], lo, jnp.iinfo(jnp.int32).max)) // chunk
+    last = -(-jnp.max(context) // chunk)
+    first = jnp.minimum(first, last)
+    qg = (s, nkv, group, nq)
+    init = (
+        jnp.full(qg, MASK_VALUE, jnp.float32),
+        jnp.zeros(qg, jnp.float32),
+        jnp.zeros((*qg, hd), jnp.float32),
+    )
+
+    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        m, total, acc = carry
+        tb = lax.dynamic_slice_in_dim(tables, i * per_chunk, per_chunk, axis=1)
+        _, (m_c, sum_c, acc_c) = _attend_keys(q, k_cache, v_cache, layer, tb, i * chunk, q_pos, lo, context, scale)
+        m_new = jnp.maximum(m, m_c)
+        a, b = jnp.exp(m - m_new), jnp.exp(m_c - m_new)
+        return m_new, total * a + sum_c * b, acc * a[..., None] + acc_c * b[..., None]
+
+    _, total, acc = lax.fori_loop(first, last, body, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # [S, KV, G, Q, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
 
 
-def _masked_softmax(scores: jax.Array, q_pos: jax.Array, lo: jax.Array, context: jax.Array) -> jax.Array:
-    """Softmax over keys of ``scores`` ``[S, KV, G, Q, L]``: key ``l`` counts for query ``i`` when
-    ``lo[s, i] <= l <= q_pos[s, i]`` and ``l < context[s]``; rows with no key are all zero."""
-    kpos = jnp.arange(scores.shape[-1], dtype=jnp.int32)[None, None, :]
+def _attend_keys(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    offset: jax.Array | int,
+    q_pos: jax.Array,
+    lo: jax.Array,
+    context: jax.Array,
+    scale: float,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Attention of ``q`` over the keys of ``tables`` (positions from ``offset``): the normalised
+    output ``[S, Q, H, D]`` and the pieces an online softmax combines across chunks (row maximum,
+    sum of exponentials and unnormalised output, ``[S, KV, G, Q(, D)]``)."""
+    s, nq, nh, hd = q.shape
+    _, _, bs, nkv, _ = k_cache.shape
+    group = nh // nkv
+    keys = tables.shape[1] * bs
+    k = k_cache[layer, tables].reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)  # [S, KV, L, D]
+    v = v_cache[layer, tables].reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)
+    # The group's queries stacked as rows of one batched matmul per (sequence, kv head): XLA:CPU
+    # runs this ~2.5x faster than the general einsum at 1024 queries.
+    qt = q.reshape(s, nq, nkv, group, hd).transpose(0, 2, 3, 1, 4).reshape(s, nkv, group * nq, hd)
+    batch = ((0, 1), (0, 1))
+    scores = lax.dot_general(qt, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32) * scale
+    scores = scores.reshape(s, nkv, group, nq, keys)
+    kpos = offset + jnp.arange(keys, dtype=jnp.int32)[None, None, :]
     mask = (kpos >= lo[:, :, None]) & (kpos <= q_pos[:, :, None]) & (kpos < context[:, None, None])
     mask = mask[:, None, None]  # [S, 1, 1, Q, L]
     scores = jnp.where(mask, scores, MASK_VALUE)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(denom > 0, denom, 1.0)
-
-
-def _prefill_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, lo: jax.Array, context: jax.Array, scale: float
-) -> jax.Array:
-    """Many queries per sequence: the same math laid out as batched matmuls over (sequence, kv head)
-    with the group's queries stacked, which XLA:CPU runs ~2.5x faster than the general einsum at
-    1024 queries (it otherwise transposes the scores and runs small matmuls)."""
-    s, nq, nh, hd = q.shape
-    keys, nkv = k.shape[1], k.shape[2]
-    group = nh // nkv
-    kt = k.transpose(0, 2, 1, 3)  # [S, KV, L, D]
-    vt = v.transpose(0, 2, 1, 3)
-    qt = q.reshape(s, nq, nkv, group, hd).transpose(0, 2, 3, 1, 4).reshape(s, nkv, group * nq, hd)
-    batch = ((0, 1), (0, 1))
-    scores = lax.dot_general(qt, kt, (((3,), (3,)), batch), preferred_element_type=jnp.float32) * scale
-    p = _masked_softmax(scores.reshape(s, nkv, group, nq, keys), q_pos, lo, context)
-    p = p.reshape(s, nkv, group * nq, keys)
-    out = lax.dot_general(p.astype(vt.dtype), vt, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
-    return out.reshape(s, nkv, group, nq, hd).transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
+    m = jnp.max(scores, axis=-1)
+    e = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
+    total = jnp.sum(e, axis=-1)
+    p = e.reshape(s, nkv, group * nq, keys).astype(v.dtype)
+    acc = lax.dot_general(p, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+    acc = acc.reshape(s, nkv, group, nq, hd)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
+    return out, (m, total, acc)
 
 
 def paged_attention(

@@ -161,25 +161,30 @@ class AdapterCache:
 
 
 def plan_adapters(
-    adapters: Sequence[Any], lens: Sequence[int], num_tokens: int, cache: AdapterCache
+    adapters: Sequence[Any],
+    lens: Sequence[int],
+    num_tokens: int,
+    cache: AdapterCache,
+    starts: Sequence[int] | None = None,
 ) -> tuple[LoraPlan | None, np.ndarray | None, LoraFactors | None]:
     """Slots for the adapters of one step's chunks (``None`` entries: no adapter): the static plan,
     each token's slot (-1 for none) and the factors per projection and slot. All None when no chunk
-    has an adapter that changes anything, so the step is the one without adapters."""
+    has an adapter that changes anything, so the step is the one without adapters. Chunk ``i``'s
+    tokens sit at ``starts[i]`` (default: one after another)."""
     if all(a is None for a in adapters):
         return None, None, None
     uploaded = [None if a is None else cache.get(a) for a in adapters]
     slot_of: dict[int, int] = {}
     used: list[DeviceAdapter] = []
     token_slot = np.full(num_tokens, -1, np.int32)
-    start = 0
-    for entry, n in zip(uploaded, lens, strict=True):
+    if starts is None:
+        starts = np.cumsum([0, *lens[:-1]])
+    for entry, n, start in zip(uploaded, lens, starts, strict=True):
         if entry is not None and entry.factors:
             if id(entry) not in slot_of:
                 slot_of[id(entry)] = len(used)
                 used.append(entry)
             token_slot[start : start + n] = slot_of[id(entry)]
-        start += n
     cache.trim()
     if not used:
         return None, None, None

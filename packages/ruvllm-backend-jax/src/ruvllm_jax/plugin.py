@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ruvllm import hookimpl
-from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions
+from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions, StepLimits
 from ruvllm.checkpoint import Checkpoint
 
 NAME = "jax"
@@ -76,6 +76,21 @@ def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int 
     if not _is_ours(model):
         return None
     return model.kv_block_bytes(block_size)
+
+
+@hookimpl
+def precompile(
+    model: Any, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None]
+) -> list[tuple[str, float]] | None:
+    if not _is_ours(model):
+        return None
+    return model.precompile(
+        cache,
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        max_model_len=limits.max_model_len,
+        progress=progress,
+    )
 
 
 @hookimpl

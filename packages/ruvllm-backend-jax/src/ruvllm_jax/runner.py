@@ -1,11 +1,24 @@
 """The host side of the backend: turns a core :class:`ForwardBatch` into padded int32 arrays, picks
-the compiled step for their shape bucket (compiling it the first time) and unpacks the results."""
+the compiled step for their shape (compiling it the first time) and unpacks the results.
+
+Step shapes form a small bounded set (:func:`step_shapes`), so a server compiles all of them before
+traffic (:meth:`JaxModel.precompile`) and never while serving:
+
+- block tables are as wide as the longest sequence served; attention loops over the key chunks the
+  step's contexts reach (:mod:`ruvllm_jax.attention`), so context length is not part of the shape;
+- steps with only decoding sequences pad their count to a power of two;
+- a step with prompt chunks runs them as one group of 1 chunk (its length padded to a power of two,
+  at least :data:`MIN_PREFILL_LEN`) or of :data:`SHORT_GROUP` chunks of at most :data:`SHORT_PREFILL`
+  tokens, beside the decoding sequences padded to a power of four; chunks that fit no group together
+  run as further parts of the same call, one forward pass each.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -29,9 +42,96 @@ from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weight
 log = structlog.get_logger("ruvllm_jax")
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
-#: Block tables are padded to cover at least this many tokens, so that short contexts do not each
-#: compile their own step (attention over a few masked extra blocks costs little).
-MIN_TABLE_TOKENS = 128
+#: Prompt chunks are padded to a power of two of at least this many tokens.
+MIN_PREFILL_LEN = 16
+#: Up to SHORT_GROUP prompt chunks of at most SHORT_PREFILL tokens run together in one group.
+SHORT_PREFILL = 128
+SHORT_GROUP = 4
+
+
+def bucket4(n: int) -> int:
+    """Decoding sequences beside a prompt group: 0, 1, 4, 16, 64..."""
+    return 0 if n <= 0 else 1 if n == 1 else 1 << (2 * (((n - 1).bit_length() + 1) // 2))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One compiled step's sizes: decoding sequences, prompt-group chunks and their padded length."""
+
+    decode_seqs: int
+    prefill_seqs: int = 0
+    prefill_len: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decode_seqs + self.prefill_seqs * self.prefill_len
+
+    def __str__(self) -> str:
+        if not self.prefill_seqs:
+            return f"decode {self.decode_seqs}"
+        return f"decode {self.decode_seqs} + prefill {self.prefill_seqs}x{self.prefill_len}"
+
+
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
+    """Every shape a step within these limits is padded to (see the module docstring)."""
+    shapes = []
+    sd = 1
+    while sd <= bucket(min(max_num_seqs, max_num_batched_tokens)):
+        shapes.append(StepShape(sd))
+        sd *= 2
+    groups = [(1, q) for q in _lengths(MIN_PREFILL_LEN, bucket(max_num_batched_tokens))]
+    if max_num_seqs >= 2:
+        groups += [(SHORT_GROUP, q) for q in _lengths(MIN_PREFILL_LEN, min(SHORT_PREFILL, max_num_batched_tokens))]
+    for sp, qb in groups:
+        fewest_chunks = 1 if sp == 1 else 2
+        # The longest chunk decides the padded length; the others may have as few as 2 tokens.
+        fewest_tokens = (2 if qb == MIN_PREFILL_LEN else qb // 2 + 1) + 2 * (fewest_chunks - 1)
+        if fewest_tokens > max_num_batched_tokens:
+            continue
+        sd = 0
+        while True:
+            fewest_decodes = 0 if sd == 0 else 1 if sd == 1 else sd // 4 + 1
+            if fewest_decodes + fewest_chunks > max_num_seqs or fewest_decodes + fewest_tokens > max_num_batched_tokens:
+                break
+            shapes.append(StepShape(sd, sp, qb))
+            sd = 1 if sd == 0 else sd * 4
+    return shapes
+
+
+def _lengths(lo: int, hi: int) -> list[int]:
+    out, q = [], lo
+    while q <= max(lo, hi):
+        out.append(q)
+        q *= 2
+    return out
+
+
+def shape_of(lens: list[int]) -> StepShape:
+    """The shape one forward pass over chunks of these lengths (one part of :func:`partition`) is
+    padded to."""
+    decode = sum(1 for n in lens if n == 1)
+    prompts = [n for n in lens if n > 1]
+    if not prompts:
+        return StepShape(bucket(decode))
+    sp = 1 if len(prompts) == 1 else SHORT_GROUP
+    qb = max(MIN_PREFILL_LEN, bucket(max(prompts)))
+    if len(prompts) > sp or (sp > 1 and qb > SHORT_PREFILL):
+        raise BackendError(f"jax backend: prompt chunks of {prompts} tokens fit no step shape")
+    return StepShape(bucket4(decode), sp, qb)
+
+
+def partition(lens: list[int]) -> list[list[int]]:
+    """The chunks (indices) each forward pass of a step runs: the first part holds every decoding
+    chunk and the first prompt group; long prompt chunks form groups of one, short ones groups of up
+    to :data:`SHORT_GROUP` (a lone short chunk is a group of one)."""
+    decode = [i for i, n in enumerate(lens) if n == 1]
+    prompts = sorted((i for i, n in enumerate(lens) if n > 1), key=lambda i: -lens[i])
+    groups = [[i] for i in prompts if lens[i] > SHORT_PREFILL]
+    short = [i for i in prompts if lens[i] <= SHORT_PREFILL]
+    groups += [short[k : k + SHORT_GROUP] for k in range(0, len(short), SHORT_GROUP)]
+    if not groups:
+        return [decode]
+    return [decode + groups[0], *groups[1:]]
 _KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads"}
 #: w8a8 steps of at most this many (padded) tokens use the native kernels when they are loaded;
 #: larger ones use XLA's integer GEMM, which reuses each weight load across more rows. (w4a8 steps
@@ -41,7 +141,7 @@ NATIVE_MAX_TOKENS = 4
 
 def enable_compilation_cache() -> Path | None:
     """Keep compiled steps on disk so a restarted server does not compile its shapes again: XLA
-    compiles each step in 1-4 s on CPU and loads it from this cache in a fraction of that.
+    compiles each step in 0.3-4 s on CPU and loads it from this cache in a fraction of that.
 
     ``RUVLLM_JAX_COMPILATION_CACHE``: a directory, or ``off``; default ``<ruvllm cache>/jax``. A
     directory set through JAX's own ``jax_compilation_cache_dir`` is left as it is."""
@@ -54,8 +154,8 @@ def enable_compilation_cache() -> Path | None:
 
     path = Path(setting).expanduser() if setting else cache_dir() / "jax"
     jax.config.update("jax_compilation_cache_dir", str(path))
-    # Steps take over a second to compile; smaller programs are not worth the disk.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Every step shape is precompiled at start: all of them are worth keeping (a few dozen KiB each).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 
@@ -111,6 +211,11 @@ class JaxModel:
     adapters: AdapterCache = field(init=False, repr=False)
     #: Whether small steps run the w8a8 products in :mod:`ruvllm_jax.native`'s kernels.
     native: bool = field(init=False, default=False)
+    #: Tokens every step's block tables cover: the model's context until :meth:`precompile` is told
+    #: the longest sequence served.
+    table_tokens: int = field(init=False, default=1)
+    #: Set by :meth:`precompile`: a step compiled later is logged as a warning (a stall while serving).
+    precompiled: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.native = self._want_native()
@@ -168,6 +273,7 @@ class JaxModel:
         host = WeightLoader(checkpoint, spec, options.quantization, keep).load()
         weights = shard_weights(host, spec, mesh)
         model = cls(spec, weights, mesh, attention, options)
+        model.table_tokens = checkpoint.config.max_position_embeddings
         log.info(
             "weights loaded",
             quantization=options.quantization,
@@ -230,18 +336,58 @@ class JaxModel:
         chunks = batch.chunks
         if not chunks:
             return ForwardOutput(np.zeros((0, self.spec.vocab_size), np.float32))
-        inputs, plan, rows, lora = self._prepare(chunks, cache)
-        step = self._step_for(plan, cache, inputs, lora)
-        logits, hidden, cache.state = step(self.weights, cache.state, inputs, lora)
-        logits = np.asarray(logits)
-        out = ForwardOutput(np.ascontiguousarray(logits[rows.last]))
-        for i, sl in rows.all_logits.items():
-            out.all_logits[i] = np.ascontiguousarray(logits[sl])
-        if hidden is not None:
-            hidden = np.asarray(hidden)
-            for i, sl in rows.hidden.items():
-                out.hidden_states[i] = np.ascontiguousarray(hidden[sl])
+        self._check(chunks, cache)
+        out = ForwardOutput(np.zeros((len(chunks), self.spec.vocab_size), np.float32))
+        for part in partition([len(c.token_ids) for c in chunks]):
+            inputs, plan, rows, lora = self._prepare([chunks[i] for i in part], cache)
+            step = self._step_for(plan, cache, inputs, lora)
+            logits, hidden, cache.state = step(self.weights, cache.state, inputs, lora)
+            logits = np.asarray(logits)
+            out.logits[part] = logits[rows.last]
+            for j, sl in rows.all_logits.items():
+                out.all_logits[part[j]] = np.ascontiguousarray(logits[sl])
+            if hidden is not None:
+                hidden = np.asarray(hidden)
+                for j, idx in rows.hidden.items():
+                    out.hidden_states[part[j]] = np.ascontiguousarray(hidden[idx])
         return out
+
+    def precompile(
+        self,
+        cache: JaxKVCache,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        progress: Callable[[int, int, str, float], None] | None = None,
+    ) -> list[tuple[str, float]]:
+        """Compile every step shape (:func:`step_shapes`) and block-copy size a step within these
+        limits can need; returns each shape with its compile seconds (a fraction of a second when the
+        persistent compilation cache has it). Block tables become ``max_model_len`` tokens wide."""
+        bs = cache.block_size
+        self.table_tokens = max_model_len
+        done: list[tuple[str, float]] = []
+        shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
+        copies = _lengths(1, bucket(max_num_seqs))
+        total = len(shapes) + len(copies)
+        table = np.zeros(-(-max_model_len // bs), np.int32)
+        for shape in shapes:
+            chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
+            chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
+            t0 = time.perf_counter()
+            inputs, plan, _, lora = self._prepare(chunks, cache)
+            self._step_for(plan, cache, inputs, lora)
+            done.append((str(shape), time.perf_counter() - t0))
+            if progress:
+                progress(len(done), total, *done[-1])
+        for n in copies:
+            t0 = time.perf_counter()
+            self._copy_fn(n, cache)
+            done.append((f"block copies {n}", time.perf_counter() - t0))
+            if progress:
+                progress(len(done), total, *done[-1])
+        self.precompiled = True
+        return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):
         key = (plan, cache.num_blocks, cache.block_size)
@@ -251,19 +397,18 @@ class JaxModel:
             fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
             step = fn.lower(self.weights, cache.state, inputs, lora).compile()
             self._compiled[key] = step
-            log.info(
-                "step compiled", plan=plan, seconds=round(time.perf_counter() - t0, 2), buckets=len(self._compiled)
-            )
+            seconds = round(time.perf_counter() - t0, 2)
+            if self.precompiled:
+                # Adapters, hidden states and all-position logits are outside the precompiled set.
+                log.warning("step compiled while serving", plan=plan, seconds=seconds, buckets=len(self._compiled))
+            else:
+                log.debug("step compiled", plan=plan, seconds=seconds, buckets=len(self._compiled))
         return step
 
-    def _prepare(
-        self, chunks: list[SequenceChunk], cache: JaxKVCache
-    ) -> tuple[StepInputs, StepPlan, _Rows, LoraFactors | None]:
-        bs, nb = cache.block_size, cache.num_blocks
-        vocab = self.spec.vocab_size
-        lens = [len(c.token_ids) for c in chunks]
-        for i, (c, n) in enumerate(zip(chunks, lens, strict=False)):
-            if n == 0:
+    def _check(self, chunks: list[SequenceChunk], cache: JaxKVCache) -> None:
+        bs, nb, vocab = cache.block_size, cache.num_blocks, self.spec.vocab_size
+        for i, c in enumerate(chunks):
+            if len(c.token_ids) == 0:
                 raise RequestError(f"chunk {i} has no tokens")
             if c.start_pos < 0:
                 raise RequestError(f"chunk {i}: start_pos {c.start_pos} is negative")
@@ -277,45 +422,50 @@ class JaxModel:
             if ids.min() < 0 or ids.max() >= vocab:
                 raise RequestError(f"chunk {i}: token ids must be in 0..{vocab - 1}")
 
-        total = sum(lens)
-        t = bucket(total)
-        lora_plan, lora_slot, lora = plan_adapters([c.adapter for c in chunks], lens, t, self.adapters)
+    def _prepare(
+        self, chunks: list[SequenceChunk], cache: JaxKVCache
+    ) -> tuple[StepInputs, StepPlan, _Rows, LoraFactors | None]:
+        """Inputs of one forward pass over ``chunks`` (one part of :func:`partition`): decoding
+        tokens first, then the prompt group's rows of ``prefill_len`` slots each."""
+        bs, nb = cache.block_size, cache.num_blocks
+        lens = [len(c.token_ids) for c in chunks]
+        decode = [i for i, n in enumerate(lens) if n == 1]
+        prefill = [i for i, n in enumerate(lens) if n > 1]
+        shape = shape_of(lens)
+        sd, sp, qb, t = shape.decode_seqs, shape.prefill_seqs, shape.prefill_len, shape.num_tokens
+        starts = np.zeros(len(chunks), np.int64)
+        for row, i in enumerate(decode):
+            starts[i] = row
+        for row, i in enumerate(prefill):
+            starts[i] = sd + row * qb
+        lora_plan, lora_slot, lora = plan_adapters([c.adapter for c in chunks], lens, t, self.adapters, starts)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_block = np.full(t, nb, np.int32)
         write_offset = np.zeros(t, np.int32)
-        starts = np.cumsum([0, *lens[:-1]])
-        for c, s, n in zip(chunks, starts, lens, strict=False):
+        for c, s0, n in zip(chunks, starts, lens, strict=True):
             pos = c.start_pos + np.arange(n)
-            tokens[s : s + n] = c.token_ids
-            positions[s : s + n] = pos
-            write_block[s : s + n] = np.asarray(c.block_table)[pos // bs]
-            write_offset[s : s + n] = pos % bs
+            tokens[s0 : s0 + n] = c.token_ids
+            positions[s0 : s0 + n] = pos
+            write_block[s0 : s0 + n] = np.asarray(c.block_table)[pos // bs]
+            write_offset[s0 : s0 + n] = pos % bs
 
-        decode = [i for i, n in enumerate(lens) if n == 1]
-        prefill = [i for i, n in enumerate(lens) if n > 1]
+        # One table width for every step: the longest sequence served (attention loops over the
+        # key chunks the contexts reach, so the width costs nothing).
+        width = max(-(-self.table_tokens // bs), bucket(max(-(-c.end_pos // bs) for c in chunks)))
 
-        def tables(idx: list[int], width: int) -> np.ndarray:
-            out = np.zeros((bucket(len(idx)) if idx else 0, width), np.int32)
+        def tables(idx: list[int], rows: int) -> np.ndarray:
+            out = np.zeros((rows, width), np.int32)
             for row, i in enumerate(idx):
                 need = -(-chunks[i].end_pos // bs)
                 out[row, :need] = chunks[i].block_table[:need]
             return out
 
-        def width(idx: list[int]) -> int:
-            # At least MIN_TABLE_TOKENS of context: short sequences share one compiled shape.
-            if not idx:
-                return 1
-            return max(bucket(max(-(-chunks[i].end_pos // bs) for i in idx)), -(-MIN_TABLE_TOKENS // bs))
-
-        sd = bucket(len(decode)) if decode else 0
         decode_token = np.full(sd, t, np.int32)
         decode_context = np.zeros(sd, np.int32)
         for row, i in enumerate(decode):
             decode_token[row] = starts[i]
             decode_context[row] = chunks[i].end_pos
-        sp = bucket(len(prefill)) if prefill else 0
-        qb = bucket(max(lens[i] for i in prefill)) if prefill else 1
         prefill_token = np.full((sp, qb), t, np.int32)
         prefill_start = np.zeros(sp, np.int32)
         prefill_context = np.zeros(sp, np.int32)
@@ -324,26 +474,25 @@ class JaxModel:
             prefill_start[row] = chunks[i].start_pos
             prefill_context[row] = chunks[i].end_pos
 
-        rows = _Rows(last=np.asarray(starts) + np.asarray(lens) - 1)
-        logit_rows = list(rows.last)
+        logit_rows = [int(starts[i]) + lens[i] - 1 for i in range(len(chunks))]
+        rows = _Rows(last=np.arange(len(chunks)))
         for i, c in enumerate(chunks):
             if c.all_logits:
                 rows.all_logits[i] = slice(len(logit_rows), len(logit_rows) + lens[i])
-                logit_rows.extend(range(starts[i], starts[i] + lens[i]))
+                logit_rows.extend(range(int(starts[i]), int(starts[i]) + lens[i]))
             if c.hidden_states:
                 rows.hidden[i] = slice(int(starts[i]), int(starts[i]) + lens[i])
-        rows.last = np.arange(len(chunks))
-        g = bucket(len(logit_rows))
+        g = sd + sp if len(logit_rows) <= sd + sp else bucket(len(logit_rows))
         logit_idx = np.zeros(g, np.int32)
         logit_idx[: len(logit_rows)] = logit_rows
 
         plan = StepPlan(
             num_tokens=t,
             decode_seqs=sd,
-            decode_blocks=width(decode),
+            decode_blocks=width,
             prefill_seqs=sp,
             prefill_len=qb,
-            prefill_blocks=width(prefill),
+            prefill_blocks=width,
             logit_rows=g,
             return_hidden=bool(rows.hidden),
             attention=self.attention,
@@ -356,10 +505,10 @@ class JaxModel:
             write_block=write_block,
             write_offset=write_offset,
             decode_token=decode_token,
-            decode_tables=tables(decode, plan.decode_blocks),
+            decode_tables=tables(decode, sd),
             decode_context=decode_context,
             prefill_token=prefill_token,
-            prefill_tables=tables(prefill, plan.prefill_blocks),
+            prefill_tables=tables(prefill, sp),
             prefill_start=prefill_start,
             prefill_context=prefill_context,
             logit_rows=logit_idx,
@@ -378,12 +527,16 @@ class JaxModel:
         src = np.zeros(n, np.int32)
         dst = np.full(n, cache.num_blocks, np.int32)  # padding copies land out of range and are dropped
         src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
+        cache.state = self._copy_fn(n, cache)(cache.state, src, dst)
+
+    def _copy_fn(self, n: int, cache: JaxKVCache) -> Any:
         key = (n, cache.num_blocks, cache.block_size)
         fn = self._copy_fns.get(key)
         if fn is None:
-            fn = jax.jit(_copy_blocks, donate_argnums=(0,))
+            idx = jax.ShapeDtypeStruct((n,), np.int32)
+            fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, idx, idx).compile()
             self._copy_fns[key] = fn
-        cache.state = fn(cache.state, src, dst)
+        return fn
 
 
 @dataclass

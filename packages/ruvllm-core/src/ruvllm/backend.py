@@ -98,6 +98,19 @@ class SequenceChunk:
         return self.start_pos + len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class StepLimits:
+    """Bounds every step the engine schedules stays within; a backend that compiles per shape
+    compiles all the shapes such steps need before traffic (the ``precompile`` hook)."""
+
+    #: Chunks (sequences) in one step.
+    max_num_seqs: int
+    #: Tokens in one step, all chunks together.
+    max_num_batched_tokens: int
+    #: Longest sequence (prompt plus output) in tokens.
+    max_model_len: int
+
+
 @dataclass
 class ForwardBatch:
     chunks: list[SequenceChunk]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions
+    from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions, StepLimits
     from ruvllm.checkpoint import Checkpoint
     from ruvllm.inference import InferenceRequest, InferenceResult
 
@@ -36,6 +36,16 @@ def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, An
 def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int | None:
     """Bytes one KV block of ``block_size`` tokens takes in the cache your ``kv_cache`` allocates for
     your ``model`` with ``options`` (its dtype and layout); the engine sizes the cache from it."""
+
+
+@hookspec(firstresult=True)
+def precompile(
+    model: Any, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None]
+) -> list[tuple[str, float]] | None:
+    """Compile, before traffic, every step shape your ``model`` needs for steps within ``limits`` on
+    ``cache``, calling ``progress(done, total, shape, seconds)`` after each; return each shape's name
+    and compile seconds. Pad any step within the limits into these shapes, so none compiles while
+    serving. Backends that compile nothing need not implement it."""
 
 
 @hookspec(firstresult=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions
+from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions, StepLimits
 from ruvllm.checkpoint import Checkpoint, open_checkpoint
 from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
@@ -57,6 +58,16 @@ class LoadedModel:
 
             return kv_block_bytes(self.config, block_size)
         return int(got)
+
+    def precompile(
+        self, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None] | None = None
+    ) -> list[tuple[str, float]]:
+        """Have the backend compile its step shapes for ``limits``; [] for backends that compile
+        nothing."""
+        got = self.host.hook.precompile(
+            model=self.model, cache=cache, limits=limits, progress=progress or (lambda *_: None)
+        )
+        return list(got or [])
 
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         out = self.host.hook.forward(model=self.model, batch=batch, cache=cache)

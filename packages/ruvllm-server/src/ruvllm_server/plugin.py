@@ -51,6 +51,24 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens one engine step may carry (default 2048)"
+    )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=None,
+        help="latency target of one engine step in ms: prompts are prefilled in chunks sized to it so streams keep "
+        "a steady inter-token latency; 0 = no target (default 100)",
+    )
+    p.add_argument(
+        "--no-precompile",
+        dest="precompile",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not compile the step shapes before reporting ready (they then compile while serving)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default=None,
         help="parser of tool calls in free text: hermes, llama3_json, mistral, json, or a plugin's (default: "
@@ -122,6 +140,9 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_memory": args.kv_cache_memory,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_step_ms": args.max_step_ms,
+        "precompile": args.precompile,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "plugin_options": args.plugin_option,

@@ -59,6 +59,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_cache_memory: str | int | None = None
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
+    #: Latency target of one engine step (ms): prompt chunks are sized so a step stays within it and
+    #: decoding streams keep a steady inter-token latency; 0: no target.
+    max_step_ms: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    #: Compile every step shape before /ready turns 200 (none then compiles while serving).
+    precompile: bool = True
     enable_prefix_caching: bool = True
     #: Seconds to wait for in-flight requests at shutdown.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,8 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        #: What start-up is doing once the model is loaded (compiling step shapes), for /ready.
+        self.starting: str | None = None
         #: LoRA adapters served by name (``--lora``).
         self.adapters: dict[str, Any] = {}
         #: Whether the plugins' model_loaded hooks ran (model_unloading is owed at stop).
@@ -163,6 +166,7 @@ class ServerState:
             max_num_batched_tokens=s.max_num_batched_tokens,
             enable_prefix_caching=s.enable_prefix_caching,
             kv_cache_memory_bytes=kv_cache_budget(s.kv_cache_memory),
+            max_step_ms=s.max_step_ms or None,
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
@@ -190,6 +194,8 @@ class ServerState:
         self.model.host.hook.model_loaded(model=self.model, options=options)
         self.plugins_loaded = True
         engine = AsyncEngine(self.model, config)
+        if s.precompile:
+            await self._precompile(engine)
         engine.start()
         self.engine = engine
         stats = engine.stats()
@@ -210,6 +216,33 @@ class ServerState:
             kv_cache_mib=round(stats.blocks_total * engine.engine.block_bytes / 2**20, 1),
             kv_cache_budget_mib=round(config.kv_cache_memory_bytes / 2**20, 1),
         )
+
+    async def _precompile(self, engine: AsyncEngine) -> None:
+        """Compile every step shape before /ready turns 200; /ready says how far it got meanwhile."""
+        bar = sys.stderr.isatty()
+
+        def progress(done: int, total: int, shape: str, seconds: float) -> None:
+            self.starting = f"compiling step shapes: {done}/{total} ({shape})"
+            if bar:
+                width = 30
+                filled = width * done // total
+                sys.stderr.write(f"\rcompiling step shapes [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+                if done == total:
+                    sys.stderr.write("\n")
+                sys.stderr.flush()
+
+        self.starting = "compiling step shapes"
+        t0 = time.perf_counter()
+        shapes = await anyio.to_thread.run_sync(lambda: engine.engine.precompile(progress))
+        self.starting = None
+        if shapes:
+            log.info(
+                "step shapes compiled",
+                shapes=len(shapes),
+                seconds=round(time.perf_counter() - t0, 1),
+                slowest=max(shapes, key=lambda x: x[1])[0],
+                set=", ".join(name for name, _ in shapes),
+            )
 
     async def stop(self) -> None:
         """Refuse new work, let running requests finish (up to ``drain_timeout``), stop the engine."""
@@ -252,4 +285,6 @@ class ServerState:
             return self.broken
         if self.load_error:
             return f"the model failed to load: {self.load_error}"
+        if self.starting:
+            return self.starting
         return "the model is still loading"

@@ -37,6 +37,11 @@ class EngineConfig:
     max_model_len: int | None = None
     #: Memory budget of the KV cache when ``num_blocks`` is None.
     kv_cache_memory_bytes: int = 2 * 1024**3
+    #: Latency target of one step in milliseconds: the prompt tokens a step carries (chunked
+    #: prefill) shrink so that decoding streams keep a steady inter-token latency while long prompts
+    #: prefill (see :mod:`ruvllm.engine.step_budget`). None: steps carry up to
+    #: ``max_num_batched_tokens`` prompt tokens whatever they cost.
+    max_step_ms: float | None = None
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -56,6 +61,8 @@ class EngineConfig:
             bad(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            bad(f"max_step_ms must be positive, got {self.max_step_ms}")
         if self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

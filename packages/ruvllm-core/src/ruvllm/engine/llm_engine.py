@@ -5,18 +5,19 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
 
-from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.backend import ForwardBatch, SequenceChunk, StepLimits
 from ruvllm.block_manager import BlockManager
 from ruvllm.engine.config import EngineConfig, default_num_blocks
 from ruvllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ruvllm.engine.sequence import RequestState, Sequence
+from ruvllm.engine.step_budget import StepBudget
 from ruvllm.engine.types import (
     ChoiceDelta,
     EngineStats,
@@ -27,7 +28,7 @@ from ruvllm.engine.types import (
 )
 from ruvllm.errors import RequestError, RequestFailedError
 from ruvllm.inference import ChoiceResult, InferenceRequest, InferenceResult
-from ruvllm.sampling import Sampler, SampleResult, SamplingParams
+from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -67,6 +68,12 @@ class LLMEngine:
             policy=config.policy,
         )
         self.cache = model.allocate_cache(self.num_blocks, config.block_size, **config.kv_cache_options)
+        #: Prompt tokens per step under ``max_step_ms`` (None: only ``max_num_batched_tokens`` bounds them).
+        self.step_budget = (
+            StepBudget(config.max_step_ms, config.max_num_batched_tokens) if config.max_step_ms is not None else None
+        )
+        #: Step shapes the backend compiled in :meth:`precompile`, with their seconds.
+        self.precompiled: list[tuple[str, float]] = []
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self._grammar_compiler: GrammarCompiler | None = None
@@ -126,6 +133,10 @@ class LLMEngine:
         sampling.validate(vocab)
         if sampling.structured is not None:
             self.grammar_compiler().grammar(sampling.structured)  # compiled once, cached; bad -> 400
+        if sampling.n > self.config.max_num_seqs:
+            raise RequestError(
+                f"n ({sampling.n}) exceeds the {self.config.max_num_seqs} sequences this engine runs at once"
+            )
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model context is {self.max_model_len}")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
@@ -187,6 +198,18 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
         )
+
+    def precompile(self, progress: Callable[[int, int, str, float], None] | None = None) -> list[tuple[str, float]]:
+        """Have the backend compile every step shape this engine's steps can take (before traffic,
+        so none compiles while serving); returns each shape with its seconds ([] for a backend that
+        compiles nothing)."""
+        limits = StepLimits(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.precompiled = self.model.precompile(self.cache, limits, progress)
+        return self.precompiled
 
     # ---------------------------------------------------------------------------------- steps
 
@@ -251,7 +274,11 @@ class LLMEngine:
         return [collected[rid] for rid in added]
 
     def _step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        budget = None
+        if self.step_budget is not None:
+            decoding = sum(1 for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1)
+            budget = self.step_budget.prefill_budget(decoding)
+        sched = self.scheduler.schedule(budget)
         if not sched.chunks:
             if self._requests:
                 # Cannot happen for requests that passed add_request's checks.
@@ -266,13 +293,23 @@ class LLMEngine:
                 st.first_scheduled = now
                 st.metrics.queue_time = now - st.request.arrival_time
                 st.metrics.cached_tokens = seq.num_cached_tokens or 0
+        t0 = time.perf_counter()
         logits_of = self._forward_isolating(sched)
         if self.broken is not None:
             return []
+        if self.step_budget is not None and len(logits_of) == len(sched.chunks):  # a clean step: learn its cost
+            prompt = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
+            decoding = sum(1 for c in sched.chunks if c.num_tokens == 1)
+            self.step_budget.observe(decoding, prompt, 1000 * (time.perf_counter() - t0))
         sched.chunks = [c for _, (c, _) in sorted(logits_of.items())]  # what ran (failed requests are gone)
         self.scheduler.update_after_forward(sched)
         now = time.monotonic()
         progressed: dict[str, RequestState] = {}
+        # All rows of the step are sampled in one batch (the choices of a fork share their row); an
+        # error stays with its request.
+        sampled: list[tuple[RequestState, list[Sequence], Exception | None]] = []
+        samplers: list[Sampler] = []
+        rows: list[np.ndarray] = []
         for _, (chunk, logits) in sorted(logits_of.items()):
             if not chunk.completes:
                 continue
@@ -281,12 +318,22 @@ class LLMEngine:
                 targets = self._fork(seq)
             else:
                 targets = [seq]
+            error: Exception | None = None
+            if not np.isfinite(logits).all():
+                error = FloatingPointError("the model produced non-finite logits for this sequence")
+            else:
+                samplers += [s.sampler for s in targets]
+                rows += [logits] * len(targets)
+            sampled.append((st, targets, error))
+        samples = iter(sample_batch(samplers, rows, return_exceptions=True))
+        for st, targets, error in sampled:
             rid = st.request.request_id
+            picked: list[SampleResult | Exception] = [error] if error else [next(samples) for _ in targets]
             try:
-                if not np.isfinite(logits).all():
-                    raise FloatingPointError("the model produced non-finite logits for this sequence")
-                for s in targets:
-                    self._append_token(s, s.sampler.sample(logits))
+                for s, sample in zip(targets, picked, strict=False):
+                    if isinstance(sample, Exception):
+                        raise sample
+                    self._append_token(s, sample)
             except Exception as exc:  # tied to this request: it fails alone
                 self._fail(rid, exc)
                 progressed.pop(rid, None)

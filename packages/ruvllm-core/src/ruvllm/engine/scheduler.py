@@ -2,11 +2,13 @@
 
 Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, oldest
 first: a decoding sequence needs one token, one still prefilling gets the rest of its prompt or as
-much as the budget allows (chunked prefill). Then waiting sequences are admitted in policy order
-while the budget, the free blocks and ``max_num_seqs`` allow. When a running sequence needs a block
-and none is free, the newest running sequence is preempted: its blocks are freed and it waits to
-be recomputed (its prompt and output so far, largely from the prefix cache). Nobody fails for lack
-of blocks; a request that could never fit is refused when it is added.
+much as the budget allows (chunked prefill); prompt tokens may have a tighter budget of their own
+(``prefill_budget``: the engine sizes it so a step stays within its latency target). Then waiting
+sequences are admitted in policy order while the budgets, the free blocks and ``max_num_seqs``
+allow. When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed and it waits to be recomputed (its prompt and output so far,
+largely from the prefix cache). Nobody fails for lack of blocks; a request that could never fit is
+refused when it is added.
 
 The scheduler speaks block ids and token ids only; it never touches tensors.
 """
@@ -99,10 +101,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        """The next step. ``prefill_budget``: most prompt tokens (chunks of more than one token) it
+        may carry; None: only ``max_num_batched_tokens`` bounds them."""
         out = SchedulerOutput()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
+        prompt_left = budget if prefill_budget is None else max(0, prefill_budget)
         if self.policy == "priority":
             self._make_room_for_more_important()
         self.running.sort(key=self.key)
@@ -112,7 +117,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            remaining = len(seq.token_ids) - seq.num_computed
+            if remaining > 1 and prompt_left <= 0:  # its prompt goes on next step
+                i += 1
+                continue
+            num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
             while not bm.allocate_slots(seq.seq_id, seq.num_computed, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -122,14 +131,23 @@ class Scheduler:
             else:
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed, num_new))
                 budget -= num_new
+                if remaining > 1:
+                    prompt_left -= num_new
                 i += 1
 
         # Waiting sequences; none while the running ones are short of blocks.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # An n > 1 request's choices fork off its prompt once it is computed: their seats are kept.
+        taken = sum(self._seats(q) for q in self.running)
+        while not out.preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
+            if taken + self._seats(seq) > self.max_num_seqs:
+                break
             hit = bm.get_cached_prefix(seq.token_ids) if seq.cacheable else None
             computed = hit.num_tokens if hit is not None else 0
-            num_new = min(len(seq.token_ids) - computed, budget)
+            remaining = len(seq.token_ids) - computed
+            if remaining > 1 and prompt_left <= 0:
+                break
+            num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
             if not bm.allocate_slots(seq.seq_id, computed, num_new, hit):
                 break
             self.waiting.pop(0)
@@ -139,9 +157,12 @@ class Scheduler:
             self.prefix_cache_queried_tokens += len(seq.token_ids)
             self.prefix_cache_hit_tokens += computed
             self.running.append(seq)
+            taken += self._seats(seq)
             out.admitted.append(seq)
             out.chunks.append(ScheduledChunk(seq, computed, num_new))
             budget -= num_new
+            if remaining > 1:
+                prompt_left -= num_new
 
         out.block_copies = bm.take_copies()
         return out
@@ -155,6 +176,11 @@ class Scheduler:
                 self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
 
     # ------------------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Seats ``seq`` holds: its request's ``n`` until its choices have forked off, then one."""
+        return 1 if seq.state.forked else seq.state.sampling.n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
