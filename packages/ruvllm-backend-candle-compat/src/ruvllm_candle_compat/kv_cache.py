@@ -27,7 +27,7 @@ from ruvllm.model_config import ModelConfig
 QUANTIZED_KV_BITS = {"int8": 8, "int4": 4}
 #: Full blocks behind a sequence's tail block that stay float32 when ``recent_blocks`` is not given.
 DEFAULT_RECENT_BLOCKS = 2
-KV_CACHE_OPTIONS = ("dtype", "quantize_old", "recent_blocks")
+KV_CACHE_OPTIONS = ("dtype", "quantize_old", "recent_blocks", "quantization")
 
 
 @dataclass(frozen=True)
@@ -349,9 +349,17 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, options
     """The cache ``options`` ask for (the ``kv_cache`` hook's options, ``EngineConfig.kv_cache_options``).
 
     ``quantize_old``: ``"int8"`` or ``"int4"`` selects the two-tier cache; absent, the plain float32
-    cache. ``recent_blocks`` (two-tier only, default 2): full blocks behind a sequence's tail block
+    cache (``quantization``, the spelling every backend takes, means the same; ``"none"``: float32).
+    ``recent_blocks`` (two-tier only, default 2): full blocks behind a sequence's tail block
     kept in float32. ``dtype`` may only be ``"float32"``.
     """
+    if "quantization" in options:  # the backend-neutral spelling (``--kv-cache-quantization``)
+        options = dict(options)
+        quant = options.pop("quantization")
+        if "quantize_old" in options:
+            raise BackendError("give quantization or quantize_old, not both")
+        if quant != "none":
+            options["quantize_old"] = quant
     unknown = sorted(set(options) - set(KV_CACHE_OPTIONS))
     if unknown:
         raise BackendError(

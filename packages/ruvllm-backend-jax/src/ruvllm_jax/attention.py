@@ -9,7 +9,9 @@ Queries with nothing to attend to (padding) get zeros.
 
 ``window`` (an int32 scalar, traced: layers differ) limits a query at ``q`` to keys ``p > q - window``
 (Hugging Face's sliding window; 0: no limit). ``scale`` (static) multiplies the scores, default
-``head_dim ** -0.5``.
+``head_dim ** -0.5``. An int8 cache comes with ``k_scale``/``v_scale`` ``[layers, num_blocks,
+block_size, kv_heads, groups]`` (see :class:`ruvllm_jax.model.KVState`; the reference implementation
+only).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def reference_paged_attention(
     window: jax.Array | int = 0,
     *,
     scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     s, nq, nh, hd = q.shape
     scale = score_scale(scale, hd)
@@ -59,8 +63,9 @@ def reference_paged_attention(
     group = nh // nkv
     lo = window_start(q_pos, window)
     per_chunk = max(1, KEY_CHUNK_TOKENS // bs)
+    scales = (k_scale, v_scale)
     if tables.shape[1] <= per_chunk:  # one chunk: no loop
-        return _attend_keys(q, k_cache, v_cache, layer, tables, 0, q_pos, lo, context, scale)[0]
+        return _attend_keys(q, k_cache, v_cache, scales, layer, tables, 0, q_pos, lo, context, scale)[0]
     tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % per_chunk)))
     chunk = per_chunk * bs
     live = context > 0
@@ -78,7 +83,9 @@ def reference_paged_attention(
     def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         m, total, acc = carry
         tb = lax.dynamic_slice_in_dim(tables, i * per_chunk, per_chunk, axis=1)
-        _, (m_c, sum_c, acc_c) = _attend_keys(q, k_cache, v_cache, layer, tb, i * chunk, q_pos, lo, context, scale)
+        _, (m_c, sum_c, acc_c) = _attend_keys(
+            q, k_cache, v_cache, scales, layer, tb, i * chunk, q_pos, lo, context, scale
+        )
         m_new = jnp.maximum(m, m_c)
         a, b = jnp.exp(m - m_new), jnp.exp(m_c - m_new)
         return m_new, total * a + sum_c * b, acc * a[..., None] + acc_c * b[..., None]
@@ -92,6 +99,7 @@ def _attend_keys(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    scales: tuple[jax.Array | None, jax.Array | None],
     layer: jax.Array,
     tables: jax.Array,
     offset: jax.Array | int,
@@ -107,8 +115,14 @@ def _attend_keys(
     _, _, bs, nkv, _ = k_cache.shape
     group = nh // nkv
     keys = tables.shape[1] * bs
-    k = k_cache[layer, tables].reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)  # [S, KV, L, D]
-    v = v_cache[layer, tables].reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)
+    k, v = k_cache[layer, tables], v_cache[layer, tables]
+    if scales[0] is not None:  # int8 codes times their group scales
+        from ruvllm_jax.model import dequantize_kv
+
+        k = dequantize_kv(k, scales[0][layer, tables])
+        v = dequantize_kv(v, scales[1][layer, tables])
+    k = k.reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)  # [S, KV, L, D]
+    v = v.reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)
     # The group's queries stacked as rows of one batched matmul per (sequence, kv head): XLA:CPU
     # runs this ~2.5x faster than the general einsum at 1024 queries.
     qt = q.reshape(s, nq, nkv, group, hd).transpose(0, 2, 3, 1, 4).reshape(s, nkv, group * nq, hd)
@@ -142,12 +156,18 @@ def paged_attention(
     *,
     scale: float | None = None,
     impl: str = "reference",
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Dispatch: ``reference``, or the Pallas kernels (``pallas`` compiled for CUDA,
     ``pallas_interpret`` interpreted anywhere): decode kernel for one query per sequence, flash
     prefill kernel otherwise."""
     if impl == "reference":
-        return reference_paged_attention(q, k_cache, v_cache, layer, tables, q_pos, context, window, scale=scale)
+        return reference_paged_attention(
+            q, k_cache, v_cache, layer, tables, q_pos, context, window, scale=scale, k_scale=k_scale, v_scale=v_scale
+        )
+    if k_scale is not None:
+        raise ValueError("the Pallas kernels read a float cache; an int8 KV cache needs attention='reference'")
     from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention
 
     kw = dict(window=window, scale=scale, interpret=impl == "pallas_interpret")

@@ -75,7 +75,7 @@ def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, An
 def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int | None:
     if not _is_ours(model):
         return None
-    return model.kv_block_bytes(block_size)
+    return model.kv_block_bytes(block_size, options)
 
 
 @hookimpl

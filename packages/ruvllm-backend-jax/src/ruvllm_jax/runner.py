@@ -35,7 +35,17 @@ from ruvllm_jax import native
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
-from ruvllm_jax.model import KVState, LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, bucket, forward_step
+from ruvllm_jax.model import (
+    KVState,
+    LoraFactors,
+    ModelSpec,
+    StepInputs,
+    StepPlan,
+    Weights,
+    bucket,
+    forward_step,
+    kv_scale_groups,
+)
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weights
 
@@ -312,17 +322,36 @@ class JaxModel:
         """How many step shapes have been compiled so far (steady state stops this growing)."""
         return len(self._compiled)
 
-    def kv_block_bytes(self, block_size: int) -> int:
-        """Keys and values of every layer for ``block_size`` tokens, in the cache's dtype."""
+    def kv_block_bytes(self, block_size: int, options: dict[str, Any] | None = None) -> int:
+        """Keys and values of every layer for ``block_size`` tokens as the cache stores them: the
+        model's dtype, or int8 codes plus float32 group scales (:class:`ruvllm_jax.model.KVState`)."""
         s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * block_size * np.dtype(DTYPES[s.dtype]).itemsize
+        per_head = s.head_dim * np.dtype(DTYPES[s.dtype]).itemsize
+        if self._kv_quantized(options):
+            per_head = s.head_dim + 4 * kv_scale_groups(s.head_dim)
+        return 2 * s.num_layers * s.num_kv_heads * block_size * per_head
+
+    def _kv_quantized(self, options: dict[str, Any] | None) -> bool:
+        """Whether the KV cache ``options`` ask for int8 (``quantization``: ``none`` or ``int8``)."""
+        options = dict(options or {})
+        quant = options.pop("quantization", "none")
+        if options:
+            raise BackendError(
+                f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))} (it takes quantization)"
+            )
+        if quant not in ("none", "int8"):
+            raise BackendError(f"jax backend: KV cache quantization must be 'none' or 'int8', got {quant!r}")
+        if quant == "int8" and self.attention != "reference":
+            raise BackendError(
+                "jax backend: an int8 KV cache needs attention='reference' (the Pallas kernels read floats)"
+            )
+        return quant == "int8"
 
     def allocate_cache(self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None) -> JaxKVCache:
-        if options:
-            raise BackendError(f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))}")
+        quantized = self._kv_quantized(options)
         if num_blocks < 1 or block_size < 1:
             raise BackendError(f"KV cache needs at least one block of one token (got {num_blocks} x {block_size})")
-        state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[self.spec.dtype])
+        state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[self.spec.dtype], quantized=quantized)
         return JaxKVCache(state, num_blocks, block_size)
 
     # -- one step --------------------------------------------------------------------------------------
@@ -390,7 +419,7 @@ class JaxModel:
         return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):
-        key = (plan, cache.num_blocks, cache.block_size)
+        key = (plan, cache.num_blocks, cache.block_size, cache.state.quantized)
         step = self._compiled.get(key)
         if step is None:
             t0 = time.perf_counter()
@@ -530,7 +559,7 @@ class JaxModel:
         cache.state = self._copy_fn(n, cache)(cache.state, src, dst)
 
     def _copy_fn(self, n: int, cache: JaxKVCache) -> Any:
-        key = (n, cache.num_blocks, cache.block_size)
+        key = (n, cache.num_blocks, cache.block_size, cache.state.quantized)
         fn = self._copy_fns.get(key)
         if fn is None:
             idx = jax.ShapeDtypeStruct((n,), np.int32)
@@ -549,7 +578,7 @@ class _Rows:
 
 
 def _copy_blocks(state: KVState, src: jax.Array, dst: jax.Array) -> KVState:
-    return KVState(
-        state.k.at[:, dst].set(state.k[:, src], mode="drop"),
-        state.v.at[:, dst].set(state.v[:, src], mode="drop"),
-    )
+    def copy(a: jax.Array | None) -> jax.Array | None:
+        return None if a is None else a.at[:, dst].set(a[:, src], mode="drop")
+
+    return KVState(copy(state.k), copy(state.v), copy(state.k_scale), copy(state.v_scale))

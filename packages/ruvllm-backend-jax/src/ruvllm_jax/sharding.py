@@ -16,7 +16,7 @@ import structlog
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ruvllm.errors import BackendError
-from ruvllm_jax.model import KVState, LayerWeights, ModelSpec, Weights
+from ruvllm_jax.model import KVState, LayerWeights, ModelSpec, Weights, kv_scale_groups
 from ruvllm_jax.quant import KQ_BLOCK, QuantArray
 
 log = structlog.get_logger("ruvllm_jax.sharding")
@@ -154,7 +154,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def empty_cache(spec: ModelSpec, mesh: Mesh, num_blocks: int, block_size: int, dtype) -> KVState:
+def empty_cache(
+    spec: ModelSpec, mesh: Mesh, num_blocks: int, block_size: int, dtype, *, quantized: bool = False
+) -> KVState:
+    """A zeroed cache; ``quantized``: int8 codes plus float32 scales per (token, kv head)."""
     shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    zeros = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=cache_sharding(spec, mesh))
-    return KVState(zeros(), zeros())
+    kv_dtype = jax.numpy.int8 if quantized else dtype
+    zeros = jax.jit(lambda: jax.numpy.zeros(shape, kv_dtype), out_shardings=cache_sharding(spec, mesh))
+    if not quantized:
+        return KVState(zeros(), zeros())
+    scale_shape = (*shape[:-1], kv_scale_groups(spec.head_dim))
+    scales = jax.jit(lambda: jax.numpy.zeros(scale_shape, jax.numpy.float32), out_shardings=cache_sharding(spec, mesh))
+    return KVState(zeros(), zeros(), scales(), scales())

@@ -51,6 +51,12 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(
+        "--kv-cache-quantization",
+        default=None,
+        help="store the KV cache quantized: int8 (jax: every block, int8 codes with a scale per token and head; "
+        "candle-compat: blocks behind the 2 most recent, also int4); default none (full precision)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="tokens one engine step may carry (default 2048)"
     )
     p.add_argument(
@@ -140,6 +146,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_memory": args.kv_cache_memory,
         "max_num_seqs": args.max_num_seqs,
+        "kv_cache_quantization": args.kv_cache_quantization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_step_ms": args.max_step_ms,
         "precompile": args.precompile,

@@ -57,6 +57,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: given; default a quarter of the memory available at start (256 MiB to 4 GiB). Blocks are sized as the backend
     #: stores them (its dtype and layout).
     kv_cache_memory: str | int | None = None
+    #: Quantize the KV cache (``int8``; candle-compat also ``int4``); the backend reports the smaller
+    #: blocks, so the same ``kv_cache_memory`` holds more of them. None: full precision.
+    kv_cache_quantization: str | None = None
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
     #: Latency target of one engine step (ms): prompt chunks are sized so a step stays within it and

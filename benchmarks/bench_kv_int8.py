@@ -1,0 +1,107 @@
+"""The JAX backend's int8 KV cache against its float cache on the default model: capacity and quality.
+
+* capacity: blocks a KV memory budget holds (the bytes per block each cache reports, checked against
+  the arrays a cache of that many blocks allocates) and how many concurrent 2,048-token sequences
+  they fit;
+* quality: ``--new-tokens`` greedy tokens through LLMEngine from fixed prompts; greedy agreement
+  (share of tokens before the first difference), and teacher-forced top-1 agreement and max / mean
+  |logit difference| over the float cache's continuation (one prefill with all logits, which reads
+  the quantized cache for every earlier position);
+* ms per decode step (noisy on a shared machine: there to show the dequantization cost; the int8 cache
+  decodes through XLA attention, the float one through the native kernel on CPU).
+
+    python benchmarks/bench_kv_int8.py [--budget-mib 1024] [--new-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from provenance import cpu_summary
+
+from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
+from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+from ruvllm.runtime import LoadedModel, load_model
+from ruvllm.sampling import SamplingParams
+
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "List five things to pack for a week of hiking in the mountains, and say why.",
+]
+BLOCK_SIZE = 16
+SEQ_TOKENS = 2048
+
+
+def generate(llm: LoadedModel, prompt: list[int], n: int, options: dict) -> tuple[list[int], float]:
+    blocks = -(-(len(prompt) + n) // BLOCK_SIZE)
+    engine = LLMEngine(llm, EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, kv_cache_options=options))
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    tokens, stamps = [], []
+    for out in engine.stream(GenerationRequest(prompt, params)):
+        tokens += [t for d in out.deltas for t in d.token_ids]
+        stamps.append(time.perf_counter())
+    return tokens, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+
+
+def teacher_forced(llm: LoadedModel, ids: list[int], options: dict) -> np.ndarray:
+    blocks = -(-len(ids) // BLOCK_SIZE)
+    cache = llm.allocate_cache(blocks, BLOCK_SIZE, **options)
+    chunk = SequenceChunk(np.asarray(ids, np.int32), 0, np.arange(blocks, dtype=np.int32), all_logits=True)
+    return llm.forward(ForwardBatch([chunk], BLOCK_SIZE), cache).all_logits[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--budget-mib", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+
+    llm = load_model(args.model, backend="jax", options=LoadOptions(quantization="auto"))
+    budget = args.budget_mib * 2**20
+    caches = [("float32", {}), ("int8", {"quantization": "int8"})]
+    capacity = []
+    for name, options in caches:
+        per_block = llm.kv_block_bytes(BLOCK_SIZE, **options)
+        blocks = budget // per_block
+        allocated = llm.allocate_cache(blocks, BLOCK_SIZE, **options).nbytes  # what the arrays really take
+        assert allocated <= budget, (name, allocated, budget)
+        capacity.append((name, per_block, blocks, allocated, blocks // (SEQ_TOKENS // BLOCK_SIZE)))
+
+    rows = []
+    for p_i, text in enumerate(PROMPTS):
+        prompt = llm.tokenizer.encode(text)
+        n = args.new_tokens
+        ref_tokens, ref_ms = generate(llm, prompt, n, {})
+        ref_logits = teacher_forced(llm, prompt + ref_tokens, {})[len(prompt) - 1 : -1]
+        tokens, ms = generate(llm, prompt, n, {"quantization": "int8"})
+        logits = teacher_forced(llm, prompt + ref_tokens, {"quantization": "int8"})[len(prompt) - 1 : -1]
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), n)
+        diff = np.abs(logits - ref_logits)
+        top1 = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
+        rows.append(
+            f"| {p_i} | {len(prompt)} | {diverged / n:.3f} ({diverged}/{n}) | {top1:.3f} | {diff.max():.3f} "
+            f"| {diff.mean():.4f} | {ref_ms * 1e3:.1f} | {ms * 1e3:.1f} |"
+        )
+        print(f"done: prompt {p_i}", flush=True)
+
+    print(f"\n{args.model}, jax backend (weights w4a8 where the CPU kernels run), block_size {BLOCK_SIZE}")
+    print(f"cpu: {cpu_summary()}\n")
+    print(f"| KV cache | bytes/block | blocks in {args.budget_mib} MiB | allocated | {SEQ_TOKENS}-token sequences |")
+    print("|---|---:|---:|---:|---:|")
+    for name, per_block, blocks, allocated, seqs in capacity:
+        print(f"| {name} | {per_block} | {blocks} | {allocated / 2**20:.1f} MiB | {seqs} |")
+    print(f"\nint8 / float32 sequences: {capacity[1][4] / max(capacity[0][4], 1):.2f}x\n")
+    print(
+        "| prompt | prompt tokens | greedy agreement | teacher-forced top-1 | max abs dlogit | mean abs dlogit "
+        "| ms/step float32 | ms/step int8 |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
