@@ -208,8 +208,8 @@ MIXED_MAX_TOKENS = [8, 64, 16, 128, 32, 48, 8, 96]
 def mixed_prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
     """``n`` (prompt text, max_tokens): prompt lengths spread log-uniformly over 10-1,500 tokens of
     SmolLM2's tokenizer (the text is cut at a token boundary), each made unique by a leading number."""
-    from ruvllm.resolve import resolve
     from ruvllm.checkpoint import open_checkpoint
+    from ruvllm.resolve import resolve
 
     tok = open_checkpoint(resolve("smollm2")).tokenizer()
     ids = tok.encode(DOCUMENT * 8, add_special_tokens=False)
