@@ -136,6 +136,7 @@ def test_the_prompt_budget_follows_the_measured_step_cost():
     slow.observe(1, 100, 1000.0)
     assert slow.prefill_budget(1) == MIN_PREFILL_TOKENS  # prompts always progress
     assert StepBudget(target_ms=1e6, max_tokens=100).prefill_budget(10) == 64  # within the token budget
+    assert slow.prefill_budget(0) == 2048  # nothing decodes: no stream to keep moving
 
 
 def _seq(i: int, prompt_len: int, sid: int) -> Sequence:

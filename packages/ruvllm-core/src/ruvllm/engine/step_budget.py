@@ -3,9 +3,10 @@
 Every step is also an inter-token gap for each decoding stream, so a step that prefills a long
 prompt in one piece stalls them all. The engine learns what steps cost on this device: decode-only
 steps by their number of sequences, and the extra milliseconds per prompt token of steps that carry
-prompt chunks. The prompt budget is the largest power of two of tokens whose predicted step time
-fits the target (powers of two: backends pad prompt chunks to them), never below
-:data:`MIN_PREFILL_TOKENS` so prompts always progress.
+prompt chunks. While some sequence decodes, the prompt budget is the largest power of two of tokens
+whose predicted step time fits the target (powers of two: backends pad prompt chunks to them), never
+below :data:`MIN_PREFILL_TOKENS` so prompts always progress; while none does, a step takes all the
+prompt tokens it can hold.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ class StepBudget:
         return self.decode_ms[near] * max(1.0, b / near)
 
     def prefill_budget(self, num_decode: int) -> int:
-        """Prompt tokens the next step may carry beside ``num_decode`` decoding sequences."""
+        """Prompt tokens the next step may carry beside ``num_decode`` decoding sequences (all it
+        can hold when nothing decodes: there is no stream to keep moving)."""
         room = self.max_tokens - num_decode
+        if num_decode <= 0:
+            return room
         if self.ms_per_prompt_token is None:
             tokens = INITIAL_PREFILL_TOKENS
         else:
