@@ -112,6 +112,33 @@ def test_wxa8_group_indexes_stacked_layers_and_shares_the_input():
         jax.block_until_ready(native.wxa8_group(jnp.asarray(x), jnp.int32(3), stacked))
 
 
+@pytest.mark.parametrize("live", [0, 1, 5, 9])
+def test_products_skip_padding_rows_after_the_live_ones(live):
+    """``[layer, live]`` as the layer operand: live rows equal the full product bit for bit (a row's
+    result never depends on other rows), padding rows come out 0 (wxa8 row-major and panel, k-quant
+    panel entry, w8a8)."""
+    rng = np.random.default_rng(live)
+    x = jnp.asarray(rng.standard_normal((9, 256)).astype(np.float32))
+    at = jnp.asarray([0, live], jnp.int32)
+    for out, bits in ((40, 4), (48, 8)):
+        stored = to_panels(quantize_wxa8(rng.standard_normal((out, 256)).astype(np.float32), bits))
+        ops = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), jnp.asarray(stored.offset))]
+        full = np.asarray(native.wxa8_group(x, jnp.int32(0), ops, panel=bool(stored.panel))[0])
+        got = np.asarray(native.wxa8_group(x, at, ops, panel=bool(stored.panel))[0])
+        np.testing.assert_array_equal(got[:live], full[:live])
+        assert (got[live:] == 0).all()
+        if stored.panel:
+            got_k = np.asarray(native.kxa8_group(x, at, ops)[0])
+            np.testing.assert_array_equal(got_k[:live], full[:live])
+            assert (got_k[live:] == 0).all()
+    w = quantize_w8a8(rng.standard_normal((30, 256)).astype(np.float32), np.ones(256, np.float32))
+    pair = [(jnp.asarray(w.quant), jnp.asarray(w.scale))]
+    full = np.asarray(native.w8a8_group(x, jnp.int32(0), None, pair)[0])
+    got = np.asarray(native.w8a8_group(x, at, None, pair)[0])
+    np.testing.assert_array_equal(got[:live], full[:live])
+    assert (got[live:] == 0).all()
+
+
 def test_wxa8_keeps_gguf_blocks_bit_for_bit():
     """Q4_1, Q4_0 and Q8_0 blocks become codes + scale + offset that dequantize to the file's values."""
     from ruvllm_jax.gguf_blocks import from_gguf_blocks

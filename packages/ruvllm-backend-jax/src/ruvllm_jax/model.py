@@ -296,6 +296,9 @@ class StepInputs:
     prefill_context: jax.Array  # [Sp]
     logit_rows: jax.Array  # [G] flat indices whose logits are returned
     lora_slot: jax.Array | None = None  # [T] adapter slot of each token, -1 for none (steps with adapters)
+    #: Real tokens and real logit rows: they come first, padding after (the native kernels skip it).
+    live_tokens: jax.Array | None = None  # [] int32
+    live_logits: jax.Array | None = None  # [] int32
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -460,12 +463,16 @@ def _native_format(w: object) -> str | None:
     return "w8a8" if w.offset is None else "wxa8"
 
 
-def _native_projections(x: jax.Array, mats: list[QuantArray], layer: jax.Array) -> list[jax.Array]:
+def _native_projections(
+    x: jax.Array, mats: list[QuantArray], layer: jax.Array, live: jax.Array | None = None
+) -> list[jax.Array]:
     """``x @ W.T`` for each (stacked ``[layers, out, in]`` or plain) matrix of one group, at ``layer``,
     in one native call that quantizes ``x`` once (a w8a8 group shares its smoothing factors, so
-    ``mats[0]``'s serve all)."""
+    ``mats[0]``'s serve all). ``live``: rows of ``x`` that are real; the rest (padding) come out 0."""
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols)
+    if live is not None:  # the kernels read [layer, live rows] from their layer operand
+        layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(live, jnp.int32).reshape(())])
     if _native_format(mats[0]) == "wxa8":
         ys = [jnp.zeros(())] * len(mats)
         for panel in (False, True):  # one call per layout (loading gives a group one layout)
@@ -527,7 +534,7 @@ def forward_step(
 
         def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
             if use_native:
-                return _native_projections(h, [getattr(stacked, p) for p in group], layer)
+                return _native_projections(h, [getattr(stacked, p) for p in group], layer, inp.live_tokens)
             return [linear(h, getattr(lw, p)) for p in group]
 
         def adapt(y: jax.Array, y_in: jax.Array, proj: str) -> jax.Array:
@@ -553,7 +560,7 @@ def forward_step(
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     if plan.native and _native_format(head) is not None:
-        (logits,) = _native_projections(x[inp.logit_rows], [head], jnp.zeros((), jnp.int32))
+        (logits,) = _native_projections(x[inp.logit_rows], [head], jnp.zeros((), jnp.int32), inp.live_logits)
     else:
         logits = linear(x[inp.logit_rows], head)
     logits = apply_softcap(logits.astype(jnp.float32), spec.final_logit_softcap)

@@ -455,18 +455,22 @@ class JaxModel:
         self, chunks: list[SequenceChunk], cache: JaxKVCache
     ) -> tuple[StepInputs, StepPlan, _Rows, LoraFactors | None]:
         """Inputs of one forward pass over ``chunks`` (one part of :func:`partition`): decoding
-        tokens first, then the prompt group's rows of ``prefill_len`` slots each."""
+        tokens first, then each prompt chunk's, then padding up to the shape's token count."""
         bs, nb = cache.block_size, cache.num_blocks
         lens = [len(c.token_ids) for c in chunks]
         decode = [i for i, n in enumerate(lens) if n == 1]
         prefill = [i for i, n in enumerate(lens) if n > 1]
         shape = shape_of(lens)
         sd, sp, qb, t = shape.decode_seqs, shape.prefill_seqs, shape.prefill_len, shape.num_tokens
+        # Real tokens first (decoding ones, then each prompt chunk's), padding after: the native
+        # kernels skip the padding rows (``live_tokens``).
         starts = np.zeros(len(chunks), np.int64)
         for row, i in enumerate(decode):
             starts[i] = row
-        for row, i in enumerate(prefill):
-            starts[i] = sd + row * qb
+        nxt = len(decode)
+        for i in prefill:
+            starts[i] = nxt
+            nxt += lens[i]
         lora_plan, lora_slot, lora = plan_adapters([c.adapter for c in chunks], lens, t, self.adapters, starts)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -542,6 +546,8 @@ class JaxModel:
             prefill_context=prefill_context,
             logit_rows=logit_idx,
             lora_slot=lora_slot,
+            live_tokens=np.int32(sum(lens)),
+            live_logits=np.int32(len(logit_rows)),
         )
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))

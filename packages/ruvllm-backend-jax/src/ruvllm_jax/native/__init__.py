@@ -239,6 +239,13 @@ def unavailable_reason() -> str | None:
     return None if available() else str(_state.get("reason"))
 
 
+def _layer_operand(layer: jax.Array) -> jax.Array:
+    """The products' layer operand: a scalar layer index, or ``[layer, live rows]`` (rows of ``x``
+    past the live ones are padding: the kernels write zeros there and skip their arithmetic)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return layer.reshape(()) if layer.size == 1 else layer.reshape(2)
+
+
 def w8a8_group(
     x: jax.Array, layer: jax.Array, in_scale: jax.Array | None, weights: list[tuple[jax.Array, jax.Array]]
 ) -> list[jax.Array]:
@@ -253,7 +260,7 @@ def w8a8_group(
         operands += [q, s.astype(jnp.float32)]
     scale = jnp.zeros((0,), jnp.float32) if in_scale is None else in_scale.astype(jnp.float32)
     call = jax.ffi.ffi_call(W8A8_TARGET, results)
-    return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), scale, *operands))
+    return list(call(x.astype(jnp.float32), _layer_operand(layer), scale, *operands))
 
 
 def wxa8_group(
@@ -270,7 +277,7 @@ def wxa8_group(
     for q, d, m in weights:
         operands += [q, d.astype(jnp.float16), m.astype(jnp.float16)]
     call = jax.ffi.ffi_call(WXA8_PANEL_TARGET if panel else WXA8_TARGET, results)
-    return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *operands))
+    return list(call(x.astype(jnp.float32), _layer_operand(layer), *operands))
 
 
 def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
@@ -288,7 +295,7 @@ def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ..
         q, a, b, sc, mn = w
         operands += [q, a.astype(jnp.float16), b.astype(jnp.float16), sc, mn]  # int8, or the kernel refuses them
     call = jax.ffi.ffi_call(KXA8_PANEL_TARGET, results)
-    return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *operands))
+    return list(call(x.astype(jnp.float32), _layer_operand(layer), *operands))
 
 
 def paged_decode(

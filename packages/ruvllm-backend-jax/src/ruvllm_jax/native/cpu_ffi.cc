@@ -386,6 +386,18 @@ ffi::Error code_layout(const ffi::AnyBuffer& q, int64_t K, int64_t layer, const 
   return ffi::Error::Success();
 }
 
+// Rows of x that carry tokens: the layer operand is [layer] or [layer, live rows]. A step's padding
+// rows come after its live ones; they get zeros instead of products, so padding a step to its
+// compiled shape costs no arithmetic.
+int64_t live_rows(ffi::Buffer<ffi::S32> layer, int64_t M) {
+  if (layer.element_count() < 2) return M;
+  return std::max<int64_t>(0, std::min<int64_t>(M, layer.typed_data()[1]));
+}
+
+void zero_rows(float* y, int64_t live, int64_t M, int64_t N) {
+  if (live < M) std::memset(y + live * N, 0, static_cast<size_t>((M - live) * N) * sizeof(float));
+}
+
 ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                       ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
@@ -422,10 +434,13 @@ ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32>
                                reinterpret_cast<const uint16_t*>(mn->untyped_data()) + l * N * G,
                                (*y)->typed_data<float>(), N, bits, panel});
   }
+  const int64_t live = live_rows(layer, M);
+  for (const auto& m : mats) zero_rows(m.y, live, M, m.N);
+  if (live == 0) return ffi::Error::Success();
   thread_local GroupActsBuf acts;
   bool row_major_4bit = false;
   for (const auto& m : mats) row_major_4bit |= !m.panel && m.bits == 4;
-  acts.quantize(x.typed_data(), M, K, row_major_4bit);
+  acts.quantize(x.typed_data(), live, K, row_major_4bit);
   run_group_split(acts.view(), mats);
   return ffi::Error::Success();
 }
@@ -493,8 +508,12 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
     kmats.push_back(ruvllm::KMatrix{codes, ap + l * N * SB, bp + l * N * SB, sc->typed_data<int8_t>() + l * N * 2 * G,
                                     mn->typed_data<int8_t>() + l * N * 2 * G, (*y)->typed_data<float>(), N, bits});
   }
+  const int64_t live = live_rows(layer, M);
+  for (const auto& m : mats) zero_rows(m.y, live, M, m.N);
+  for (const auto& m : kmats) zero_rows(m.y, live, M, m.N);
+  if (live == 0) return ffi::Error::Success();
   thread_local GroupActsBuf acts;
-  acts.quantize(x.typed_data(), M, K, false);
+  acts.quantize(x.typed_data(), live, K, false);
   run_group_split(acts.view(), mats, kmats);
   return ffi::Error::Success();
 }
@@ -538,8 +557,11 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     if (l >= L) return ffi::Error::InvalidArgument("ruvllm_w8a8: smoothing layer index out of range");
     is = in_scale.typed_data() + l * K;
   }
+  const int64_t live = live_rows(layer, M);
+  for (const auto& m : mats) zero_rows(m.y, live, M, m.N);
+  if (live == 0) return ffi::Error::Success();
   thread_local RowActsBuf acts;
-  acts.quantize(x.typed_data(), is, M, K);
+  acts.quantize(x.typed_data(), is, live, K);
   run_split(acts.view(), mats);
   return ffi::Error::Success();
 }
