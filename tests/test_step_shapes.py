@@ -207,3 +207,35 @@ def test_a_precompiled_server_compiles_nothing_while_serving(tmp_path):
             codes = list(pool.map(ask, [1, 2, 9, 30, 60, 100, 3, 45, 70, 12]))
         assert codes == [200] * 10
         assert set(jm._compiled) == compiled
+
+
+def test_ready_says_503_compiling_until_every_shape_is_compiled(tmp_path):
+    """As ``ruvllm serve`` runs it: listening first, the engine and its step shapes after."""
+    import time
+
+    from _candle_compat_fixtures import write_tiny_hf_checkpoint
+    from _tiny_served_fixtures import write_word_tokenizer
+    from litestar.testing import TestClient
+
+    from ruvllm.runtime import load_model
+    from ruvllm_server.app import create_app
+    from ruvllm_server.settings import ServerSettings
+
+    write_tiny_hf_checkpoint(tmp_path, layers=2, hidden=48, vocab=97, max_positions=128)
+    write_word_tokenizer(tmp_path)
+    model = load_model(str(tmp_path), backend="jax")
+    settings = ServerSettings(model="tiny", max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=32)
+    with TestClient(create_app(settings, model, start_in_background=True)) as client:
+        first = client.get("/ready")
+        assert first.status_code == 503
+        assert "step shapes" in first.json()["detail"] or "loading" in first.json()["detail"]
+        seen = {first.json()["detail"]}
+        deadline = time.monotonic() + 120
+        while (r := client.get("/ready")).status_code != 200:
+            assert r.status_code == 503 and time.monotonic() < deadline
+            seen.add(r.json()["detail"])
+            time.sleep(0.05)
+        assert any(d.startswith("compiling step shapes: ") and "/" in d for d in seen), seen
+        assert model.model.precompiled
+        body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 2, "temperature": 0}
+        assert client.post("/v1/completions", json=body).status_code == 200

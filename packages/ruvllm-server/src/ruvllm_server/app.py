@@ -267,9 +267,11 @@ def _closing_streams(app: Any) -> Any:
     return close_streams_after
 
 
-def create_app(settings: ServerSettings, model: Any = None) -> Litestar:
-    """The ASGI app for ``settings``; ``model`` is an already loaded ``LoadedModel`` or None."""
-    state = ServerState(settings, model)
+def create_app(settings: ServerSettings, model: Any = None, *, start_in_background: bool = False) -> Litestar:
+    """The ASGI app for ``settings``; ``model`` is an already loaded ``LoadedModel`` or None (then it
+    loads in the background). ``start_in_background``: a given model's engine also starts (and its
+    step shapes compile) after the server listens, /ready saying how far it got meanwhile."""
+    state = ServerState(settings, model, start_in_background=start_in_background)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

@@ -178,7 +178,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
     load_adapters(settings, model.config)  # a bad adapter fails here, in one line, before listening
     print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
     uvicorn.run(
-        create_app(settings, model),
+        create_app(settings, model, start_in_background=True),  # /ready reports the step-shape compilation
         host=settings.host,
         port=settings.port,
         access_log=False,  # ours is structured and carries the request id

@@ -101,8 +101,11 @@ def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings, model: LoadedModel | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, model: LoadedModel | None = None, *, start_in_background: bool = False
+    ) -> None:
         self.settings = settings
+        self.start_in_background = start_in_background
         self.model_name = settings.model_name
         self.metrics = ServerMetrics()
         self.admission = AdmissionController(settings.max_concurrent, settings.max_queue)
@@ -140,14 +143,15 @@ class ServerState:
     async def start(self) -> None:
         """Start the engine; when no model was handed in, load it in the background so /health
         answers at once and /ready turns 200 when loading is done."""
-        if self.model is not None:
+        if self.model is not None and not self.start_in_background:
             await self._start_engine()
         else:
             self._loader = asyncio.create_task(self._load_then_start())
 
     async def _load_then_start(self) -> None:
         try:
-            self.model = await anyio.to_thread.run_sync(load_model, self.settings)
+            if self.model is None:
+                self.model = await anyio.to_thread.run_sync(load_model, self.settings)
             await self._start_engine()
         except Exception as exc:  # any failure to load is reported by /ready, never left at "loading"
             self.load_error = str(exc) if isinstance(exc, RuvllmError) else f"{type(exc).__name__}: {exc}"
