@@ -16,41 +16,20 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from kv_two_tier_quality import BLOCK_SIZE, generate, teacher_forced
 from provenance import cpu_summary
 
-from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
-from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
-from ruvllm.runtime import LoadedModel, load_model
-from ruvllm.sampling import SamplingParams
+from ruvllm.backend import LoadOptions
+from ruvllm.runtime import load_model
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "List five things to pack for a week of hiking in the mountains, and say why.",
 ]
-BLOCK_SIZE = 16
 SEQ_TOKENS = 2048
-
-
-def generate(llm: LoadedModel, prompt: list[int], n: int, options: dict) -> tuple[list[int], float]:
-    blocks = -(-(len(prompt) + n) // BLOCK_SIZE)
-    engine = LLMEngine(llm, EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, kv_cache_options=options))
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    tokens, stamps = [], []
-    for out in engine.stream(GenerationRequest(prompt, params)):
-        tokens += [t for d in out.deltas for t in d.token_ids]
-        stamps.append(time.perf_counter())
-    return tokens, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-
-
-def teacher_forced(llm: LoadedModel, ids: list[int], options: dict) -> np.ndarray:
-    blocks = -(-len(ids) // BLOCK_SIZE)
-    cache = llm.allocate_cache(blocks, BLOCK_SIZE, **options)
-    chunk = SequenceChunk(np.asarray(ids, np.int32), 0, np.arange(blocks, dtype=np.int32), all_logits=True)
-    return llm.forward(ForwardBatch([chunk], BLOCK_SIZE), cache).all_logits[0]
 
 
 def main() -> None:
@@ -75,9 +54,9 @@ def main() -> None:
     for p_i, text in enumerate(PROMPTS):
         prompt = llm.tokenizer.encode(text)
         n = args.new_tokens
-        ref_tokens, ref_ms = generate(llm, prompt, n, {})
+        ref_tokens, ref_ms, _ = generate(llm, prompt, n, {})
         ref_logits = teacher_forced(llm, prompt + ref_tokens, {})[len(prompt) - 1 : -1]
-        tokens, ms = generate(llm, prompt, n, {"quantization": "int8"})
+        tokens, ms, _ = generate(llm, prompt, n, {"quantization": "int8"})
         logits = teacher_forced(llm, prompt + ref_tokens, {"quantization": "int8"})[len(prompt) - 1 : -1]
         diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), n)
         diff = np.abs(logits - ref_logits)

@@ -30,17 +30,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from bench_backends import TEXT
 from provenance import cpu_summary
 
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
-
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
-    "from Mainz, combined movable metal type, oil-based ink and a wooden screw press into a system that could "
-    "produce books quickly and cheaply. Before his invention, books were copied by hand, usually by monks, and a "
-    "single volume could take months to finish. Within fifty years, printing shops had spread to more than two "
-    "hundred cities across Europe, and millions of books were in circulation. "
-) * 4
 
 ARMS: dict[str, dict[str, Any]] = {
     "issue config": dict(
