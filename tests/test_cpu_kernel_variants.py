@@ -5,7 +5,7 @@ x86-64); each variant this CPU can run is forced in turn (``native.use_isa``) an
 
 * the panel-layout wxa8 product and the w8a8 product bit for bit as the scalar loops do (integer dot
   products, then the same float operations in the same order);
-* the row-major wxa8 product and paged decode attention within float rounding of the scalar loops
+* the row-major wxa8 product and paged decode and prefill attention within float rounding of the scalar loops
   (their vector paths sum in another order);
 
 over odd shapes, 1-19 activation rows, 4-bit and 8-bit codes (the full 0..255 range of 8-bit codes,
@@ -122,6 +122,27 @@ def test_paged_decode_matches_scalar(isa):
         got = np.asarray(native.paged_decode(*args))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_paged_prefill_matches_scalar(isa):
+    _supported(isa)
+    rng = np.random.default_rng(4)
+    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 1, 40), (8, 8, 16)):
+        layers, blocks, bs = 2, 30, 4
+        k = rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)).astype(np.float32)
+        seq = np.array([0] * 19 + [1] * 5 + [2] * 3, np.int32)
+        context = np.array([*range(3, 22), 40, 41, 42, 0, 0, 1, 2, 0], np.int32)
+        first = np.where(np.arange(len(seq)) % 4 == 0, np.maximum(context - 6, 0), 0).astype(np.int32)
+        tables = np.stack([rng.permutation(blocks)[:12] for _ in range(3)]).astype(np.int32)
+        q = rng.standard_normal((len(seq), heads, head_dim)).astype(np.float32)
+        args = (*map(jnp.asarray, (q, k, v)), jnp.int32(1), tables, seq, context, first)
+        with native.use_isa("scalar"):
+            want = np.asarray(native.paged_prefill(*args))
+        with native.use_isa(isa):
+            got = np.asarray(native.paged_prefill(*args))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)

@@ -260,6 +260,76 @@ def test_paged_decode_sliding_window_and_scale(window):
     assert np.abs(got[3:] - np.asarray(no_window)[3:]).max() > 1e-2  # the window changed something
 
 
+# -- paged prefill attention ------------------------------------------------------------------------------------
+
+
+def _prefill_float64(q, k, v, layer, tables, seq, context, first, scale):
+    """Attention of each query by hand in float64: its sequence's keys ``first .. context - 1``."""
+    n, heads, head_dim = q.shape
+    group = heads // k.shape[3]
+    out = np.zeros((n, heads, head_dim))
+    for i in range(n):
+        if context[i] == 0:
+            continue
+        keys = np.concatenate([k[layer, b] for b in tables[seq[i]]])[first[i] : context[i]].astype(np.float64)
+        vals = np.concatenate([v[layer, b] for b in tables[seq[i]]])[first[i] : context[i]].astype(np.float64)
+        for h in range(heads):
+            sc = keys[:, h // group] @ q[i, h].astype(np.float64) * scale
+            p = np.exp(sc - sc.max())
+            out[i, h] = (p / p.sum()) @ vals[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "window", "scale"),
+    [(9, 3, 64, 0, None), (4, 1, 256, 7, 0.06), (8, 8, 40, 0, None), (6, 2, 24, 5, 0.3), (16, 1, 16, 0, None)],
+)
+def test_paged_prefill_matches_float64_attention(heads, kv_heads, head_dim, window, scale):
+    """Prompt chunks of several sequences (ragged, longer than a tile, padded queries between them, a
+    chunk after cached positions, one that starts at 0) against float64 attention by hand, and against
+    the XLA reference attention the kernel replaces; padding queries get zeros."""
+    from ruvllm_jax.attention import window_start
+
+    rng = np.random.default_rng(heads * head_dim + window)
+    layers, blocks, bs, width = 2, 48, 4, 12
+    k = rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)).astype(np.float32)
+    qb = 37  # queries per sequence in the padded group
+    start = np.array([0, 9, 3, 0], np.int32)
+    length = np.array([37, 22, 1, 0], np.int32)  # the last sequence is padding
+    tables = np.stack([rng.permutation(blocks)[:width] for _ in start]).astype(np.int32)
+    q_pos = start[:, None] + np.arange(qb, dtype=np.int32)[None]
+    context = start + length
+    live = q_pos < context[:, None]
+    ctx = np.where(live, q_pos + 1, 0).astype(np.int32).reshape(-1)
+    first = np.asarray(window_start(jnp.asarray(q_pos), window)).reshape(-1)
+    q = rng.standard_normal((len(start) * qb, heads, head_dim)).astype(np.float32)
+    seq = np.repeat(np.arange(len(start), dtype=np.int32), qb)
+    sc = head_dim**-0.5 if scale is None else scale
+    for layer in range(layers):
+        got = np.asarray(
+            native.paged_prefill(*map(jnp.asarray, (q, k, v)), jnp.int32(layer), tables, seq, ctx, first, scale=scale)
+        )
+        want = _prefill_float64(q, k, v, layer, tables, seq, ctx, first, sc)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+        assert np.all(got[ctx == 0] == 0.0)
+        ref = reference_paged_attention(
+            jnp.asarray(q.reshape(len(start), qb, heads, head_dim)), k, v, jnp.int32(layer), tables, q_pos,
+            context, window, scale=scale,
+        )
+        np.testing.assert_allclose(
+            got[live.reshape(-1)], np.asarray(ref).reshape(-1, heads, head_dim)[live.reshape(-1)], rtol=1e-5, atol=2e-6
+        )
+
+
+def test_paged_prefill_refuses_a_sequence_index_out_of_range():
+    k = jnp.zeros((1, 4, 4, 1, 16), jnp.float32)
+    q = jnp.zeros((2, 2, 16), jnp.float32)
+    tables = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(Exception, match="sequence index out of range"):
+        native.paged_prefill(q, k, k, jnp.int32(0), tables, jnp.array([0, 3], jnp.int32), jnp.array([1, 2], jnp.int32))
+
+
 # -- SmolLM2 --------------------------------------------------------------------------------------------------
 
 

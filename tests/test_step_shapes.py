@@ -14,15 +14,17 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ruvllm.block_manager import BlockManager
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+from ruvllm.engine.config import EngineConfigError
 from ruvllm.engine.scheduler import Scheduler
 from ruvllm.engine.sequence import RequestState, Sequence
-from ruvllm.engine.step_budget import MIN_PREFILL_TOKENS, StepBudget
+from ruvllm.engine.step_budget import INITIAL_PREFILL_TOKENS, MIN_PREFILL_TOKENS, PROBE_EVERY, WINDOW, StepBudget
 from ruvllm.engine.types import RequestMetrics
 from ruvllm.inference import InferenceRequest
 from ruvllm.sampling import Sampler, SamplingParams
@@ -120,23 +122,59 @@ def test_after_precompile_a_mixed_workload_compiles_nothing_and_matches_requests
 # ---------------------------------------------------------------------------- step budget
 
 
+def _steps(budget: StepBudget, rng: np.random.Generator, n: int, *, decode_only: bool = True) -> None:
+    """Steps of a device whose cost is 10 ms + 2 ms per decoding sequence, plus 20 ms + 1.5 ms per
+    prompt token when the step carries prompt tokens (2% noise)."""
+    for _ in range(n):
+        d = int(rng.integers(1, 9))
+        p = int(rng.choice([0, 16, 32, 64])) if decode_only else int(rng.choice([16, 32, 64]))
+        ms = 10 + 2 * d + (20 + 1.5 * p if p else 0)
+        budget.observe(d, p, ms * rng.uniform(0.98, 1.02))
+
+
 def test_the_prompt_budget_follows_the_measured_step_cost():
     b = StepBudget(target_ms=100.0, max_tokens=2048)
-    assert b.prefill_budget(8) == 256  # nothing measured yet
-    b.observe(8, 0, 20.0)  # decode-only step of 8: 20 ms
-    b.observe(8, 256, 20.0 + 256 * 1.0)  # 1 ms per prompt token
-    assert b.decode_estimate(8) == pytest.approx(20.0)
-    assert b.ms_per_prompt_token == pytest.approx(1.0)
-    assert b.prefill_budget(8) == 64  # (100 - 20) / 1 = 80 -> a power of two below
-    b.observe(8, 64, 20.0 + 64 * 10.0)  # the device got slower: the budget shrinks
-    assert b.prefill_budget(8) < 64
+    assert b.prefill_budget(8) == INITIAL_PREFILL_TOKENS  # nothing measured yet
+    _steps(b, np.random.default_rng(0), 100)
+    assert b.decode_estimate(8) == pytest.approx(26.0, rel=0.05)
+    assert b.estimate(8, 64) == pytest.approx(26.0 + 20 + 96, rel=0.05)
+    assert b.ms_per_prompt_token == pytest.approx(1.5, rel=0.05)
+    assert b.prefill_budget(8) == 32  # (100 - 26 - 20) / 1.5 = 36 -> the power of two below
+    for i in range(WINDOW):  # the device got slower: the budget shrinks
+        b.observe(8, 64 if i % 2 else 32, 26 + 20 + (64 if i % 2 else 32) * 10.0)
+        b.observe(8, 0, 26.0)
+    assert b.prefill_budget(8) == MIN_PREFILL_TOKENS  # prompts always progress
+    before = b.estimate(8, 64)
     b.observe(8, 64, 1e6)  # a stall (a compile) is an outlier and does not count
-    assert b.prefill_budget(8) >= MIN_PREFILL_TOKENS
-    slow = StepBudget(target_ms=1.0, max_tokens=2048)
-    slow.observe(1, 100, 1000.0)
-    assert slow.prefill_budget(1) == MIN_PREFILL_TOKENS  # prompts always progress
+    assert b.estimate(8, 64) == before
     assert StepBudget(target_ms=1e6, max_tokens=100).prefill_budget(10) == 64  # within the token budget
-    assert slow.prefill_budget(0) == 2048  # nothing decodes: no stream to keep moving
+    assert b.prefill_budget(0) == 2048  # nothing decodes: no stream to keep moving
+
+
+def test_a_ratio_target_bounds_prompt_steps_by_a_multiple_of_the_decode_step():
+    b = StepBudget(target_ms=1000.0, max_tokens=2048, ratio=3.0)
+    _steps(b, np.random.default_rng(1), 100)
+    # 8 decoding: a decode step costs 26 ms, so a prompt step may take 78: (78 - 46) / 1.5 = 21 -> 16.
+    assert b.step_target(8) == pytest.approx(78.0, rel=0.05)
+    assert b.prefill_budget(8) == 16
+    assert StepBudget(target_ms=60.0, max_tokens=2048, ratio=10.0).step_target(8) == 60.0  # the smaller wins
+    with pytest.raises(ValueError, match="needs a target"):
+        StepBudget(target_ms=None, max_tokens=2048)
+    with pytest.raises(EngineConfigError, match="max_step_ratio must be above 1"):
+        EngineConfig(max_step_ratio=0.5).validate()
+
+
+def test_without_decode_only_steps_one_step_in_a_while_measures_decoding():
+    """When every step carries prompt tokens the fixed cost of a prompt step cannot be told from the
+    decode cost; the budget asks for one decode-only step after PROBE_EVERY prompt steps."""
+    b = StepBudget(target_ms=100.0, max_tokens=2048, ratio=3.0)
+    _steps(b, np.random.default_rng(2), PROBE_EVERY - 1, decode_only=False)
+    assert b.prefill_budget(4) > 0
+    _steps(b, np.random.default_rng(3), 1, decode_only=False)
+    assert b.prefill_budget(4) == 0  # a probe
+    assert b.prefill_budget(0) == 2048  # not while nothing decodes
+    b.observe(4, 0, 18.0)
+    assert b.prefill_budget(4) >= MIN_PREFILL_TOKENS
 
 
 def _seq(i: int, prompt_len: int, sid: int) -> Sequence:

@@ -268,9 +268,10 @@ std::vector<uint16_t> halves(Rng& r, int64_t n) {
 
 // -- comparison ----------------------------------------------------------------------------------------
 
-const char* const kKernels[] = {"quantize_groups", "w8a8_rows", "group_rows", "panel_rows", "kpanel_rows", "decode"};
+const char* const kKernels[] = {"quantize_groups", "w8a8_rows", "group_rows", "panel_rows",
+                                "kpanel_rows",     "decode",    "prefill"};
 constexpr int kNumKernels = sizeof(kKernels) / sizeof(kKernels[0]);
-enum { kQuantize, kW8A8, kGroup, kPanel, kKPanel, kDecode };
+enum { kQuantize, kW8A8, kGroup, kPanel, kKPanel, kDecode, kPrefill };
 
 struct Outcome {
   int cases = 0, failed = 0;
@@ -498,6 +499,45 @@ void check_decode(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
   }
 }
 
+void check_prefill(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
+  // Tiles of queries of one sequence: ragged contexts, a sliding-window first key, padding (0).
+  struct Config { int64_t L, NB, BS, H, KVH, D, Bd; std::vector<int32_t> seq, context, first; };
+  const Config configs[] = {{2, 10, 4, 9, 3, 64, 6, {0, 0, 0, 0, 1, 1}, {3, 4, 5, 6, 19, 0}, {0, 0, 2, 0, 11, 0}},
+                            {1, 8, 16, 4, 1, 40, 3, {0, 0, 0}, {33, 34, 35}, {0, 20, 0}},
+                            {1, 6, 4, 8, 8, 16, 5, {0, 0}, {1, 2}, {0, 0}}};
+  for (const Config& c : configs) {
+    const int64_t N = static_cast<int64_t>(c.seq.size()), S = c.seq.back() + 1;
+    std::vector<float> k(c.L * c.NB * c.BS * c.KVH * c.D), vv(k.size()), q(N * c.H * c.D);
+    for (auto& v : k) v = r.normal();
+    for (auto& v : vv) v = r.normal();
+    for (auto& v : q) v = r.normal();
+    std::vector<int32_t> tables(S * c.Bd);
+    for (auto& t : tables) t = static_cast<int32_t>(r.range(0, c.NB - 1));
+    const int64_t rows = N * (c.H / c.KVH);
+    std::vector<float> scratch(ruvllm::prefill_scratch(rows, c.Bd * c.BS, c.D));
+    auto run = [&](const KernelTable* t, std::vector<float>& out) {
+      ruvllm::PrefillJob j{q.data(), k.data(), vv.data(), tables.data(), c.seq.data(), c.context.data(),
+                           c.first.data(), out.data(), N, S, c.H, c.D, c.NB, c.BS, c.KVH, c.Bd, c.L - 1,
+                           1.f / std::sqrt(static_cast<float>(c.D))};
+      // One tile per run of the same sequence, as the handler forms them.
+      for (int64_t i = 0; i < N;) {
+        int64_t e = i + 1;
+        while (e < N && c.seq[e] == c.seq[i]) ++e;
+        for (int64_t g = 0; g < c.KVH; ++g) t->prefill(j, i, e, g, scratch.data());
+        i = e;
+      }
+    };
+    std::vector<float> want(q.size(), NAN);
+    run(ref, want);
+    for (auto& v : vs) {
+      if (!v.runs || v.ref) continue;
+      std::vector<float> got(q.size(), NAN);
+      run(v.table(), got);
+      record(v.out[kPrefill], shape("prefill", N, c.H, c.D), mismatch(got, want, 1e-5));
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -529,6 +569,7 @@ int main(int argc, char** argv) {
   check_panel(rng, ref, vs);
   check_kpanel(rng, ref, vs);
   check_decode(rng, ref, vs);
+  check_prefill(rng, ref, vs);
 
   bool failed = false;
   for (const auto& v : vs) {

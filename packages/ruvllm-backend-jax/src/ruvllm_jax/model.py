@@ -377,20 +377,37 @@ def _attend(
     if plan.prefill_seqs:
         qp = q.at[inp.prefill_token].get(mode="clip")  # [Sp, Qb, H, D]
         q_pos = inp.prefill_start[:, None] + jnp.arange(plan.prefill_len, dtype=jnp.int32)[None, :]
-        op = paged_attention(
-            qp,
-            kv.k,
-            kv.v,
-            layer,
-            inp.prefill_tables,
-            q_pos,
-            inp.prefill_context,
-            window,
-            scale=scale,
-            impl=plan.attention,
-            k_scale=kv.k_scale,
-            v_scale=kv.v_scale,
-        )
+        if plan.native and kv.k.dtype == jnp.float32 and not kv.quantized and plan.attention == "reference":
+            # The native kernel reads the blocks in place and skips padding queries (XLA's attention
+            # computes every padded query of the group's shape).
+            sp, qb = q_pos.shape
+            live = q_pos < inp.prefill_context[:, None]
+            op = native.paged_prefill(
+                qp.reshape(sp * qb, h, d),
+                kv.k,
+                kv.v,
+                layer,
+                inp.prefill_tables,
+                jnp.repeat(jnp.arange(sp, dtype=jnp.int32), qb),
+                jnp.where(live, q_pos + 1, 0).reshape(-1),
+                window_start(q_pos, window).reshape(-1),
+                scale=scale,
+            ).reshape(sp, qb, h, d)
+        else:
+            op = paged_attention(
+                qp,
+                kv.k,
+                kv.v,
+                layer,
+                inp.prefill_tables,
+                q_pos,
+                inp.prefill_context,
+                window,
+                scale=scale,
+                impl=plan.attention,
+                k_scale=kv.k_scale,
+                v_scale=kv.v_scale,
+            )
         out = out.at[inp.prefill_token.reshape(-1)].set(op.reshape(-1, h, d), mode="drop")
     return out
 

@@ -67,6 +67,13 @@ def _add_serve_parser(subparsers: Any) -> None:
         "a steady inter-token latency; 0 = no target (default 100)",
     )
     p.add_argument(
+        "--max-step-ratio",
+        type=float,
+        default=None,
+        help="a step that prefills may last at most this many times a decode-only step of the same streams, so "
+        "the inter-token latency's tail stays within a multiple of its median; 0 = off (default 3)",
+    )
+    p.add_argument(
         "--no-precompile",
         dest="precompile",
         action="store_const",
@@ -149,6 +156,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "kv_cache_quantization": args.kv_cache_quantization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_step_ms": args.max_step_ms,
+        "max_step_ratio": args.max_step_ratio,
         "precompile": args.precompile,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,

@@ -65,6 +65,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Latency target of one engine step (ms): prompt chunks are sized so a step stays within it and
     #: decoding streams keep a steady inter-token latency; 0: no target.
     max_step_ms: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    #: A step that carries prompt tokens may last at most this many times the decode-only step of the
+    #: same streams (the smaller of this and max_step_ms applies); 0: no relative target.
+    max_step_ratio: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     #: Compile every step shape before /ready turns 200 (none then compiles while serving).
     precompile: bool = True
     enable_prefix_caching: bool = True

@@ -171,6 +171,7 @@ class ServerState:
             enable_prefix_caching=s.enable_prefix_caching,
             kv_cache_memory_bytes=kv_cache_budget(s.kv_cache_memory),
             max_step_ms=s.max_step_ms or None,
+            max_step_ratio=s.max_step_ratio or None,
             kv_cache_options={"quantization": s.kv_cache_quantization} if s.kv_cache_quantization else {},
         )
         model_context = self.model.config.max_position_embeddings

@@ -42,6 +42,7 @@ WXA8_TARGET = "ruvllm_wxa8"
 WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
 DECODE_TARGET = "ruvllm_paged_decode"
+PREFILL_TARGET = "ruvllm_paged_prefill"
 #: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
 
@@ -147,6 +148,7 @@ def _load() -> None:
         (WXA8_PANEL_TARGET, lib.RuvllmWxA8Panel),
         (KXA8_PANEL_TARGET, lib.RuvllmKxA8Panel),
         (DECODE_TARGET, lib.RuvllmPagedDecode),
+        (PREFILL_TARGET, lib.RuvllmPagedPrefill),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     log.info(
@@ -324,6 +326,41 @@ def paged_decode(
         v_cache,
         jnp.asarray(layer, jnp.int32).reshape(()),
         jnp.asarray(tables, jnp.int32),
+        context,
+        first,
+        scale=np.float32(scale),
+    )
+
+
+def paged_prefill(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    tables: jax.Array,
+    seq: jax.Array,
+    context: jax.Array,
+    first: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention of prompt-chunk queries ``q`` ``[N, H, D]`` float32 over the float32 paged caches
+    ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place): query ``i`` belongs to sequence ``seq[i]``
+    (a row of ``tables`` ``[S, Bd]``) and sees keys ``first[i] .. context[i] - 1`` (``context[i]``:
+    its position + 1; 0 marks padding, which gets zeros and costs nothing). Consecutive queries of a
+    sequence share each key load. Returns ``[N, H, D]``."""
+    _lib()
+    context = jnp.asarray(context, jnp.int32)
+    first = jnp.zeros_like(context) if first is None else jnp.asarray(first, jnp.int32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        jnp.asarray(tables, jnp.int32),
+        jnp.asarray(seq, jnp.int32),
         context,
         first,
         scale=np.float32(scale),

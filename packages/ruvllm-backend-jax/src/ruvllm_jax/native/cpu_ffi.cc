@@ -47,6 +47,7 @@
 
 namespace ffi = xla::ffi;
 using ruvllm::DecodeJob;
+using ruvllm::PrefillJob;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
 using ruvllm::RowMatrix;
@@ -143,8 +144,9 @@ inline void cpu_relax() {
 // -- the thread pool ---------------------------------------------------------------------------------
 // A small pool of worker threads of our own. XLA's intra-op pool wakes a sleeping thread for each
 // task, which costs tens of microseconds; a decode step makes ~120 kernel calls, each a few hundred
-// microseconds of work, so that latency would be a large part of the step. These workers spin for a
-// short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 50) and then sleep, so they are
+// microseconds of work, so that latency would be a large part of the step. A job's parts are claimed
+// (the calling thread runs whatever no worker took), so a worker without a core never holds a call
+// up. These workers spin for a short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 50) and then sleep, so they are
 // hot during a step and idle between requests. The thread count is set from Python before the pool
 // starts (ruvllm_set_threads: --threads / RUVLLM_THREADS, else the CPUs this process may use).
 class Pool {
@@ -167,21 +169,36 @@ class Pool {
   }
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Calls fn(part) for part in [0, threads()), part 0 on the calling thread.
+  // Calls fn(part) once for each part in [0, threads()). Parts are claimed, not assigned: the
+  // calling thread takes every part no worker has claimed yet, so a worker that is not on a core
+  // (XLA's own threads may hold them) never stalls the call; the caller waits only for parts a
+  // worker is running.
   template <typename F>
   void run(F&& fn) {
     if (workers_.empty()) { fn(0); return; }
     std::lock_guard<std::mutex> serial(run_mutex_);  // one job at a time (XLA may call concurrently)
     std::function<void(int)> job = fn;
+    const int parts = threads();
     job_ = &job;
-    pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      generation_.fetch_add(1, std::memory_order_release);
+      gen = generation_.fetch_add(1, std::memory_order_relaxed) + 1;
+      claim_.store((gen & 0xffffffffu) << 32, std::memory_order_release);
     }
     cv_.notify_all();
-    fn(0);
-    while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+    for (int p; (p = claim(gen)) >= 0;) {
+      fn(p);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    for (int spins = 0; done_.load(std::memory_order_acquire) != parts; ++spins) {
+      if (spins < 4096) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
     job_ = nullptr;
   }
 
@@ -193,11 +210,20 @@ class Pool {
     g_pool_threads.store(n);
     const char* spin = std::getenv("RUVLLM_JAX_NATIVE_SPIN_US");
     spin_us_ = spin ? std::atoi(spin) : 50;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
     for (auto& t : workers_) t.detach();
   }
 
-  void loop(int part) {
+  // The next unclaimed part of job `gen`, or -1 when none is left (or that job is over).
+  int claim(uint64_t gen) {
+    uint64_t v = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((v >> 32) != (gen & 0xffffffffu) || static_cast<int>(v & 0xffffffffu) >= threads()) return -1;
+      if (claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return static_cast<int>(v & 0xffffffffu);
+    }
+  }
+
+  void loop() {
     uint64_t seen = 0;
     for (;;) {
       uint64_t gen = generation_.load(std::memory_order_acquire);
@@ -215,8 +241,10 @@ class Pool {
         }
       }
       seen = gen;
-      (*job_)(part);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      for (int p; (p = claim(gen)) >= 0;) {
+        (*job_)(p);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+      }
     }
   }
 
@@ -224,7 +252,9 @@ class Pool {
   std::mutex run_mutex_, mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  // (job generation << 32) | next part to claim; job_ is written before it is stored.
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> done_{0};
   std::function<void(int)>* volatile job_ = nullptr;
   int spin_us_ = 50;
   pid_t pid_ = getpid();
@@ -624,6 +654,95 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
   return ffi::Error::Success();
 }
 
+// Tiles of at most `tq` consecutive live queries (context > 0) of one sequence.
+std::vector<std::pair<int64_t, int64_t>> prefill_tiles(const PrefillJob& j, int64_t tq) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  int64_t i = 0;
+  while (i < j.N) {
+    if (j.context[i] <= 0) {
+      ++i;
+      continue;
+    }
+    int64_t e = i + 1;
+    while (e < j.N && e - i < tq && j.context[e] > 0 && j.seq[e] == j.seq[i]) ++e;
+    tiles.emplace_back(i, e);
+    i = e;
+  }
+  return tiles;
+}
+
+ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
+                            ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  const auto kd = k.dimensions();
+  const auto td = tables.dimensions();
+  const auto qd = q.dimensions();
+  if (kd.size() != 5 || v.dimensions().size() != 5 || td.size() != 2 || qd.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "ruvllm_paged_prefill: caches must be [L, NB, BS, KVH, D], tables [S, Bd], q [N, H, D]");
+  for (int i = 0; i < 5; ++i)
+    if (kd[i] != v.dimensions()[i]) return ffi::Error::InvalidArgument("ruvllm_paged_prefill: K and V caches differ");
+  PrefillJob j{};
+  j.q = q.typed_data();
+  j.k = k.typed_data();
+  j.v = v.typed_data();
+  j.tables = tables.typed_data();
+  j.seq = seq.typed_data();
+  j.context = context.typed_data();
+  j.first = first.typed_data();
+  j.out = out->typed_data();
+  j.NB = kd[1];
+  j.BS = kd[2];
+  j.KVH = kd[3];
+  j.D = kd[4];
+  j.S = td[0];
+  j.Bd = td[1];
+  j.N = qd[0];
+  j.H = qd[1];
+  j.layer = layer.typed_data()[0];
+  j.scale = scale;
+  if (j.layer < 0 || j.layer >= kd[0]) return ffi::Error::InvalidArgument("ruvllm_paged_prefill: layer out of range");
+  if (qd[2] != j.D || j.H % j.KVH != 0)
+    return ffi::Error::InvalidArgument("ruvllm_paged_prefill: q must be [N, H, D] with H a multiple of kv heads");
+  for (const auto* b : {&seq, &context, &first})
+    if (static_cast<int64_t>(b->element_count()) != j.N)
+      return ffi::Error::InvalidArgument("ruvllm_paged_prefill: one sequence, context and first key per query");
+  for (int64_t i = 0; i < j.N; ++i)
+    if (j.context[i] > 0 && (j.seq[i] < 0 || j.seq[i] >= j.S))
+      return ffi::Error::InvalidArgument("ruvllm_paged_prefill: sequence index out of range");
+  std::memset(j.out, 0, sizeof(float) * j.N * j.H * j.D);
+  const int64_t group = j.H / j.KVH;
+  Pool& pool = Pool::get();
+  // Tiles as large as the row limit allows, smaller while that leaves threads idle.
+  int64_t tq = std::max<int64_t>(1, ruvllm::kPrefillRows / group);
+  auto tiles = prefill_tiles(j, tq);
+  while (tq > 4 && static_cast<int64_t>(tiles.size()) * j.KVH < 2 * pool.threads()) {
+    tq = (tq + 1) / 2;
+    tiles = prefill_tiles(j, tq);
+  }
+  if (tiles.empty()) return ffi::Error::Success();
+  const int64_t keys = j.Bd * j.BS;
+  const size_t need = static_cast<size_t>(ruvllm::prefill_scratch(tq * group, keys, j.D));
+  const int64_t tasks = static_cast<int64_t>(tiles.size()) * j.KVH;
+  const KernelTable* kt = kernels();
+  auto part_of = [&](int part, int parts) {
+    thread_local std::vector<float> p;
+    if (p.size() < need) p.resize(need);
+    for (int64_t t = part; t < tasks; t += parts) {
+      const auto& tile = tiles[t / j.KVH];
+      kt->prefill(j, tile.first, tile.second, t % j.KVH, p.data());
+    }
+  };
+  if (tasks == 1 || pool.threads() == 1) {
+    part_of(0, 1);
+    return ffi::Error::Success();
+  }
+  const int parts = pool.threads();
+  pool.run([&](int part) { part_of(part, parts); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
@@ -705,3 +824,16 @@ extern "C" int ruvllm_set_threads(int n) {
 }
 
 extern "C" int ruvllm_threads() { return Pool::get().threads(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedPrefill, PagedPrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

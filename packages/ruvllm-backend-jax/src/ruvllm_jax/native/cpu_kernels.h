@@ -88,6 +88,28 @@ struct DecodeJob {
   float scale;
 };
 
+// Attention of several new tokens per sequence (prompt chunks) over the paged float32 cache, read in
+// place. Query i (q [N, H, D]) belongs to sequence seq[i] (a row of tables [S, Bd]) and sees keys
+// first[i] .. context[i] - 1 (context[i] = its position + 1, clipped; 0 for padding, which gets
+// zeros). A task is one tile of consecutive queries of one sequence and one kv head: each key and
+// value row is loaded once for all the tile's queries and heads.
+struct PrefillJob {
+  const float *q, *k, *v;
+  const int32_t *tables, *seq, *context, *first;
+  float* out;
+  int64_t N, S, H, D, NB, BS, KVH, Bd, layer;
+  float scale;
+};
+
+// Query rows (tile queries x heads per kv head) one prefill task handles at most.
+constexpr int64_t kPrefillRows = 48;
+
+// Floats of scratch a prefill task needs for tiles of `rows` query rows over `keys` keys.
+static inline int64_t prefill_scratch(int64_t rows, int64_t keys, int64_t D) {
+  const int64_t rp = (rows + 15) / 16 * 16;
+  return rp * (D + keys + D + 4);
+}
+
 // Activations quantized per group of 32 (rows of K = 32 G): codes, dx, sx, isum ([M, Gp]) and the
 // half-group isum16, sx16 ([M, 2 Gp]); padding groups are left as the caller set them. Per group:
 // dx = max|x| / 127, code = nearbyint(x / dx) clipped to +-127 (zeros for an all-zero group), the
@@ -112,6 +134,9 @@ struct KernelTable {
   void (*kpanel_rows)(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1);
   // Sequence s, kv head g; scratch holds at least (H / KVH) * context[s] floats.
   void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
+  // Queries q0 .. q1 - 1 (one sequence, (q1 - q0) * H / KVH <= kPrefillRows), kv head g; scratch
+  // holds prefill_scratch(rows, keys they see, D) floats.
+  void (*prefill)(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch);
 };
 
 static inline int64_t group_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : bits == 6 ? 24 : 32; }

@@ -46,6 +46,7 @@ using ruvllm::GroupActsOut;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
 using ruvllm::KMatrix;
+using ruvllm::PrefillJob;
 using ruvllm::panel_byte;
 using ruvllm::RowActs;
 using ruvllm::RowMatrix;
@@ -232,6 +233,177 @@ void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
       for (int64_t d = 0; d < j.D; ++d) oh[d] += wgt * vr[d];
     }
   }
+}
+
+// exp(x) for x <= 0 (softmax weights) in a form every variant vectorises: 2^n * p(r) with
+// x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error < 2e-7, about what
+// expf gives); below -87 it returns 0.
+inline float exp_neg(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = floorf(xc * 1.44269504f + 0.5f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  memcpy(&bits, &e, sizeof bits);
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// Prompt-chunk attention (cpu_kernels.h, PrefillJob). Rows r = (query - q0) * group + head of the tile
+// sit side by side (RP of them, a multiple of 16), so the inner loops run over rows or over the head
+// dimension with compile-time trip counts and vectorise in every variant: scores[t][r] = q_r . k_t for
+// KB keys at a time (each key row loaded once for the whole tile), the masked softmax per row, then
+// out[r] += p[t][r] * v_t for RB rows and DC values of the head at a time, accumulated in registers.
+#if RUVLLM_AVX512
+constexpr int kScoreKeys = 4, kPvRows = 4, kPvCols = 64;
+#else
+constexpr int kScoreKeys = 2, kPvRows = 4, kPvCols = 16;
+#endif
+
+// st[t][r] = q_r . k_t for keys t0 .. t1 (all in the caller's block table), rows RP.
+template <int RP>
+void prefill_scores(const PrefillJob& j, int64_t s, int64_t g, const float* qt, int64_t t0, int64_t t1,
+                    int64_t tbase, float* sc) {
+  const int64_t D = j.D;
+  auto key = [&](int64_t t) {
+    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
+    return j.k + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * D;
+  };
+  int64_t t = t0;
+  for (; t + kScoreKeys <= t1; t += kScoreKeys) {
+    const float* kr[kScoreKeys];
+    for (int u = 0; u < kScoreKeys; ++u) kr[u] = key(t + u);
+    float acc[kScoreKeys][RP];
+    for (int u = 0; u < kScoreKeys; ++u)
+      for (int r = 0; r < RP; ++r) acc[u][r] = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* qd = qt + d * RP;
+      for (int u = 0; u < kScoreKeys; ++u) {
+        const float x = kr[u][d];
+#pragma omp simd
+        for (int r = 0; r < RP; ++r) acc[u][r] += qd[r] * x;
+      }
+    }
+    for (int u = 0; u < kScoreKeys; ++u)
+      for (int r = 0; r < RP; ++r) sc[(t + u - tbase) * RP + r] = acc[u][r];
+  }
+  for (; t < t1; ++t) {
+    const float* k0 = key(t);
+    float acc[RP];
+    for (int r = 0; r < RP; ++r) acc[r] = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* qd = qt + d * RP;
+      const float x = k0[d];
+#pragma omp simd
+      for (int r = 0; r < RP; ++r) acc[r] += qd[r] * x;
+    }
+    for (int r = 0; r < RP; ++r) sc[(t - tbase) * RP + r] = acc[r];
+  }
+}
+
+// acc[r][d0 .. d0 + DC) = sum_t w[t][r] v_t[d0 ..] for rows r0 .. r0 + RB.
+template <int RB, int DC>
+void prefill_pv(const PrefillJob& j, int64_t s, int64_t g, const float* sc, int64_t RP, int64_t t0, int64_t t1,
+                int64_t r0, int64_t d0, float* out) {
+  float acc[RB][DC];
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < DC; ++c) acc[b][c] = 0.f;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
+    const float* vr = j.v + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D + d0;
+    const float* w = sc + (t - t0) * RP + r0;
+    for (int b = 0; b < RB; ++b) {
+      const float wb = w[b];
+#pragma omp simd
+      for (int c = 0; c < DC; ++c) acc[b][c] += wb * vr[c];
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < DC; ++c) out[(r0 + b) * j.D + d0 + c] = acc[b][c];
+}
+
+template <int RP>
+void prefill_rows(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch, int64_t t0, int64_t end) {
+  const int64_t group = j.H / j.KVH, D = j.D, R = (q1 - q0) * group, cap = j.Bd * j.BS;
+  const int64_t L = end - t0, s = j.seq[q0];
+  float* qt = scratch;          // [D][RP]: the tile's queries, transposed
+  float* sc = qt + D * RP;      // [L][RP]: scores, then weights
+  float* acc = sc + L * RP;     // [RP][D]: unnormalised outputs
+  float* lo = acc + RP * D;     // [RP] first key of each row
+  float* hi = lo + RP;          // [RP] end of each row's keys (0 for rows past the tile)
+  float* mx = hi + RP;          // [RP]
+  float* sum = mx + RP;         // [RP]
+  for (int64_t r = 0; r < RP; ++r) {
+    const int64_t i = q0 + r / group;
+    const bool real = r < R;
+    const int64_t e = real ? imax(0, imin(j.context[i], cap)) : 0;
+    lo[r] = static_cast<float>(e ? imax(0, imin(j.first[i], e)) : 0);
+    hi[r] = static_cast<float>(e);
+    const float* qr = real ? j.q + (i * j.H + g * group + r % group) * D : nullptr;
+    for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = real ? qr[d] * j.scale : 0.f;
+  }
+  prefill_scores<RP>(j, s, g, qt, t0, end, t0, sc);
+  const float ft0 = static_cast<float>(t0);
+  for (int64_t r = 0; r < RP; ++r) {
+    mx[r] = -3.0e38f;
+    sum[r] = 0.f;
+  }
+  for (int64_t t = 0; t < L; ++t) {
+    const float ft = ft0 + static_cast<float>(t);
+    const float* st = sc + t * RP;
+#pragma omp simd
+    for (int64_t r = 0; r < RP; ++r) mx[r] = (ft >= lo[r] && ft < hi[r] && st[r] > mx[r]) ? st[r] : mx[r];
+  }
+  for (int64_t t = 0; t < L; ++t) {
+    const float ft = ft0 + static_cast<float>(t);
+    float* st = sc + t * RP;
+#pragma omp simd
+    for (int64_t r = 0; r < RP; ++r) {
+      const float w = (ft >= lo[r] && ft < hi[r]) ? exp_neg(st[r] - mx[r]) : 0.f;
+      st[r] = w;
+      sum[r] += w;
+    }
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += kPvRows) {  // RP is a multiple of kPvRows: rows past R are zeros
+    int64_t d0 = 0;
+    for (; d0 + kPvCols <= D; d0 += kPvCols) prefill_pv<kPvRows, kPvCols>(j, s, g, sc, RP, t0, end, r0, d0, acc);
+    for (; d0 + 8 <= D; d0 += 8) prefill_pv<kPvRows, 8>(j, s, g, sc, RP, t0, end, r0, d0, acc);
+    for (; d0 < D; ++d0) prefill_pv<kPvRows, 1>(j, s, g, sc, RP, t0, end, r0, d0, acc);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (sum[r] == 0.f) continue;
+    const float inv = 1.f / sum[r];
+    float* o = j.out + ((q0 + r / group) * j.H + g * group + r % group) * D;
+    const float* ar = acc + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ar[d] * inv;
+  }
+}
+
+void prefill_tile(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch) {
+  const int64_t group = j.H / j.KVH, R = (q1 - q0) * group, cap = j.Bd * j.BS;
+  int64_t t0 = cap, end = 0;
+  for (int64_t i = q0; i < q1; ++i) {
+    const int64_t e = imax(0, imin(j.context[i], cap));
+    if (e == 0) continue;
+    t0 = imin(t0, imax(0, imin(j.first[i], e)));
+    end = imax(end, e);
+  }
+  for (int64_t i = q0; i < q1; ++i) {
+    float* o = j.out + (i * j.H + g * group) * j.D;
+    for (int64_t x = 0; x < group * j.D; ++x) o[x] = 0.f;
+  }
+  if (end <= t0) return;
+  if (R <= 16) return prefill_rows<16>(j, q0, q1, g, scratch, t0, end);
+  if (R <= 32) return prefill_rows<32>(j, q0, q1, g, scratch, t0, end);
+  return prefill_rows<48>(j, q0, q1, g, scratch, t0, end);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -838,7 +1010,7 @@ void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { 
 #endif
 
 const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), quantize_groups_vec, w8a8_vec, group_vec, panel_vec,
-                            kpanel_vec, decode_one};
+                            kpanel_vec, decode_one, prefill_tile};
 
 }  // namespace
 

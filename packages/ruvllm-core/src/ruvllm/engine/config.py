@@ -42,6 +42,10 @@ class EngineConfig:
     #: prefill (see :mod:`ruvllm.engine.step_budget`). None: steps carry up to
     #: ``max_num_batched_tokens`` prompt tokens whatever they cost.
     max_step_ms: float | None = None
+    #: Latency target relative to the decode-only step of the same sequences: a step that carries
+    #: prompt tokens may last at most this many times as long (with ``max_step_ms``, the smaller of
+    #: both applies). Bounds the inter-token latency's tail by a multiple of its median. None: off.
+    max_step_ratio: float | None = None
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -63,6 +67,8 @@ class EngineConfig:
             bad(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_step_ms is not None and not self.max_step_ms > 0:
             bad(f"max_step_ms must be positive, got {self.max_step_ms}")
+        if self.max_step_ratio is not None and not self.max_step_ratio > 1:
+            bad(f"max_step_ratio must be above 1, got {self.max_step_ratio}")
         if self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

@@ -70,7 +70,9 @@ class LLMEngine:
         self.cache = model.allocate_cache(self.num_blocks, config.block_size, **config.kv_cache_options)
         #: Prompt tokens per step under ``max_step_ms`` (None: only ``max_num_batched_tokens`` bounds them).
         self.step_budget = (
-            StepBudget(config.max_step_ms, config.max_num_batched_tokens) if config.max_step_ms is not None else None
+            StepBudget(config.max_step_ms, config.max_num_batched_tokens, config.max_step_ratio)
+            if config.max_step_ms is not None or config.max_step_ratio is not None
+            else None
         )
         #: Step shapes the backend compiled in :meth:`precompile`, with their seconds.
         self.precompiled: list[tuple[str, float]] = []

@@ -1,77 +1,131 @@
 """How many prompt tokens the next step may carry so that it stays within a latency target.
 
 Every step is also an inter-token gap for each decoding stream, so a step that prefills a long
-prompt in one piece stalls them all. The engine learns what steps cost on this device: decode-only
-steps by their number of sequences, and the extra milliseconds per prompt token of steps that carry
-prompt chunks. While some sequence decodes, the prompt budget is the largest power of two of tokens
-whose predicted step time fits the target (powers of two: backends pad prompt chunks to them), never
-below :data:`MIN_PREFILL_TOKENS` so prompts always progress; while none does, a step takes all the
-prompt tokens it can hold.
+prompt in one piece stalls them all. The engine learns what steps cost on this device from the
+steps it ran: a linear model of the step's milliseconds,
+
+    ms = a + b * decoding sequences + (c + d * prompt tokens if the step carries prompt tokens)
+
+fitted by least squares over the last :data:`WINDOW` steps. The prompt step's own fixed cost ``c``
+is only told apart from ``a`` by decode-only steps, so when streams decode but every recent step
+also carried prompt tokens, one step in :data:`PROBE_EVERY` is decode-only (a budget of 0). While
+some sequence decodes, the prompt budget is the largest power of two of tokens whose predicted step
+time fits the target (powers of two: backends pad prompt chunks to them), never below
+:data:`MIN_PREFILL_TOKENS` so prompts always progress; while none does, a step takes all the prompt
+tokens it can hold.
+
+The target is absolute (``target_ms``), relative to the decode-only step of the same sequences
+(``ratio``: a step that carries prompt tokens may last at most ``ratio`` times as long, so the
+inter-token latency's tail stays within a multiple of its median whatever the device), or the
+smaller of both.
 """
 
 from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
 
 #: Prompt tokens a step may always carry, whatever the target.
 MIN_PREFILL_TOKENS = 16
 #: Prompt budget before any step with a prompt chunk has been measured.
 INITIAL_PREFILL_TOKENS = 256
-#: Weight of a new observation in the running averages.
-ALPHA = 0.3
-
-
-def _bucket(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+#: Steps the cost model is fitted on (the most recent ones: costs drift with context lengths).
+WINDOW = 128
+#: A step slower than this many times its prediction (a compile, a paused process) is not learnt.
+OUTLIER = 10.0
+#: Steps with prompt tokens in a row after which one decode-only step measures what decoding costs.
+PROBE_EVERY = 32
 
 
 class StepBudget:
-    """Running estimates of step cost and the prompt budget they give for ``target_ms``."""
+    """A cost model of steps, fitted on the steps observed, and the prompt budget it gives."""
 
-    def __init__(self, target_ms: float, max_tokens: int) -> None:
+    def __init__(self, target_ms: float | None, max_tokens: int, ratio: float | None = None) -> None:
+        if target_ms is None and ratio is None:
+            raise ValueError("a step budget needs a target: target_ms, ratio or both")
         self.target_ms = target_ms
+        self.ratio = ratio
         self.max_tokens = max_tokens
-        #: Decode-only step milliseconds by the power-of-two bucket of its sequence count.
-        self.decode_ms: dict[int, float] = {}
-        #: Extra milliseconds per prompt token (None until a step with a prompt chunk ran).
-        self.ms_per_prompt_token: float | None = None
+        #: (decoding sequences, prompt tokens, milliseconds) of the recent steps.
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
+        self._coef: np.ndarray | None = None  # a, b, c, d of the module docstring
+        self._prompt_steps_in_a_row = 0
+
+    # -- the model -----------------------------------------------------------------------------------
+    def _fit(self) -> np.ndarray | None:
+        if self._coef is not None or not any(p > 0 for _, p, _ in self._steps):
+            return self._coef
+        obs = np.array(self._steps, np.float64)
+        n, p, ms = obs[:, 0], obs[:, 1], obs[:, 2]
+        x = np.stack([np.ones_like(n), n, (p > 0).astype(np.float64), p], axis=1)
+        # Ridge, strongest on c: without decode-only steps it is not identifiable from a, and the
+        # fit then puts the fixed cost into a (which only makes the decode estimate err high).
+        penalty = np.diag([1e-6, 1e-6, 1e-2, 1e-6]) * len(ms)
+        coef = np.linalg.solve(x.T @ x + penalty, x.T @ ms)
+        self._coef = np.maximum(coef, 0.0)
+        if self._coef[3] <= 0:  # a prompt token always costs something
+            self._coef[3] = max(float(np.median((ms[p > 0]) / p[p > 0])), 1e-6)
+        return self._coef
 
     def decode_estimate(self, num_decode: int) -> float:
-        """Milliseconds of a decode-only step of ``num_decode`` sequences (0 when none has run: the
-        prompt rate then carries the whole cost, which errs on the small side of the budget)."""
-        if num_decode <= 0 or not self.decode_ms:
+        """Milliseconds of a decode-only step of ``num_decode`` sequences (0 before any step ran)."""
+        coef = self._fit()
+        if num_decode <= 0 or coef is None:
             return 0.0
-        b = _bucket(num_decode)
-        if b in self.decode_ms:
-            return self.decode_ms[b]
-        # The nearest measured bucket, scaled linearly: decode steps grow slower than that.
-        near = min(self.decode_ms, key=lambda k: abs(k.bit_length() - b.bit_length()))
-        return self.decode_ms[near] * max(1.0, b / near)
+        return float(coef[0] + coef[1] * num_decode)
+
+    def estimate(self, num_decode: int, prompt_tokens: int) -> float:
+        """Predicted milliseconds of a step (0 before a step with prompt tokens ran)."""
+        coef = self._fit()
+        if coef is None:
+            return 0.0
+        extra = coef[2] + coef[3] * prompt_tokens if prompt_tokens > 0 else 0.0
+        return float(coef[0] + coef[1] * num_decode + extra)
+
+    @property
+    def ms_per_prompt_token(self) -> float | None:
+        """The model's milliseconds per prompt token (None until a step with prompt tokens ran)."""
+        coef = self._fit()
+        return None if coef is None else float(coef[3])
+
+    # -- the budget ----------------------------------------------------------------------------------
+    def step_target(self, num_decode: int) -> float:
+        """Milliseconds a step with prompt tokens beside ``num_decode`` decoding sequences may take."""
+        target = float("inf") if self.target_ms is None else self.target_ms
+        decode = self.decode_estimate(num_decode)
+        if self.ratio is not None and decode > 0:
+            target = min(target, self.ratio * decode)
+        return target
 
     def prefill_budget(self, num_decode: int) -> int:
         """Prompt tokens the next step may carry beside ``num_decode`` decoding sequences (all it
-        can hold when nothing decodes: there is no stream to keep moving)."""
+        can hold when nothing decodes: there is no stream to keep moving; 0 for a probe step)."""
         room = self.max_tokens - num_decode
         if num_decode <= 0:
             return room
-        if self.ms_per_prompt_token is None:
+        if self._prompt_steps_in_a_row >= PROBE_EVERY:
+            return 0  # a decode-only step: what decoding alone costs now
+        coef = self._fit()
+        if coef is None:
             tokens = INITIAL_PREFILL_TOKENS
         else:
-            spare = self.target_ms - self.decode_estimate(num_decode)
-            tokens = int(spare / max(self.ms_per_prompt_token, 1e-6))
+            target = self.step_target(num_decode)
+            if target == float("inf"):
+                tokens = room
+            else:
+                fixed = coef[0] + coef[1] * num_decode + coef[2]
+                tokens = int((target - fixed) / max(coef[3], 1e-6))
         tokens = max(MIN_PREFILL_TOKENS, min(tokens, room))
         return 1 << (tokens.bit_length() - 1)  # a power of two: what the backend pads chunks to
 
     def observe(self, num_decode: int, prompt_tokens: int, ms: float) -> None:
         """Record a step's cost. Outliers (a shape compiled during the step, a paused process) are
-        kept out: a step slower than 10x its estimate does not move the averages."""
-        if prompt_tokens <= 1:
-            b = _bucket(num_decode)
-            old = self.decode_ms.get(b)
-            if old is not None and ms > 10 * old:
-                return
-            self.decode_ms[b] = ms if old is None else (1 - ALPHA) * old + ALPHA * ms
+        kept out: a step slower than :data:`OUTLIER` times its prediction is not learnt."""
+        prompt_tokens = prompt_tokens if prompt_tokens > 1 else 0
+        predicted = self.estimate(num_decode, prompt_tokens)
+        if predicted > 0 and ms > OUTLIER * predicted:
             return
-        rate = max(ms - self.decode_estimate(num_decode), 0.0) / prompt_tokens
-        old_rate = self.ms_per_prompt_token
-        if old_rate is not None and rate > 10 * old_rate:
-            return
-        self.ms_per_prompt_token = rate if old_rate is None else (1 - ALPHA) * old_rate + ALPHA * rate
+        self._prompt_steps_in_a_row = self._prompt_steps_in_a_row + 1 if prompt_tokens else 0
+        self._steps.append((num_decode, prompt_tokens, ms))
+        self._coef = None
