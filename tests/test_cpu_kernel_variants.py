@@ -5,8 +5,8 @@ x86-64); each variant this CPU can run is forced in turn (``native.use_isa``) an
 
 * the panel-layout wxa8 product and the w8a8 product bit for bit as the scalar loops do (integer dot
   products, then the same float operations in the same order);
-* the row-major wxa8 product and paged decode and prefill attention within float rounding of the scalar loops
-  (their vector paths sum in another order);
+* the row-major wxa8 product, paged decode and prefill attention and the LoRA kernel within float
+  rounding of the scalar loops (their vector paths sum in another order);
 
 over odd shapes, 1-19 activation rows, 4-bit and 8-bit codes (the full 0..255 range of 8-bit codes,
 where AVX2's vpmaddubsw would saturate without its sign trick). ``RUVLLM_CPU_ISA`` forces a variant in
@@ -143,6 +143,22 @@ def test_paged_prefill_matches_scalar(isa):
         with native.use_isa(isa):
             got = np.asarray(native.paged_prefill(*args))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_lora_kernel_matches_scalar(isa):
+    _supported(isa)
+    rng = np.random.default_rng(6)
+    for rank, d_in, d_out, tokens in ((4, 64, 64, 3), (16, 576, 192, 33), (5, 37, 19, 1)):
+        a = jnp.asarray(rng.standard_normal((2, 3 * rank, d_in)).astype(np.float32))
+        bt = jnp.asarray(rng.standard_normal((2, 3 * rank, d_out)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((tokens, d_in)).astype(np.float32))
+        slot = jnp.asarray(rng.integers(-1, 3, tokens).astype(np.int32))
+        with native.use_isa("scalar"):
+            want = np.asarray(native.lora_delta(x, jnp.int32(1), a, bt, slot, rank))
+        with native.use_isa(isa):
+            got = np.asarray(native.lora_delta(x, jnp.int32(1), a, bt, slot, rank))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(np.abs(want).max(), 1.0))
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)

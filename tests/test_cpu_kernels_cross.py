@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "packages/ruvllm-backend-jax/src/ruvllm_jax/native"
 HARNESS = ROOT / "tests/native/kernel_check.cc"
 KERNELS = runpy.run_path(str(NATIVE / "variants.py"))
-KERNEL_NAMES = ("quantize_groups", "w8a8_rows", "group_rows", "panel_rows", "kpanel_rows", "decode", "prefill")
+KERNEL_NAMES = (
+    "quantize_groups", "w8a8_rows", "group_rows", "panel_rows", "kpanel_rows", "decode", "prefill", "lora_rows",
+)  # fmt: skip
 INSTALL = "apt-get install -y g++-aarch64-linux-gnu qemu-user"
 MACHINE = KERNELS["normalise_machine"](platform.machine())
 

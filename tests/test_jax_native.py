@@ -330,6 +330,30 @@ def test_paged_prefill_refuses_a_sequence_index_out_of_range():
         native.paged_prefill(q, k, k, jnp.int32(0), tables, jnp.array([0, 3], jnp.int32), jnp.array([1, 2], jnp.int32))
 
 
+# -- LoRA ----------------------------------------------------------------------------------------------------
+
+
+def test_lora_delta_applies_each_tokens_own_adapter():
+    """Tokens of one step with different adapter slots (and none): B_s (A_s x) by hand in float64, at
+    every layer of stacked factors; a token without an adapter gets zeros."""
+    rng = np.random.default_rng(0)
+    layers, slots, rank, d_in, d_out, tokens = 3, 4, 8, 96, 40, 21
+    a = rng.standard_normal((layers, slots * rank, d_in)).astype(np.float32)
+    bt = rng.standard_normal((layers, slots * rank, d_out)).astype(np.float32)
+    x = rng.standard_normal((tokens, d_in)).astype(np.float32)
+    slot = rng.integers(-1, slots, tokens).astype(np.int32)
+    slot[:2] = (-1, slots - 1)
+    for layer in range(layers):
+        got = np.asarray(native.lora_delta(*map(jnp.asarray, (x,)), jnp.int32(layer), a, bt, slot, rank))
+        want = np.zeros((tokens, d_out))
+        for t, s in enumerate(slot):
+            if s >= 0:
+                rows = slice(s * rank, (s + 1) * rank)
+                want[t] = (a[layer, rows].astype(np.float64) @ x[t]) @ bt[layer, rows].astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert np.all(got[slot < 0] == 0.0)
+
+
 # -- SmolLM2 --------------------------------------------------------------------------------------------------
 
 

@@ -269,9 +269,9 @@ std::vector<uint16_t> halves(Rng& r, int64_t n) {
 // -- comparison ----------------------------------------------------------------------------------------
 
 const char* const kKernels[] = {"quantize_groups", "w8a8_rows", "group_rows", "panel_rows",
-                                "kpanel_rows",     "decode",    "prefill"};
+                                "kpanel_rows",     "decode",    "prefill",    "lora_rows"};
 constexpr int kNumKernels = sizeof(kKernels) / sizeof(kKernels[0]);
-enum { kQuantize, kW8A8, kGroup, kPanel, kKPanel, kDecode, kPrefill };
+enum { kQuantize, kW8A8, kGroup, kPanel, kKPanel, kDecode, kPrefill, kLora };
 
 struct Outcome {
   int cases = 0, failed = 0;
@@ -538,6 +538,31 @@ void check_prefill(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
   }
 }
 
+void check_lora(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
+  // Tokens with their own slots (-1: none) against stacked, side-by-side factors.
+  struct Config { int64_t L, S, R, IN, OUT; std::vector<int32_t> slot; };
+  const Config configs[] = {{2, 3, 4, 64, 64, {0, 2, -1, 1, 1}}, {1, 2, 16, 37, 19, {1, 0, 1}}};
+  for (const Config& c : configs) {
+    const int64_t T = static_cast<int64_t>(c.slot.size()), SR = c.S * c.R;
+    std::vector<float> x(T * c.IN), a(c.L * SR * c.IN), bt(c.L * SR * c.OUT);
+    for (auto& v : x) v = r.normal();
+    for (auto& v : a) v = r.normal();
+    for (auto& v : bt) v = r.normal();
+    auto run = [&](const KernelTable* t, std::vector<float>& out) {
+      ruvllm::LoraJob j{x.data(), a.data(), bt.data(), c.slot.data(), out.data(), T, c.IN, c.OUT, SR, c.R, c.L - 1};
+      t->lora_rows(j, 0, T);
+    };
+    std::vector<float> want(T * c.OUT, NAN);
+    run(ref, want);
+    for (auto& v : vs) {
+      if (!v.runs || v.ref) continue;
+      std::vector<float> got(T * c.OUT, NAN);
+      run(v.table(), got);
+      record(v.out[kLora], shape("lora", T, c.IN, c.OUT), mismatch(got, want, 1e-5));
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -570,6 +595,7 @@ int main(int argc, char** argv) {
   check_kpanel(rng, ref, vs);
   check_decode(rng, ref, vs);
   check_prefill(rng, ref, vs);
+  check_lora(rng, ref, vs);
 
   bool failed = false;
   for (const auto& v : vs) {

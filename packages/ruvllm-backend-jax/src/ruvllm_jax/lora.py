@@ -26,6 +26,8 @@ from ruvllm_jax.model import PROJECTIONS, LoraFactors, LoraPlan, ModelSpec, buck
 #: projection it adapts (about 0.3 MB per projection for SmolLM2 at rank 2); a step with more distinct
 #: adapters than this still runs, but re-uploads the ones that did not fit in the next step.
 ADAPTER_CACHE_SIZE = 32
+#: Slot lists whose gathered factors (for the native kernel) are kept between steps.
+GATHERED_CACHE_SIZE = 2
 
 
 @dataclass
@@ -56,6 +58,8 @@ class AdapterCache:
         self.capacity = capacity
         self._entries: OrderedDict[int, DeviceAdapter] = OrderedDict()
         self._zeros: dict[tuple[str, int], tuple[jax.Array, jax.Array]] = {}
+        #: The gathered form of recent slot lists (see :meth:`gathered`), most recent last.
+        self._gathered: OrderedDict[tuple, tuple[tuple[DeviceAdapter, ...], LoraFactors]] = OrderedDict()
         #: Adapters uploaded so far (cache misses), for tests and logs.
         self.uploads = 0
 
@@ -103,6 +107,30 @@ class AdapterCache:
                 self.put(np.zeros((layers, out, rank), np.float32)),
             )
         return self._zeros[key]
+
+    def gathered(self, used: Sequence[DeviceAdapter], plan: LoraPlan) -> LoraFactors:
+        """The slots' factors side by side along the rank, as the native kernel reads them:
+        ``proj -> ((A [layers, slots * rank, in], Bt [layers, slots * rank, out]),)`` (B transposed).
+        Steps that keep the same adapters in the same slots (a steady decode) reuse one copy."""
+        key = (tuple(id(e) for e in used), plan)
+        hit = self._gathered.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], used, strict=True)):
+            self._gathered.move_to_end(key)
+            return hit[1]
+        out: LoraFactors = {}
+        for proj in plan.projections:
+            slots = []
+            for entry in used:
+                own = self.at_rank(entry, plan.rank)
+                slots.append(own[proj] if proj in own else self.zeros(proj, plan.rank))
+            slots += [self.zeros(proj, plan.rank)] * (plan.slots - len(used))
+            a = jax.numpy.concatenate([a for a, _ in slots], axis=1)
+            bt = jax.numpy.concatenate([b for _, b in slots], axis=2).transpose(0, 2, 1)
+            out[proj] = ((self.put(a), self.put(bt)),)
+        self._gathered[key] = (tuple(used), out)
+        while len(self._gathered) > GATHERED_CACHE_SIZE:
+            self._gathered.popitem(last=False)
+        return out
 
     def _upload(self, adapter: Any, version: Any) -> DeviceAdapter:
         params = getattr(adapter, "lora_params", None)
@@ -166,11 +194,13 @@ def plan_adapters(
     num_tokens: int,
     cache: AdapterCache,
     starts: Sequence[int] | None = None,
+    gathered: bool = False,
 ) -> tuple[LoraPlan | None, np.ndarray | None, LoraFactors | None]:
     """Slots for the adapters of one step's chunks (``None`` entries: no adapter): the static plan,
-    each token's slot (-1 for none) and the factors per projection and slot. All None when no chunk
-    has an adapter that changes anything, so the step is the one without adapters. Chunk ``i``'s
-    tokens sit at ``starts[i]`` (default: one after another)."""
+    each token's slot (-1 for none) and the factors per projection and slot (``gathered``: in the
+    native kernel's form, see :meth:`AdapterCache.gathered`). All None when no chunk has an adapter
+    that changes anything, so the step is the one without adapters. Chunk ``i``'s tokens sit at
+    ``starts[i]`` (default: one after another)."""
     if all(a is None for a in adapters):
         return None, None, None
     uploaded = [None if a is None else cache.get(a) for a in adapters]
@@ -191,6 +221,8 @@ def plan_adapters(
     rank = max(e.rank for e in used)
     projections = tuple(p for p in PROJECTIONS if any(p in e.factors for e in used))
     plan = LoraPlan(slots=bucket(len(used)), rank=rank, projections=projections)
+    if gathered:
+        return plan, token_slot, cache.gathered(used, plan)
     factors: LoraFactors = {}
     for proj in projections:
         slots = []

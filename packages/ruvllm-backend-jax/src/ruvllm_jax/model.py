@@ -419,6 +419,16 @@ def _lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> ja
     return jnp.einsum("tk,ok->to", xa, b, precision=lax.Precision.HIGHEST)
 
 
+#: Steps of at most this many tokens apply adapters through the native kernel (each token times its own
+#: adapter's factors); longer ones (prompt chunks, mostly one adapter) through XLA's dense products.
+NATIVE_LORA_MAX_TOKENS = 256
+
+
+def native_lora(plan: StepPlan) -> bool:
+    """The step applies its adapters through the native kernel (its factors come gathered)."""
+    return plan.lora is not None and plan.native and plan.num_tokens <= NATIVE_LORA_MAX_TOKENS
+
+
 #: Projections that share one input, so one native call quantizes the input once for all of them.
 _GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 _NATIVE_FIELDS = tuple(p for g in _GROUPS for p in g)
@@ -526,16 +536,22 @@ def forward_step(
     cos, sin = rope_tables(inp.positions, spec)
 
     lora_layers: dict[str, tuple[jax.Array, jax.Array]] | None = None
+    lora_native: dict[str, tuple[jax.Array, jax.Array]] = {}
     mask = jnp.zeros((0,), jnp.float32)
     if plan.lora is not None:
         assert lora is not None and inp.lora_slot is not None, "a plan with adapters needs their factors and slots"
         r = plan.lora.rank
-        slot_of_column = jnp.arange(plan.lora.slots * r, dtype=jnp.int32) // r
-        mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)  # [T, S * r]
-        lora_layers = {
-            p: (jnp.concatenate([a for a, _ in slots], axis=1), jnp.concatenate([b for _, b in slots], axis=2))
-            for p, slots in lora.items()
-        }
+        if native_lora(plan):
+            # Each token multiplies only its own adapter's factors (the kernel picks them), where the
+            # dense form multiplies every token by every slot's. The runner hands them over gathered.
+            lora_native = {p: slots[0] for p, slots in lora.items()}
+        else:
+            slot_of_column = jnp.arange(plan.lora.slots * r, dtype=jnp.int32) // r
+            mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)  # [T, S * r]
+            lora_layers = {
+                p: (jnp.concatenate([a for a, _ in slots], axis=1), jnp.concatenate([b for _, b in slots], axis=2))
+                for p, slots in lora.items()
+            }
 
     # Native steps keep the quantized matrices out of the scanned operands: the kernels index the stacked
     # arrays by layer themselves, where a scanned operand would be copied out layer by layer.
@@ -556,6 +572,10 @@ def forward_step(
 
         def adapt(y: jax.Array, y_in: jax.Array, proj: str) -> jax.Array:
             # Python-level: projections no adapter touches (and steps without adapters) get no op.
+            if proj in lora_native:
+                a, bt = lora_native[proj]
+                delta = native.lora_delta(y_in, layer, a, bt, inp.lora_slot, plan.lora.rank)
+                return (y.astype(jnp.float32) + delta).astype(y.dtype)
             if ll is None or proj not in ll:
                 return y
             a, b = ll[proj]

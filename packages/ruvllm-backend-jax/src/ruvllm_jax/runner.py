@@ -36,6 +36,7 @@ from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
 from ruvllm_jax.model import (
+    NATIVE_LORA_MAX_TOKENS,
     KVState,
     LoraFactors,
     ModelSpec,
@@ -142,6 +143,8 @@ def partition(lens: list[int]) -> list[list[int]]:
     if not groups:
         return [decode]
     return [decode + groups[0], *groups[1:]]
+
+
 _KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads"}
 #: w8a8 steps of at most this many (padded) tokens use the native kernels when they are loaded;
 #: larger ones use XLA's integer GEMM, which reuses each weight load across more rows. (w4a8 steps
@@ -471,7 +474,11 @@ class JaxModel:
         for i in prefill:
             starts[i] = nxt
             nxt += lens[i]
-        lora_plan, lora_slot, lora = plan_adapters([c.adapter for c in chunks], lens, t, self.adapters, starts)
+        native_step = self.native and (self.options.quantization == "w4a8" or t <= NATIVE_MAX_TOKENS)
+        gathered = native_step and t <= NATIVE_LORA_MAX_TOKENS
+        lora_plan, lora_slot, lora = plan_adapters(
+            [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathered
+        )
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_block = np.full(t, nb, np.int32)
@@ -530,7 +537,7 @@ class JaxModel:
             return_hidden=bool(rows.hidden),
             attention=self.attention,
             lora=lora_plan,
-            native=self.native and (self.options.quantization == "w4a8" or t <= NATIVE_MAX_TOKENS),
+            native=native_step,
         )
         inputs = StepInputs(
             tokens=tokens,

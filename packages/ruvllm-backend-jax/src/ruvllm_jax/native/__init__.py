@@ -43,6 +43,7 @@ WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
 DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
+LORA_TARGET = "ruvllm_lora"
 #: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
 
@@ -149,6 +150,7 @@ def _load() -> None:
         (KXA8_PANEL_TARGET, lib.RuvllmKxA8Panel),
         (DECODE_TARGET, lib.RuvllmPagedDecode),
         (PREFILL_TARGET, lib.RuvllmPagedPrefill),
+        (LORA_TARGET, lib.RuvllmLora),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     log.info(
@@ -364,4 +366,21 @@ def paged_prefill(
         context,
         first,
         scale=np.float32(scale),
+    )
+
+
+def lora_delta(x: jax.Array, layer: jax.Array, a: jax.Array, bt: jax.Array, slot: jax.Array, rank: int) -> jax.Array:
+    """LoRA updates ``[T, OUT]`` float32 of ``x`` ``[T, IN]`` where token ``t`` uses adapter slot
+    ``slot[t]`` (-1: none, zeros): ``B_s (A_s x[t])`` with the slots' factors side by side along the
+    rank, ``a`` ``[L, S * rank, IN]`` and ``bt`` ``[L, S * rank, OUT]`` (B transposed, scaled), at
+    ``layer``. Costs ``rank * (IN + OUT)`` per token whatever the number of slots."""
+    _lib()
+    call = jax.ffi.ffi_call(LORA_TARGET, jax.ShapeDtypeStruct((x.shape[0], bt.shape[2]), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        a.astype(jnp.float32),
+        bt.astype(jnp.float32),
+        jnp.asarray(slot, jnp.int32),
+        rank=np.int64(rank),
     )

@@ -47,6 +47,7 @@
 
 namespace ffi = xla::ffi;
 using ruvllm::DecodeJob;
+using ruvllm::LoraJob;
 using ruvllm::PrefillJob;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
@@ -743,6 +744,43 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
   return ffi::Error::Success();
 }
 
+ffi::Error LoraImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> a,
+                    ffi::Buffer<ffi::F32> bt, ffi::Buffer<ffi::S32> slot, int64_t rank,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), ad = a.dimensions(), bd = bt.dimensions();
+  if (xd.size() != 2 || ad.size() != 3 || bd.size() != 3)
+    return ffi::Error::InvalidArgument("ruvllm_lora: x must be [T, IN], a [L, S*R, IN], bt [L, S*R, OUT]");
+  LoraJob j{};
+  j.x = x.typed_data();
+  j.a = a.typed_data();
+  j.bt = bt.typed_data();
+  j.slot = slot.typed_data();
+  j.y = y->typed_data();
+  j.T = xd[0];
+  j.IN = xd[1];
+  j.SR = ad[1];
+  j.OUT = bd[2];
+  j.R = rank;
+  j.layer = layer.typed_data()[0];
+  if (ad[2] != j.IN || bd[0] != ad[0] || bd[1] != j.SR)
+    return ffi::Error::InvalidArgument("ruvllm_lora: factor shapes do not match x");
+  if (j.layer < 0 || j.layer >= ad[0]) return ffi::Error::InvalidArgument("ruvllm_lora: layer out of range");
+  if (j.R < 1 || j.R > ruvllm::kLoraMaxRank || j.SR % j.R != 0)
+    return ffi::Error::InvalidArgument("ruvllm_lora: rank must divide the factors' rows and be at most 512");
+  if (static_cast<int64_t>(slot.element_count()) != j.T)
+    return ffi::Error::InvalidArgument("ruvllm_lora: one slot per token expected");
+  const KernelTable* kt = kernels();
+  Pool& pool = Pool::get();
+  const int64_t work = j.T * j.R * (j.IN + j.OUT);
+  if (work < (int64_t{1} << 16) || pool.threads() == 1 || j.T == 1) {
+    kt->lora_rows(j, 0, j.T);
+    return ffi::Error::Success();
+  }
+  const int parts = pool.threads();
+  pool.run([&](int part) { kt->lora_rows(j, j.T * part / parts, j.T * (part + 1) / parts); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
@@ -836,4 +874,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedPrefill, PagedPrefillImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmLora, LoraImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("rank")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -101,6 +101,20 @@ struct PrefillJob {
   float scale;
 };
 
+// LoRA updates of a step whose tokens use different adapters: y[t] = B_s (A_s x[t]) for token t's
+// slot s (-1: none, y[t] = 0), the slots' factors side by side along the rank: a [L, S * R, IN] and
+// bt [L, S * R, OUT] (B transposed, its scale folded in), at `layer`. Each token costs R * (IN + OUT)
+// multiply-adds whatever the number of adapters in the step.
+struct LoraJob {
+  const float *x, *a, *bt;
+  const int32_t* slot;
+  float* y;
+  int64_t T, IN, OUT, SR, R, layer;
+};
+
+// Largest rank the LoRA kernel takes (its per-token scratch lives on the stack).
+constexpr int64_t kLoraMaxRank = 512;
+
 // Query rows (tile queries x heads per kv head) one prefill task handles at most.
 constexpr int64_t kPrefillRows = 48;
 
@@ -137,6 +151,8 @@ struct KernelTable {
   // Queries q0 .. q1 - 1 (one sequence, (q1 - q0) * H / KVH <= kPrefillRows), kv head g; scratch
   // holds prefill_scratch(rows, keys they see, D) floats.
   void (*prefill)(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch);
+  // Tokens t0 .. t1 - 1 of a LoRA update.
+  void (*lora_rows)(const LoraJob& j, int64_t t0, int64_t t1);
 };
 
 static inline int64_t group_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : bits == 6 ? 24 : 32; }

@@ -46,6 +46,7 @@ using ruvllm::GroupActsOut;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
 using ruvllm::KMatrix;
+using ruvllm::LoraJob;
 using ruvllm::PrefillJob;
 using ruvllm::panel_byte;
 using ruvllm::RowActs;
@@ -404,6 +405,34 @@ void prefill_tile(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float*
   if (R <= 16) return prefill_rows<16>(j, q0, q1, g, scratch, t0, end);
   if (R <= 32) return prefill_rows<32>(j, q0, q1, g, scratch, t0, end);
   return prefill_rows<48>(j, q0, q1, g, scratch, t0, end);
+}
+
+// LoRA (cpu_kernels.h, LoraJob): per token, the rank-R projection A_s x (dot products along IN), then
+// y = sum_k tmp[k] * bt_s[k] (rows of OUT values): both loops vectorise.
+void lora_rows(const LoraJob& j, int64_t t0, int64_t t1) {
+  float tmp[ruvllm::kLoraMaxRank];
+  for (int64_t t = t0; t < t1; ++t) {
+    float* yt = j.y + t * j.OUT;
+    for (int64_t o = 0; o < j.OUT; ++o) yt[o] = 0.f;
+    const int64_t s = j.slot[t];
+    if (s < 0 || (s + 1) * j.R > j.SR) continue;
+    const float* xt = j.x + t * j.IN;
+    const float* a = j.a + (j.layer * j.SR + s * j.R) * j.IN;
+    const float* bt = j.bt + (j.layer * j.SR + s * j.R) * j.OUT;
+    for (int64_t k = 0; k < j.R; ++k) {
+      const float* ak = a + k * j.IN;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < j.IN; ++i) acc += ak[i] * xt[i];
+      tmp[k] = acc;
+    }
+    for (int64_t k = 0; k < j.R; ++k) {
+      const float w = tmp[k];
+      const float* bk = bt + k * j.OUT;
+#pragma omp simd
+      for (int64_t o = 0; o < j.OUT; ++o) yt[o] += w * bk[o];
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1010,7 +1039,7 @@ void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { 
 #endif
 
 const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), quantize_groups_vec, w8a8_vec, group_vec, panel_vec,
-                            kpanel_vec, decode_one, prefill_tile};
+                            kpanel_vec, decode_one, prefill_tile, lora_rows};
 
 }  // namespace
 
