@@ -108,7 +108,14 @@ def test_json_object_parses_and_sampling_with_n_keeps_each_choice_valid(engine):
     prompt = _prompt(engine, 'What is 2+2? Answer with a JSON object like {"answer": ...}.')
     [(text, reason)] = _run(engine, prompt, StructuredOutput("json_object"), max_tokens=400)
     assert reason == "stop" and isinstance(json.loads(text), dict)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    # Closed (no other properties, a bounded string): every sampled choice must end within max_tokens,
+    # whatever path the sampling takes.
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
     outs = _run(engine, prompt, StructuredOutput.json_schema(schema), n=3, temperature=1.0, seed=7)
     assert len(outs) == 3
     for text, reason in outs:
