@@ -42,6 +42,8 @@ def test_toml_server_table(tmp_path: Path) -> None:
 def test_env_strings_convert_to_field_types() -> None:
     s = load_settings(environ={"RUVLLM_RATE_LIMIT": "0.5", "RUVLLM_ENABLE_PREFIX_CACHING": "false", "RUVLLM_PORT": "9"})
     assert s.rate_limit == 0.5 and s.enable_prefix_caching is False and s.port == 9
+    assert ServerSettings().max_step_ratio == 3.0
+    assert load_settings(environ={"RUVLLM_MAX_STEP_RATIO": "2.5"}).max_step_ratio == 2.5
 
 
 def test_masked_hides_keys() -> None:
@@ -58,6 +60,8 @@ def test_masked_hides_keys() -> None:
         ({"max_concurrent": 0}, {}, "max_concurrent"),
         ({}, {"RUVLLM_PORT": "eighty"}, "port"),
         ({"rate_limit": -1.0}, {}, "rate_limit"),
+        ({"max_step_ratio": 0.5}, {}, "max_step_ratio must be 0 \\(off\\) or above 1"),
+        ({}, {"RUVLLM_MAX_STEP_RATIO": "-2"}, "max_step_ratio"),
     ],
 )
 def test_bad_values_name_the_setting(flags: dict, env: dict, needle: str) -> None:

@@ -216,6 +216,11 @@ def load_settings(
     merged.update(_normalise("flags", {k: v for k, v in (flags or {}).items() if v is not None}))
     try:
         # Non-strict so that environment strings ("8000", "true") convert to their field types.
-        return msgspec.convert(merged, ServerSettings, strict=False)
+        settings = msgspec.convert(merged, ServerSettings, strict=False)
     except msgspec.ValidationError as exc:
         raise ServerConfigError(f"invalid server setting: {exc}") from None
+    if 0 < settings.max_step_ratio <= 1:
+        raise ServerConfigError(
+            f"invalid server setting: max_step_ratio must be 0 (off) or above 1, got {settings.max_step_ratio}"
+        )
+    return settings
