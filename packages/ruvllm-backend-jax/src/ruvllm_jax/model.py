@@ -424,9 +424,14 @@ def _lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> ja
 NATIVE_LORA_MAX_TOKENS = 256
 
 
+def gathers_lora(native: bool, num_tokens: int) -> bool:
+    """A step of this kind applies adapters through the native kernel (the runner gathers its factors)."""
+    return native and num_tokens <= NATIVE_LORA_MAX_TOKENS
+
+
 def native_lora(plan: StepPlan) -> bool:
     """The step applies its adapters through the native kernel (its factors come gathered)."""
-    return plan.lora is not None and plan.native and plan.num_tokens <= NATIVE_LORA_MAX_TOKENS
+    return plan.lora is not None and gathers_lora(plan.native, plan.num_tokens)
 
 
 #: Projections that share one input, so one native call quantizes the input once for all of them.

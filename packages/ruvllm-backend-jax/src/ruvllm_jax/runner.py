@@ -36,7 +36,6 @@ from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
 from ruvllm_jax.model import (
-    NATIVE_LORA_MAX_TOKENS,
     KVState,
     LoraFactors,
     ModelSpec,
@@ -45,6 +44,7 @@ from ruvllm_jax.model import (
     Weights,
     bucket,
     forward_step,
+    gathers_lora,
     kv_scale_groups,
 )
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
@@ -475,9 +475,8 @@ class JaxModel:
             starts[i] = nxt
             nxt += lens[i]
         native_step = self.native and (self.options.quantization == "w4a8" or t <= NATIVE_MAX_TOKENS)
-        gathered = native_step and t <= NATIVE_LORA_MAX_TOKENS
         lora_plan, lora_slot, lora = plan_adapters(
-            [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathered
+            [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathers_lora(native_step, t)
         )
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)

@@ -317,17 +317,23 @@ def paged_decode(
     ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place), keys ``first[s] .. context[s] - 1`` (``first``
     defaults to 0; a sliding window raises it) through ``tables`` ``[S, Bd]``, scores multiplied by
     ``scale`` (default ``D ** -0.5``). Returns ``[S, H, D]``; a sequence with no key gets zeros."""
+    return _paged_attention(DECODE_TARGET, q, k_cache, v_cache, layer, tables, (), context, first, scale)
+
+
+def _paged_attention(target, q, k_cache, v_cache, layer, tables, extra, context, first, scale) -> jax.Array:
+    """The shared call of the paged attention kernels: ``extra`` int32 operands go after the tables."""
     _lib()
     context = jnp.asarray(context, jnp.int32)
     first = jnp.zeros_like(context) if first is None else jnp.asarray(first, jnp.int32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         k_cache,
         v_cache,
         jnp.asarray(layer, jnp.int32).reshape(()),
         jnp.asarray(tables, jnp.int32),
+        *(jnp.asarray(x, jnp.int32) for x in extra),
         context,
         first,
         scale=np.float32(scale),
@@ -351,22 +357,7 @@ def paged_prefill(
     (a row of ``tables`` ``[S, Bd]``) and sees keys ``first[i] .. context[i] - 1`` (``context[i]``:
     its position + 1; 0 marks padding, which gets zeros and costs nothing). Consecutive queries of a
     sequence share each key load. Returns ``[N, H, D]``."""
-    _lib()
-    context = jnp.asarray(context, jnp.int32)
-    first = jnp.zeros_like(context) if first is None else jnp.asarray(first, jnp.int32)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(
-        q.astype(jnp.float32),
-        k_cache,
-        v_cache,
-        jnp.asarray(layer, jnp.int32).reshape(()),
-        jnp.asarray(tables, jnp.int32),
-        jnp.asarray(seq, jnp.int32),
-        context,
-        first,
-        scale=np.float32(scale),
-    )
+    return _paged_attention(PREFILL_TARGET, q, k_cache, v_cache, layer, tables, (seq,), context, first, scale)
 
 
 def lora_delta(x: jax.Array, layer: jax.Array, a: jax.Array, bt: jax.Array, slot: jax.Array, rank: int) -> jax.Array:

@@ -606,24 +606,20 @@ float* scratch(const DecodeJob& j, int64_t s) {
   return p.data();
 }
 
-ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
-                           ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
-                           ffi::ResultBuffer<ffi::F32> out) {
+// Fills a paged-attention job's cache fields (k, v, tables and their sizes, layer); nullptr, or what
+// is wrong with the operands.
+template <typename Job>
+const char* fill_paged_cache(Job& j, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::S32>& layer,
+                             ffi::Buffer<ffi::S32>& tables) {
   const auto kd = k.dimensions();
   const auto td = tables.dimensions();
   if (kd.size() != 5 || v.dimensions().size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument("ruvllm_paged_decode: caches must be [L, NB, BS, KVH, D], tables [S, Bd]");
+    return "caches must be [L, NB, BS, KVH, D], tables [S, Bd]";
   for (int i = 0; i < 5; ++i)
-    if (kd[i] != v.dimensions()[i]) return ffi::Error::InvalidArgument("ruvllm_paged_decode: K and V caches differ");
-  DecodeJob j{};
-  j.q = q.typed_data();
+    if (kd[i] != v.dimensions()[i]) return "K and V caches differ";
   j.k = k.typed_data();
   j.v = v.typed_data();
   j.tables = tables.typed_data();
-  j.context = context.typed_data();
-  j.first = first.typed_data();
-  j.out = out->typed_data();
   j.NB = kd[1];
   j.BS = kd[2];
   j.KVH = kd[3];
@@ -631,7 +627,21 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
   j.S = td[0];
   j.Bd = td[1];
   j.layer = layer.typed_data()[0];
-  if (j.layer < 0 || j.layer >= kd[0]) return ffi::Error::InvalidArgument("ruvllm_paged_decode: layer out of range");
+  if (j.layer < 0 || j.layer >= kd[0]) return "layer out of range";
+  return nullptr;
+}
+
+ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                           ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  DecodeJob j{};
+  if (const char* bad = fill_paged_cache(j, k, v, layer, tables))
+    return ffi::Error::InvalidArgument(std::string("ruvllm_paged_decode: ") + bad);
+  j.q = q.typed_data();
+  j.context = context.typed_data();
+  j.first = first.typed_data();
+  j.out = out->typed_data();
   if (static_cast<int64_t>(context.element_count()) != j.S || static_cast<int64_t>(first.element_count()) != j.S)
     return ffi::Error::InvalidArgument("ruvllm_paged_decode: one context length and first key per sequence expected");
   const int64_t qn = static_cast<int64_t>(q.element_count());
@@ -676,34 +686,19 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
                             ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
                             ffi::ResultBuffer<ffi::F32> out) {
-  const auto kd = k.dimensions();
-  const auto td = tables.dimensions();
-  const auto qd = q.dimensions();
-  if (kd.size() != 5 || v.dimensions().size() != 5 || td.size() != 2 || qd.size() != 3)
-    return ffi::Error::InvalidArgument(
-        "ruvllm_paged_prefill: caches must be [L, NB, BS, KVH, D], tables [S, Bd], q [N, H, D]");
-  for (int i = 0; i < 5; ++i)
-    if (kd[i] != v.dimensions()[i]) return ffi::Error::InvalidArgument("ruvllm_paged_prefill: K and V caches differ");
   PrefillJob j{};
+  if (const char* bad = fill_paged_cache(j, k, v, layer, tables))
+    return ffi::Error::InvalidArgument(std::string("ruvllm_paged_prefill: ") + bad);
+  const auto qd = q.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("ruvllm_paged_prefill: q must be [N, H, D]");
   j.q = q.typed_data();
-  j.k = k.typed_data();
-  j.v = v.typed_data();
-  j.tables = tables.typed_data();
   j.seq = seq.typed_data();
   j.context = context.typed_data();
   j.first = first.typed_data();
   j.out = out->typed_data();
-  j.NB = kd[1];
-  j.BS = kd[2];
-  j.KVH = kd[3];
-  j.D = kd[4];
-  j.S = td[0];
-  j.Bd = td[1];
   j.N = qd[0];
   j.H = qd[1];
-  j.layer = layer.typed_data()[0];
   j.scale = scale;
-  if (j.layer < 0 || j.layer >= kd[0]) return ffi::Error::InvalidArgument("ruvllm_paged_prefill: layer out of range");
   if (qd[2] != j.D || j.H % j.KVH != 0)
     return ffi::Error::InvalidArgument("ruvllm_paged_prefill: q must be [N, H, D] with H a multiple of kv heads");
   for (const auto* b : {&seq, &context, &first})
@@ -712,7 +707,8 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
   for (int64_t i = 0; i < j.N; ++i)
     if (j.context[i] > 0 && (j.seq[i] < 0 || j.seq[i] >= j.S))
       return ffi::Error::InvalidArgument("ruvllm_paged_prefill: sequence index out of range");
-  std::memset(j.out, 0, sizeof(float) * j.N * j.H * j.D);
+  for (int64_t i = 0; i < j.N; ++i)  // padding queries (the kernel zeroes the rows of its tiles)
+    if (j.context[i] <= 0) std::memset(j.out + i * j.H * j.D, 0, sizeof(float) * j.H * j.D);
   const int64_t group = j.H / j.KVH;
   Pool& pool = Pool::get();
   // Tiles as large as the row limit allows, smaller while that leaves threads idle.
