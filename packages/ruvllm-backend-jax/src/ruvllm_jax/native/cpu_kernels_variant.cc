@@ -824,7 +824,7 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 
 // Panel layout, 16 rows as two halves of 8 int32 lanes (see the AVX-512 panel_block).
 template <int BITS, int MB>
-void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+void panel_block_dot4(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
@@ -881,12 +881,11 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
     _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16 + 8, facc[m][1]);
   }
 }
-#define RUVLLM_PANEL_MB 4
 
 // k-quants at 256 bits (see the AVX-512 kpanel_block): rows in two halves of 8, one accumulator per
 // half group of 16 codes.
 template <int BITS, int MB>
-void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+void kpanel_block_dot4(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
@@ -940,7 +939,131 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
     _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16 + 8, facc[m][1]);
   }
 }
-#define RUVLLM_KPANEL_MB 4
+
+// AVX2 without VNNI: codes below 64 times activations in [-127, 127] make vpmaddubsw pair sums of at
+// most 2 * 127 * (2^BITS - 1), so F = 32767 / that many of them (8 for 4-bit codes, 4 for 5-bit, 2
+// for 6-bit) add up in int16 lanes without overflow before one vpmaddwd widens them to int32: the
+// same exact integer dot products for fewer multiplies. The kernels below take rows in halves of 8
+// for the whole panel (fewer accumulators live at a time) and unpack the codes of each half group
+// of 16 on their own.
+template <int BITS>
+constexpr int kI16Sums = 32767 / (2 * 127 * ((1 << BITS) - 1));
+
+// Codes 4t .. 4t+3 (upper: 16+4t ..) of the 8 rows of half r of a 4-, 5- or 6-bit panel group.
+template <int BITS>
+inline __m256i half_codes_256(const uint8_t* gp, int t, int r, bool upper) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
+  __m256i c = upper ? _mm256_and_si256(_mm256_srli_epi16(z, 4), low4) : _mm256_and_si256(z, low4);
+  if (BITS >= 5)
+    c = _mm256_or_si256(c, high_bits_256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + r * 32)), t, upper));
+  if (BITS == 6)
+    c = _mm256_or_si256(
+        c, _mm256_slli_epi32(
+               high_bits_256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 320 + r * 32)), t, upper), 1));
+  return c;
+}
+
+// The integer dot product of 4 dwords of codes (c) with the activation dwords xd[0..3], added to acc.
+template <int BITS>
+inline __m256i dots4_256(const __m256i* c, const int32_t* xd, __m256i acc) {
+#ifdef RUVLLM_DPBUSD256
+  for (int t = 0; t < 4; ++t) acc = RUVLLM_DPBUSD256(acc, c[t], _mm256_set1_epi32(xd[t]));
+#else
+  constexpr int F = kI16Sums<BITS>;
+  static_assert(F >= 2, "pair sums of these codes do not fit int16 twice");
+  __m256i a16 = _mm256_setzero_si256();
+  for (int t = 0; t < 4; ++t) {
+    const __m256i d = _mm256_maddubs_epi16(c[t], _mm256_set1_epi32(xd[t]));
+    a16 = t % F == 0 ? d : _mm256_add_epi16(a16, d);
+    if (t % F == F - 1 || t == 3) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a16, _mm256_set1_epi16(1)));
+  }
+#endif
+  return acc;
+}
+
+// Plain groups: the codes of each half group unpacked once for the block's activation rows, whose
+// two half sums meet in one int32 accumulator per row before the group's float multiply-adds.
+template <int BITS, int MB>
+void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const uint16_t* dp = w.d + p * 16 * G;
+  const uint16_t* mp = w.mn + p * 16 * G;
+  for (int r = 0; r < 2; ++r) {
+    __m256 facc[MB];
+    for (int m = 0; m < MB; ++m) facc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* gp = base + g * GB * 16;
+      __m256i acc[MB];
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        __m256i c[4];
+        for (int t = 0; t < 4; ++t) c[t] = half_codes_256<BITS>(gp, t, r, h == 1);
+        for (int m = 0; m < MB; ++m)
+          acc[m] = dots4_256<BITS>(c, reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32) + 4 * h, acc[m]);
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + r * 8)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + r * 8)));
+      for (int m = 0; m < MB; ++m) {
+        const __m256 s = _mm256_mul_ps(dv, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+        facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), s, facc[m]);
+        facc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sx[(m0 + m) * x.Gp + g]), facc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16 + r * 8, facc[m]);
+  }
+}
+
+// k-quants: per half group, the 8 rows' codes are unpacked once (four registers) and then reused by
+// every activation row, whose integer dot product goes straight into its float accumulator (only
+// those stay live across groups, so MB can be 6).
+template <int BITS, int MB>
+void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+  const int64_t G = x.G, K = x.K, SB = K / 256;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  for (int r = 0; r < 2; ++r) {
+    __m256 facc[MB];
+    for (int m = 0; m < MB; ++m) facc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* gp = base + g * GB * 16;
+      const __m256 Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.D + (p * SB + g / 8) * 16 + r * 8)));
+      const __m256 Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
+      for (int h = 0; h < 2; ++h) {
+        __m256i c[4];
+        for (int t = 0; t < 4; ++t) c[t] = half_codes_256<BITS>(gp, t, r, h == 1);
+        const int64_t k = (p * 2 * G + 2 * g + h) * 16 + r * 8;
+        const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
+        const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + k))));
+        const __m256 dh = _mm256_mul_ps(Dv, scv), mh = _mm256_mul_ps(Dmv, mnv);
+        for (int m = 0; m < MB; ++m) {
+          const int32_t* xd = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32) + 4 * h;
+          const __m256i acc = dots4_256<BITS>(c, xd, _mm256_setzero_si256());
+          const __m256 s = _mm256_mul_ps(dh, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
+          facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, facc[m]);
+          facc[m] = _mm256_fnmadd_ps(mh, _mm256_set1_ps(x.sx16[(m0 + m) * 2 * x.Gp + 2 * g + h]), facc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(w.y + (m0 + m) * w.N + p * 16 + r * 8, facc[m]);
+  }
+}
+
+template <int BITS, int MB>
+void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+  if constexpr (BITS != 8) return panel_block_256<BITS, MB>(x, w, p, m0);
+  panel_block_dot4<BITS, MB>(x, w, p, m0);
+}
+#define RUVLLM_PANEL_MB 4
+
+template <int BITS, int MB>
+void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+  if constexpr (BITS != 8) return kpanel_block_256<BITS, MB>(x, w, p, m0);
+  kpanel_block_dot4<BITS, MB>(x, w, p, m0);
+}
+#define RUVLLM_KPANEL_MB 6
 
 // Activation quantization, 8 lanes at a time (see the AVX-512 one).
 void quantize_groups_vec(const float* x, int64_t M, int64_t K, const GroupActsOut& o) {
