@@ -188,6 +188,8 @@ def test_runs_through_the_plugin_hooks(tiny_dir: Path) -> None:
     out = loaded.forward(ForwardBatch([chunk([1, 2, 3, 4, 5], 0, [3, 1])], 4), cache)
     assert out.logits.shape == (1, loaded.config.vocab_size) and np.isfinite(out.logits).all()
     assert cache.k[0][3].any() and cache.k[0][1, 0].any() and not cache.k[0][1, 1:].any()
-    # The hooks leave models and caches that are not theirs to other backends.
-    assert host.hook.forward(model=object(), batch=ForwardBatch([], 4), cache=cache) is None
-    assert host.hook.kv_cache(model=object(), num_blocks=1, block_size=1, options={}) is None
+    # What the model declares it can do, and the cache it refuses.
+    caps = loaded.capabilities
+    assert caps.adapters and caps.hidden_states and caps.all_logits and caps.dtypes == ("float32",)
+    with pytest.raises(BackendError, match="cache it allocated"):
+        loaded.forward(ForwardBatch([chunk([1], 0, [0])], 4), object())

@@ -13,6 +13,7 @@ import random
 
 import numpy as np
 import pytest
+from _forward_wrap import wrapped_forward
 
 from ruvllm import hookimpl
 from ruvllm.backend import ForwardBatch, SequenceChunk
@@ -131,25 +132,23 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 class ForwardCounter:
-    """A plugin wrapping the backend's forward hook: counts the tokens every step carries."""
+    """Wraps the model's forward: counts the tokens every step carries."""
 
     def __init__(self) -> None:
         self.tokens = 0
         self.adapters: list[object] = []
 
-    @hookimpl(wrapper=True)
-    def forward(self, model, batch, cache):
+    def __call__(self, inner, batch, cache):
         self.tokens += sum(len(c.token_ids) for c in batch.chunks)
         self.adapters.extend(c.adapter for c in batch.chunks)
-        return (yield)
+        return inner(batch, cache)
 
 
 @pytest.fixture
 def counter(llm):
     c = ForwardCounter()
-    llm.host.register(c)
-    yield c
-    llm.host.pm.unregister(c)
+    with wrapped_forward(llm, c):
+        yield c
 
 
 # -- continuous batching ----------------------------------------------------------------------
@@ -656,8 +655,7 @@ class FaultyForward:
         self.mode = mode
         self.calls = 0
 
-    @hookimpl(wrapper=True)
-    def forward(self, model, batch, cache):
+    def __call__(self, inner, batch, cache):
         self.calls += 1
         marked = [i for i, c in enumerate(batch.chunks) if c.start_pos == 0 and c.token_ids[0] == MARK]
         if self.mode == "raise_marked" and marked:
@@ -667,7 +665,7 @@ class FaultyForward:
             raise RuntimeError("a transient device error")
         if self.mode == "raise_always":
             raise RuntimeError("the device is gone")
-        result = yield
+        result = inner(batch, cache)
         if self.mode == "nan_marked" and marked:
             result.logits = np.array(result.logits, copy=True)
             result.logits[marked[0]] = np.nan
@@ -695,16 +693,13 @@ def test_a_failure_stays_with_its_request(llm, workload, mode):
     from ruvllm.errors import RequestFailedError
 
     fault = FaultyForward(mode)
-    llm.host.register(fault)
-    try:
+    with wrapped_forward(llm, fault):
         engine = AsyncEngine(llm, EngineConfig(num_blocks=128, max_num_seqs=8))
         good = [GenerationRequest(workload.items[i][0], greedy(workload.items[i][1])) for i in range(4)]
         bad = GenerationRequest([MARK, *workload.items[5][0]], greedy(6), request_id="bad")
         results = _run_async(engine, [*good[:2], bad, *good[2:]])
         stats = engine.stats()
         asyncio.run(engine.shutdown())
-    finally:
-        llm.host.pm.unregister(fault)
     bad_result = results[2]
     if mode == "raise_once":  # a transient error is retried: everybody finishes
         assert not isinstance(bad_result, Exception)
@@ -720,16 +715,13 @@ def test_a_failure_stays_with_its_request(llm, workload, mode):
 
 def test_an_engine_whose_steps_keep_failing_is_broken_and_says_why(llm, workload):
     fault = FaultyForward("raise_always")
-    llm.host.register(fault)
-    try:
+    with wrapped_forward(llm, fault):
         engine = AsyncEngine(llm, EngineConfig(num_blocks=64))
         results = _run_async(engine, [GenerationRequest(workload.items[i][0], greedy(4)) for i in range(3)])
         assert all(isinstance(r, Exception) for r in results)
         assert engine.broken and "the device is gone" in engine.broken
         with pytest.raises(EngineDeadError):
             _run_async_raise(engine, GenerationRequest(workload.items[0][0], greedy(2)))
-    finally:
-        llm.host.pm.unregister(fault)
     assert engine.stats().blocks_used == 0
 
 

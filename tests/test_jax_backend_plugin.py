@@ -28,7 +28,7 @@ def test_registered_through_entry_point_as_default():
     host = load_plugins(allowed="")
     rec = {r.name: r for r in host.records}["jax"]
     assert rec.error is None and rec.module == "ruvllm_jax.plugin"
-    assert {"register_backends", "load_model", "kv_cache", "forward"} <= set(rec.hooks)
+    assert rec.hooks == ("register_backends",)  # the rest is the backend object's, called directly
     info = host.backends["jax"]
     assert info.priority == 100 and info.available()
     assert host.choose_backend().name == "jax"

@@ -37,16 +37,15 @@ def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
 def _load(path: Path, backend: str):
     host = load_plugins()
     ckpt = open_checkpoint(path)
-    model = host.hook.load_model(backend=backend, checkpoint=ckpt, options=LoadOptions())
-    assert model is not None, f"{backend} did not load {path}"
-    cache = host.hook.kv_cache(model=model, num_blocks=48, block_size=BLOCK, options={})
-    return ckpt, host, model, cache
+    model = host.choose_backend(backend).load(ckpt, LoadOptions())
+    cache = model.kv_cache(48, BLOCK, {})
+    return ckpt, model, cache
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backend) -> None:
     family, path = family_dir
-    ckpt, host, model, cache = _load(path, backend)
+    ckpt, model, cache = _load(path, backend)
     cfg = ckpt.config
     assert cfg.architecture == ARCHITECTURE[family]
     rng = np.random.default_rng(3)
@@ -65,7 +64,7 @@ def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backe
             SequenceChunk(np.asarray(seqs[k][0][lo:hi], np.int32), lo, seqs[k][1], all_logits=True)
             for k, lo, hi in step
         ]
-        out = host.hook.forward(model=model, batch=ForwardBatch(chunks, BLOCK), cache=cache)
+        out = model.forward(ForwardBatch(chunks, BLOCK), cache)
         for row, (k, lo, hi) in enumerate(step):
             got = out.all_logits[row]
             np.testing.assert_allclose(
@@ -170,9 +169,9 @@ def test_gguf_files_of_each_family_match_transformers(family, backend, tmp_path)
 
     hf_dir = write_family_checkpoint(tmp_path / "hf", family)
     gguf_path = write_family_gguf(hf_dir, family, tmp_path / "model.gguf")
-    _ckpt, host, model, cache = _load(gguf_path, backend)
+    _ckpt, model, cache = _load(gguf_path, backend)
     ids = np.random.default_rng(7).integers(3, 101, size=26).tolist()
     table = np.random.default_rng(8).permutation(48)[:7].astype(np.int32)
     chunks = [SequenceChunk(np.asarray(ids, np.int32), 0, table, all_logits=True)]
-    out = host.hook.forward(model=model, batch=ForwardBatch(chunks, BLOCK), cache=cache)
+    out = model.forward(ForwardBatch(chunks, BLOCK), cache)
     np.testing.assert_allclose(out.all_logits[0], hf_all_logits(hf_dir, ids), atol=GGUF_ATOL, rtol=0)

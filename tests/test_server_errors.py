@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from _forward_wrap import wrapped_forward
 from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
 
 MODEL = "smollm2"
@@ -196,26 +197,17 @@ def test_errors_from_the_engine_keep_their_type_while_watching_for_disconnects()
 
 
 def test_a_broken_engine_turns_ready_and_health_503_with_the_reason(smollm2_model) -> None:  # noqa: F811
-    from ruvllm import hookimpl
-
-    class DeadDevice:
-        @hookimpl(wrapper=True)
-        def forward(self, model, batch, cache):
-            raise RuntimeError("the device is gone")
-            yield  # a wrapper; never reached
+    def dead_device(inner, batch, cache):
+        raise RuntimeError("the device is gone")
 
     with live_server(smollm2_model) as srv:
-        dead = DeadDevice()
-        smollm2_model.host.register(dead)
-        try:
+        with wrapped_forward(smollm2_model, dead_device):
             for _ in range(3):
                 r = httpx.post(
                     srv.url("/v1/completions"), json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60
                 )
                 assert r.status_code in (500, 503), r.text
                 assert r.json()["error"]["message"]
-        finally:
-            smollm2_model.host.pm.unregister(dead)
         ready = httpx.get(srv.url("/ready"), timeout=10)
         health = httpx.get(srv.url("/health"), timeout=10)
     assert ready.status_code == 503 and "the device is gone" in ready.json()["detail"]

@@ -10,16 +10,25 @@ attention runs per chunk, over that sequence's cached positions ``0 .. end_pos``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk
+from ruvllm.backend import Capabilities, ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk, StepLimits
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RequestError
 from ruvllm.model_config import ModelConfig, Rope
-from ruvllm_candle_compat.kv_cache import ChunkPlan, FloatOverlay, KVCache, SequenceKV
+from ruvllm_candle_compat.kv_cache import (
+    ChunkPlan,
+    FloatOverlay,
+    KVCache,
+    PagedKVCache,
+    SequenceKV,
+    TwoTierKVCache,
+    make_kv_cache,
+)
 
 #: Most attention scores (floats) one tile holds: long prefills run in query tiles under this bound.
 SCORE_TILE_FLOATS = 1 << 24
@@ -75,7 +84,14 @@ class LayerWeights:
 
 
 class CandleCompatModel:
-    """Float32 weights of a Llama-family checkpoint and the forward pass over them."""
+    """Float32 weights of a Llama-family checkpoint and the forward pass over them (a
+    :class:`ruvllm.backend.BackendModel`)."""
+
+    capabilities = Capabilities(
+        dtypes=("float32",), quantizations=("none", "auto"), adapters=True, hidden_states=True, all_logits=True
+    )
+    #: As applied: ``auto`` is float32, this backend's only form.
+    options = LoadOptions()
 
     def __init__(
         self,
@@ -309,7 +325,27 @@ class CandleCompatModel:
                     )
                 y[plan.rows, lo:hi] += delta
 
+    def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> KVCache:
+        """Options: ``quantize_old`` (``"int8"`` / ``"int4"``: the two-tier cache), ``recent_blocks``
+        (full blocks kept float32 behind each sequence's tail, default 2), ``dtype`` (``"float32"``)."""
+        return make_kv_cache(self.config, num_blocks, block_size, options)
+
+    def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
+        """float32 keys and values of every layer (a two-tier cache's blocks start float32 too)."""
+        from ruvllm.engine.config import kv_block_bytes as float32_block_bytes
+
+        return float32_block_bytes(self.config, block_size)
+
+    def precompile(
+        self, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None]
+    ) -> list[tuple[str, float]]:
+        return []  # NumPy compiles nothing
+
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        if not isinstance(cache, (PagedKVCache, TwoTierKVCache)):
+            raise BackendError(f"candle-compat needs a cache it allocated, got {type(cache).__name__}")
+        if cache.layout != (len(self.layers), self.config.num_kv_heads, self.config.head_dim):
+            raise BackendError("the KV cache was allocated for a model of another shape")
         cfg = self.config
         plans = self._plan(batch, cache)  # validates everything before the cache is touched
         for src, dst in batch.block_copies:

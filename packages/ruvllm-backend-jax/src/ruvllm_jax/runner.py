@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import structlog
 
-from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk
+from ruvllm.backend import Capabilities, ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk, StepLimits
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm_jax import native
@@ -350,6 +350,19 @@ class JaxModel:
             )
         return quant == "int8"
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            dtypes=tuple(DTYPES),
+            quantizations=(*QUANTIZATIONS, "auto"),
+            adapters=True,
+            hidden_states=True,
+            all_logits=True,
+        )
+
+    def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> JaxKVCache:
+        return self.allocate_cache(num_blocks, block_size, options)
+
     def allocate_cache(self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None) -> JaxKVCache:
         quantized = self._kv_quantized(options)
         if num_blocks < 1 or block_size < 1:
@@ -387,15 +400,14 @@ class JaxModel:
     def precompile(
         self,
         cache: JaxKVCache,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
+        limits: StepLimits,
         progress: Callable[[int, int, str, float], None] | None = None,
     ) -> list[tuple[str, float]]:
-        """Compile every step shape (:func:`step_shapes`) and block-copy size a step within these
-        limits can need; returns each shape with its compile seconds (a fraction of a second when the
-        persistent compilation cache has it). Block tables become ``max_model_len`` tokens wide."""
+        """Compile every step shape (:func:`step_shapes`) and block-copy size a step within ``limits``
+        can need; returns each shape with its compile seconds (a fraction of a second when the
+        persistent compilation cache has it). Block tables become ``limits.max_model_len`` tokens wide."""
+        max_num_seqs, max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
+        max_model_len = limits.max_model_len
         bs = cache.block_size
         self.table_tokens = max_model_len
         done: list[tuple[str, float]] = []

@@ -1,4 +1,9 @@
-"""What core and backends exchange: backend descriptions, load options, one forward step's batch.
+"""What core and backends exchange: the backend and model protocols, load options, one forward
+step's batch.
+
+A plugin registers :class:`Backend` objects (hook ``register_backends``); core picks one, calls its
+:meth:`Backend.load` once and then calls the returned :class:`BackendModel`'s methods directly, every
+step, with no plugin dispatch in between.
 
 The engine speaks block ids and token ids; backends own the tensors. A forward step gets a ragged
 batch of sequence chunks. Each chunk carries the new tokens of one sequence, how many of its tokens
@@ -14,21 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class BackendInfo:
-    name: str
-    description: str
-    #: Higher wins when the user names no backend (``available()`` must be true).
-    priority: int = 0
-    available: Callable[[], bool] = lambda: True
-    #: ``(label, value)`` rows ``ruvllm info`` prints for this backend on this machine and a checkpoint
-    #: (what ``quantization="auto"`` resolves to, which CPU kernels run...); None: nothing to say.
-    describe: Callable[[Any], list[tuple[str, str]]] | None = None
+if TYPE_CHECKING:
+    from ruvllm.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -128,3 +124,82 @@ class ForwardOutput:
     all_logits: dict[int, np.ndarray] = field(default_factory=dict)
     #: chunk index -> float32 ``[n, hidden]`` for chunks that asked for ``hidden_states``.
     hidden_states: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded model can do; core and the server check requests against it instead of finding
+    out from a failed step."""
+
+    #: Compute dtypes the backend runs (``LoadOptions.dtype`` values it accepts).
+    dtypes: tuple[str, ...] = ("float32",)
+    #: ``LoadOptions.quantization`` values it accepts (``auto`` included where it resolves them).
+    quantizations: tuple[str, ...] = ("none",)
+    #: Applies ``SequenceChunk.adapter`` (LoRA) per sequence; False: it refuses them.
+    adapters: bool = False
+    #: Fills ``ForwardOutput.hidden_states`` when ``ForwardBatch.return_hidden`` asks.
+    hidden_states: bool = False
+    #: Fills ``ForwardOutput.all_logits`` when ``ForwardBatch.all_logits`` asks.
+    all_logits: bool = False
+    #: Most sequences one step may carry; None: no limit of its own.
+    max_batch: int | None = None
+
+
+@runtime_checkable
+class BackendModel(Protocol):
+    """A checkpoint loaded by a backend. Core calls these methods directly; ``forward`` may be called
+    from two threads at once (the engine's and, with SONA, its learning loop's)."""
+
+    #: What this model can do (see :class:`Capabilities`).
+    capabilities: Capabilities
+    #: The options as applied (``quantization="auto"`` resolved to the form that was loaded).
+    options: LoadOptions
+
+    def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> Any:
+        """Allocate paged KV storage of ``num_blocks`` blocks of ``block_size`` tokens; refuse
+        ``options`` you do not know with :class:`ruvllm.errors.BackendError`, by name."""
+        ...
+
+    def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
+        """Bytes one block of the cache :meth:`kv_cache` allocates with ``options`` takes (the engine
+        sizes the cache from it)."""
+        ...
+
+    def precompile(
+        self, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None]
+    ) -> list[tuple[str, float]]:
+        """Compile, before traffic, every step shape steps within ``limits`` need on ``cache``,
+        calling ``progress(done, total, shape, seconds)`` after each; return each shape's name and
+        compile seconds. Backends that compile nothing return []."""
+        ...
+
+    def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
+        """Run one step over a ragged ``batch``, reading and writing ``cache`` (see the module doc)."""
+        ...
+
+
+class Backend(Protocol):
+    """What ``register_backends`` registers. Subclass it to inherit the defaults of ``priority``,
+    :meth:`available` and :meth:`describe`, or provide the same attributes on any object."""
+
+    #: The name users pick it by (``--backend``, ``RUVLLM_BACKEND``).
+    name: str
+    #: One line for ``ruvllm info``.
+    description: str
+    #: Higher wins when the user names no backend (among those :meth:`available` here).
+    priority: int = 0
+
+    def available(self) -> bool:
+        """Can it run on this machine (its libraries import, its device exists)?"""
+        return True
+
+    def describe(self, checkpoint: Checkpoint) -> list[tuple[str, str]]:
+        """``(label, value)`` rows ``ruvllm info`` prints for this backend, this machine and a
+        checkpoint (what ``quantization="auto"`` resolves to, which kernels run...)."""
+        return []
+
+    def load(self, checkpoint: Checkpoint, options: LoadOptions) -> BackendModel:
+        """Load ``checkpoint``: raise :class:`ruvllm.errors.BackendError` (or a
+        :class:`ruvllm.errors.RuvllmError`) naming what you cannot do: an architecture, a dtype, a
+        quantization, an option in ``options.extra``."""
+        ...

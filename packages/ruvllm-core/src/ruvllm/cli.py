@@ -214,7 +214,7 @@ def cmd_info(args: argparse.Namespace, host: PluginHost) -> int:
     if types := ck.matrix_types():
         rows.insert(7, ("block types", ", ".join(f"{t} x{n}" for t, n in types.most_common())))
     for info in sorted(host.backends.values(), key=lambda b: -b.priority):
-        if info.describe is not None and info.available():
+        if info.available():
             rows += [(f"{info.name}: {label}", value) for label, value in info.describe(ck)]
     for k, v in rows:
         print(f"{k:<26} {v}")

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from ruvllm.backend import BackendInfo, ForwardBatch, ForwardOutput, LoadOptions, StepLimits
-    from ruvllm.checkpoint import Checkpoint
+    from ruvllm.backend import Backend
     from ruvllm.inference import InferenceRequest, InferenceResult
 
 hookspec = pluggy.HookspecMarker("ruvllm")
@@ -18,39 +17,10 @@ hookimpl = pluggy.HookimplMarker("ruvllm")
 
 
 @hookspec
-def register_backends(register: Callable[[BackendInfo], None]) -> None:
-    """Register the backends this plugin provides by calling ``register(BackendInfo(...))``."""
-
-
-@hookspec(firstresult=True)
-def load_model(backend: str, checkpoint: Checkpoint, options: LoadOptions) -> Any | None:
-    """Load ``checkpoint`` into a model object if ``backend`` names one of yours, else return None."""
-
-
-@hookspec(firstresult=True)
-def kv_cache(model: Any, num_blocks: int, block_size: int, options: dict[str, Any]) -> Any | None:
-    """Allocate paged KV storage of ``num_blocks`` blocks of ``block_size`` tokens for your ``model``."""
-
-
-@hookspec(firstresult=True)
-def kv_block_bytes(model: Any, block_size: int, options: dict[str, Any]) -> int | None:
-    """Bytes one KV block of ``block_size`` tokens takes in the cache your ``kv_cache`` allocates for
-    your ``model`` with ``options`` (its dtype and layout); the engine sizes the cache from it."""
-
-
-@hookspec(firstresult=True)
-def precompile(
-    model: Any, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None]
-) -> list[tuple[str, float]] | None:
-    """Compile, before traffic, every step shape your ``model`` needs for steps within ``limits`` on
-    ``cache``, calling ``progress(done, total, shape, seconds)`` after each; return each shape's name
-    and compile seconds. Pad any step within the limits into these shapes, so none compiles while
-    serving. Backends that compile nothing need not implement it."""
-
-
-@hookspec(firstresult=True)
-def forward(model: Any, batch: ForwardBatch, cache: Any) -> ForwardOutput | None:
-    """Run one step of your ``model`` over a ragged ``batch``, reading and writing ``cache``."""
+def register_backends(register: Callable[[Backend], None]) -> None:
+    """Register the backends this plugin provides by calling ``register(backend)`` with objects
+    implementing :class:`ruvllm.backend.Backend` (core then calls the chosen one's ``load`` and the
+    loaded :class:`ruvllm.backend.BackendModel`'s methods directly; no per-step hook)."""
 
 
 @hookspec

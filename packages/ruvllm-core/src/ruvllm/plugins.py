@@ -11,7 +11,7 @@ import pluggy
 import structlog
 
 from ruvllm import hookspecs
-from ruvllm.backend import BackendInfo
+from ruvllm.backend import Backend
 from ruvllm.errors import BackendError
 
 log = structlog.get_logger("ruvllm.plugins")
@@ -34,7 +34,7 @@ class PluginHost:
 
     pm: pluggy.PluginManager
     records: list[PluginRecord] = field(default_factory=list)
-    backends: dict[str, BackendInfo] = field(default_factory=dict)
+    backends: dict[str, Backend] = field(default_factory=dict)
 
     @property
     def hook(self) -> pluggy.HookRelay:
@@ -46,11 +46,18 @@ class PluginHost:
         self._collect_backends()
 
     def _collect_backends(self) -> None:
-        found: dict[str, BackendInfo] = {}
-        self.pm.hook.register_backends(register=lambda info: found.__setitem__(info.name, info))
+        found: dict[str, Backend] = {}
+
+        def register(backend: Backend) -> None:
+            missing = [a for a in ("name", "description", "available", "describe", "load") if not hasattr(backend, a)]
+            if missing:
+                raise BackendError(f"register_backends got {backend!r}, which has no {', '.join(missing)}")
+            found[backend.name] = backend
+
+        self.pm.hook.register_backends(register=register)
         self.backends = found
 
-    def choose_backend(self, requested: str | None = None) -> BackendInfo:
+    def choose_backend(self, requested: str | None = None) -> Backend:
         """The backend named by ``requested`` / ``RUVLLM_BACKEND``, else the best available one."""
         name = requested or os.environ.get("RUVLLM_BACKEND") or None
         if name:
@@ -66,7 +73,7 @@ class PluginHost:
             raise BackendError(
                 "no ruvllm backend is installed: pip install ruvllm-backend-jax or ruvllm-backend-candle-compat"
             )
-        return max(usable, key=lambda b: b.priority)
+        return max(usable, key=lambda b: getattr(b, "priority", 0))
 
 
 def _hooks_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, ...]:

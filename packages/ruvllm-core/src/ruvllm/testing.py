@@ -8,8 +8,9 @@ A backend package runs it from its own tests::
         run_backend_conformance("my-backend", tmp_path)
 
 It writes a tiny random-weight Llama checkpoint (Hugging Face layout: ``config.json`` +
-``model.safetensors``; GQA, untied head, block size 4), loads it through the backend's hooks, and
-checks, each time against :func:`reference_logits` (float64, written from the definition):
+``model.safetensors``; GQA, untied head, block size 4), loads it with the backend object
+(:class:`ruvllm.backend.Backend`), and checks, each time against :func:`reference_logits` (float64,
+written from the definition):
 
 * ``ragged``: one step carrying a whole prompt, a chunk of another prompt and decodes, then more
   chunks and decodes, over scattered block tables that cross block boundaries; every position's
@@ -18,9 +19,13 @@ checks, each time against :func:`reference_logits` (float64, written from the de
   engine does when ``n > 1`` choices stop sharing a block);
 * ``isolation``: blocks that held another sequence's keys and values are reused for a new one, which
   must see only its own positions;
-* ``hidden_states``: final-norm hidden states of every new token, finite, ``[n, hidden]``;
+* ``capabilities``: the model declares :class:`ruvllm.backend.Capabilities` and has every
+  :class:`ruvllm.backend.BackendModel` method;
+* ``hidden_states``: final-norm hidden states of every new token, finite, ``[n, hidden]`` (a model
+  that declares no ``hidden_states`` must refuse the request with ``BackendError``);
 * ``adapters``: a LoRA adapter on some projections changes the logits exactly as
-  ``x W^T + scale (x A^T) B^T`` says, or the backend refuses it with ``BackendError``;
+  ``x W^T + scale (x A^T) B^T`` says where the model declares ``adapters``, and is refused with
+  ``BackendError`` where it does not;
 * ``batch_invariance``: a sequence's logits do not depend on what else is in the step;
 * ``threads``: two threads calling ``forward`` at once, each on its own cache, get what they get
   alone.
@@ -40,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from ruvllm.adapters import LoraWeights
-from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
+from ruvllm.backend import Capabilities, ForwardBatch, LoadOptions, SequenceChunk
 from ruvllm.errors import BackendError
 
 TINY = dict(vocab=97, hidden=48, layers=2, heads=4, kv_heads=2, ffn=80, theta=10000.0, eps=1e-5)
@@ -254,9 +259,34 @@ def _isolation(r: _Runner) -> None:
     r.close(out.all_logits[0], reference_logits(r.weights, new), "isolation: reused blocks leaked old keys")
 
 
+def _refused(r: _Runner, what: str, chunk: SequenceChunk) -> None:
+    try:
+        r.step(r.cache(), [chunk])
+    except BackendError:
+        return
+    raise AssertionError(f"{what}: the model declares it cannot, yet ran the step instead of raising BackendError")
+
+
+def _capabilities(r: _Runner) -> None:
+    from ruvllm.runtime import _MODEL_METHODS
+
+    caps = getattr(r.model.model, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        name = type(r.model.model).__name__
+        raise AssertionError(f"capabilities: {name} declares none (a ruvllm.backend.Capabilities)")
+    missing = [m for m in _MODEL_METHODS if not callable(getattr(r.model.model, m, None))]
+    if missing:
+        raise AssertionError(f"capabilities: the model has no {', '.join(missing)}")
+    if "float32" not in caps.dtypes or not {"none", "auto"} <= set(caps.quantizations):
+        raise AssertionError("capabilities: every backend runs float32 with quantization none and auto")
+
+
 def _hidden(r: _Runner) -> None:
     ids = np.random.default_rng(5).integers(3, TINY["vocab"], size=7).tolist()
-    out = r.step(r.cache(), [_chunk(ids, 0, [1, 2], hidden_states=True)])
+    chunk = _chunk(ids, 0, [1, 2], hidden_states=True)
+    if not r.model.capabilities.hidden_states:
+        return _refused(r, "hidden_states", chunk)
+    out = r.step(r.cache(), [chunk])
     got = np.asarray(out.hidden_states[0], np.float64)
     if not np.isfinite(got).all():
         raise AssertionError("hidden_states: not finite")
@@ -266,10 +296,10 @@ def _hidden(r: _Runner) -> None:
 def _adapters(r: _Runner) -> None:
     ids = np.random.default_rng(6).integers(3, TINY["vocab"], size=9).tolist()
     lora = _random_lora()
-    try:
-        out = r.step(r.cache(), [_chunk(ids, 0, [3, 4, 5], all_logits=True, adapter=lora)])
-    except BackendError:
-        return  # refusing adapters is allowed, with BackendError
+    chunk = _chunk(ids, 0, [3, 4, 5], all_logits=True, adapter=lora)
+    if not r.model.capabilities.adapters:
+        return _refused(r, "adapters", chunk)
+    out = r.step(r.cache(), [chunk])
     r.close(out.all_logits[0], reference_logits(r.weights, ids, lora.params), "adapters: LoRA update")
 
 
@@ -309,6 +339,7 @@ def _threads(r: _Runner) -> None:
 
 
 CHECKS = {
+    "capabilities": _capabilities,
     "ragged": _ragged,
     "block_copies": _block_copies,
     "isolation": _isolation,

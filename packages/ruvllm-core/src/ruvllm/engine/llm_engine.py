@@ -26,7 +26,7 @@ from ruvllm.engine.types import (
     RequestOutput,
     TokenLogprob,
 )
-from ruvllm.errors import RequestError, RequestFailedError
+from ruvllm.errors import BackendError, RequestError, RequestFailedError
 from ruvllm.inference import ChoiceResult, InferenceRequest, InferenceResult
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
 
@@ -51,6 +51,12 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         config.validate()
         mc = model.config
+        caps = model.capabilities
+        if caps.max_batch is not None and config.max_num_seqs > caps.max_batch:
+            raise BackendError(
+                f"max_num_seqs {config.max_num_seqs} exceeds the {caps.max_batch} sequences backend "
+                f"{model.backend.name!r} runs in one step; set max_num_seqs to at most {caps.max_batch}"
+            )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_bytes = model.kv_block_bytes(config.block_size, **config.kv_cache_options)
         self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len, self.block_bytes)
@@ -112,6 +118,8 @@ class LLMEngine:
         prompt = [int(t) for t in inference.prompt_token_ids]
         sampling = inference.sampling
         self._check(prompt, sampling)
+        if inference.adapter is not None and not self.model.capabilities.adapters:
+            raise RequestError(f"backend {self.model.backend.name!r} does not apply adapters (LoRA)")
         state = RequestState(
             request=request,
             inference=inference,

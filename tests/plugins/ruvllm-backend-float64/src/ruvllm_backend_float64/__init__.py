@@ -7,13 +7,17 @@ from __future__ import annotations
 import numpy as np
 
 from ruvllm import hookimpl
-from ruvllm.backend import BackendInfo, ForwardOutput
+from ruvllm.backend import Backend, Capabilities, ForwardOutput
 from ruvllm.errors import BackendError
 
 NAME = "float64"
 
 
 class Float64Model:
+    capabilities = Capabilities(
+        dtypes=("float32",), quantizations=("none", "auto"), adapters=True, hidden_states=True, all_logits=True
+    )
+
     def __init__(self, checkpoint, options) -> None:
         cfg = checkpoint.config
         unsupported = {
@@ -43,9 +47,17 @@ class Float64Model:
                  "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
         self.layers = [{n: t(f"model.layers.{i}.{n}.weight") for n in names} for i in range(cfg.num_layers)]
 
-    def block_bytes(self, block_size: int) -> int:
+    def kv_cache(self, num_blocks, block_size, options):
+        if options:
+            raise BackendError(f"float64 backend: unknown KV cache option(s) {', '.join(sorted(options))}")
+        return Float64Cache(self, num_blocks, block_size)
+
+    def kv_block_bytes(self, block_size, options) -> int:
         c = self.cfg
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * 8
+
+    def precompile(self, cache, limits, progress):
+        return []
 
     def rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.cfg.rms_norm_eps) * w
@@ -122,36 +134,15 @@ class Float64Cache:
         self.k, self.v = np.zeros(shape), np.zeros(shape)
 
 
+class Float64Backend(Backend):
+    name = NAME
+    description = "float64 NumPy Llama (third-party test backend)"
+    priority = -10
+
+    def load(self, checkpoint, options):
+        return Float64Model(checkpoint, options)
+
+
 @hookimpl
 def register_backends(register):
-    register(BackendInfo(name=NAME, description="float64 NumPy Llama (third-party test backend)", priority=-10))
-
-
-@hookimpl
-def load_model(backend, checkpoint, options):
-    if backend != NAME:
-        return None
-    return Float64Model(checkpoint, options)
-
-
-@hookimpl
-def kv_cache(model, num_blocks, block_size, options):
-    if not isinstance(model, Float64Model):
-        return None
-    if options:
-        raise BackendError(f"float64 backend: unknown KV cache option(s) {', '.join(sorted(options))}")
-    return Float64Cache(model, num_blocks, block_size)
-
-
-@hookimpl
-def kv_block_bytes(model, block_size, options):
-    if not isinstance(model, Float64Model):
-        return None
-    return model.block_bytes(block_size)
-
-
-@hookimpl
-def forward(model, batch, cache):
-    if not isinstance(model, Float64Model):
-        return None
-    return model.forward(batch, cache)
+    register(Float64Backend())
