@@ -199,3 +199,24 @@ def test_bad_feedback_targets_and_corrections_are_refused(tmp_path):
 def test_bad_configs_are_refused(tmp_path, kw, message):
     with pytest.raises(SonaError, match=message):
         tiny_sona(tmp_path / "m", SonaConfig(**kw))
+
+
+def test_merged_adapter_is_the_feedback_weighted_mean_of_the_scopes_updates():
+    """Two scopes of rank 2 merged at rank 4: B A of the merge equals (w1 B1 A1 + w2 B2 A2) / (w1 + w2)
+    in float64 (the rank holds both updates, so the truncation drops nothing)."""
+    from ruvllm_sona.scopes import merge_adapters
+
+    rng = np.random.default_rng(3)
+    key = (0, "q_proj")
+    def factors() -> tuple[np.ndarray, np.ndarray]:
+        return rng.standard_normal((2, 6)).astype(np.float32), rng.standard_normal((5, 2)).astype(np.float32)
+
+    parts = [(w, {key: factors()}) for w in (1.0, 3.0)]
+    a, b = merge_adapters(parts, [key], rank=4)[key]
+    assert a.shape == (4, 6) and b.shape == (5, 4)
+    want = sum(w * p[key][1].astype(np.float64) @ p[key][0].astype(np.float64) for w, p in parts) / 4.0
+    np.testing.assert_allclose(b.astype(np.float64) @ a, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # At rank 1 it is the best rank-1 approximation of that mean (Eckart-Young).
+    a1, b1 = merge_adapters(parts, [key], rank=1)[key]
+    u, s, vt = np.linalg.svd(want)
+    np.testing.assert_allclose(b1.astype(np.float64) @ a1, s[0] * np.outer(u[:, 0], vt[0]), rtol=0, atol=1e-5 * s[0])

@@ -1,5 +1,10 @@
 """SONA: per-scope MicroLoRA adapters that learn from feedback on three time scales.
 
+This module is the orchestrator (hooks, locks, the background and deep threads, feedback); its parts
+live beside it: ``scopes`` (which scope a request learns in, a scope's state, merging), ``capture``
+(recomputing a trajectory, the instant gradient), ``deep`` (the deep loop's training), ``bank`` (the
+ReasoningBank), ``persistence`` (state on disk) and ``records`` (what is kept and reported).
+
 * pre_inference picks the request's scope and attaches that scope's current adapter snapshot.
 * post_inference keeps the finished trajectory (prompt + completion + snapshot) for a while.
 * The background loop (a thread, every ``background_interval`` s) recomputes trajectories
@@ -19,16 +24,11 @@ adapter it started with whatever happens while it runs.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import math
-import os
 import threading
 import time
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +38,25 @@ import structlog
 from ruvllm.errors import RuvllmError
 from ruvllm.hookspecs import hookimpl
 from ruvllm_sona.bank import ReasoningBank
-from ruvllm_sona.capture import INSTANT_PROJECTIONS, Capture, capture_trajectory, instant_gradient
+from ruvllm_sona.capture import INSTANT_PROJECTIONS, capture_trajectory, instant_gradient
 from ruvllm_sona.config import SonaConfig
-from ruvllm_sona.errors import FeedbackError, SonaError, SonaStateError, UnknownResponseError
-from ruvllm_sona.ewc import EwcPlusPlus
+from ruvllm_sona.deep import fit_deep
+from ruvllm_sona.errors import FeedbackError, SonaError, UnknownResponseError
 from ruvllm_sona.lora import SonaAdapter
-from ruvllm_sona.model import LoraFactors, LoraLlama
+from ruvllm_sona.model import LoraLlama
 from ruvllm_sona.params import Key, Params, copy_params, flat
+from ruvllm_sona.persistence import STATE_FORMAT, load_state, save_state
+from ruvllm_sona.records import DeepRunReport, FeedbackReceipt, Sample, Trajectory
+from ruvllm_sona.scopes import (
+    GLOBAL_SCOPE,
+    Slot,
+    fresh_params,
+    key_scope,
+    low_rank_product,
+    merge_adapters,
+    new_ewc,
+    scope_of,
+)
 
 if TYPE_CHECKING:
     from ruvllm.checkpoint import Checkpoint
@@ -54,95 +66,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("ruvllm.sona")
 
-STATE_FORMAT = "ruvllm-sona/1"
-GLOBAL_SCOPE = "global"
 #: Key under which pre_inference leaves the snapshot in ``InferenceRequest.metadata``.
 ADAPTER_METADATA_KEY = "sona.adapter"
-
-
-def key_scope(api_key_id: str) -> str:
-    """The adapter scope of an API key id (``api_key`` scope mode)."""
-    return f"key:{api_key_id}"
-
-
-@dataclass
-class Trajectory:
-    request_id: str
-    scope: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    adapter: SonaAdapter
-    created: float
-    correction_of: str | None = None
-    #: The latest feedback score (the bank keeps it as the trajectory's quality).
-    score: float | None = None
-    capture: Capture | None = None
-    capture_error: str | None = None
-    #: Per-token weight the instant loop applies once the capture exists (None: nothing pending).
-    pending_weight: float | None = None
-
-
-@dataclass
-class Sample:
-    """A stored deep-loop sample: tokens, per-token weight, the base residual once known."""
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt: int
-    weight: float
-    residual: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class FeedbackReceipt:
-    response_id: str
-    scope: str
-    #: ``applied``: the instant step ran; ``queued``: it runs once the trajectory is recomputed.
-    status: str
-    advantage: float
-    adapter_version: int
-
-
-@dataclass(frozen=True)
-class DeepRunReport:
-    scope: str
-    samples: int
-    steps: int
-    seconds: float
-    #: Mean weighted negative log-likelihood per token over the first and the last epoch.
-    first_epoch_loss: float
-    last_epoch_loss: float
-    adapter_version: int
-
-
-class Slot:
-    """One scope's learner state. ``lock`` guards everything here."""
-
-    def __init__(self, scope: str, params: Params, scale: float, ewc: EwcPlusPlus, baseline: float) -> None:
-        self.scope = scope
-        self.lock = threading.Lock()
-        self.params = params
-        self.scale = scale
-        self.ewc = ewc
-        self.baseline = baseline
-        self.version = 0
-        self.feedback_count = 0
-        self.instant_updates = 0
-        self.deep_runs = 0
-        self.pending_quality = 0.0
-        self.routed_from: str | None = None
-        self.snapshot = self._make_snapshot()
-
-    def _make_snapshot(self) -> SonaAdapter:
-        return SonaAdapter(
-            self.scope, self.version, {k: LoraFactors(a, b, self.scale) for k, (a, b) in self.params.items()}
-        )
-
-    def publish(self) -> SonaAdapter:
-        """Snapshot the current parameters as a new version (call with ``lock`` held)."""
-        self.version += 1
-        self.snapshot = self._make_snapshot()
-        return self.snapshot
 
 
 def _percentiles(values: Iterable[float]) -> dict[str, float | None]:
@@ -252,29 +177,7 @@ class Sona:
 
     # -- scopes -----------------------------------------------------------------------------------
     def scope_of(self, request: InferenceRequest) -> str:
-        mode = self.config.scope
-        if mode == "user" and request.user:
-            return f"user:{request.user}"
-        if mode == "api_key":
-            key = request.metadata.get("api_key_id")
-            if key:
-                return key_scope(key)
-        return GLOBAL_SCOPE
-
-    def _fresh_params(self, scope: str) -> Params:
-        rng = np.random.default_rng([self.config.seed, zlib.crc32(scope.encode())])
-        out: Params = {}
-        for li, proj in self.keys:
-            fan_in = self.net.in_features(proj)
-            bound = 1.0 / math.sqrt(fan_in)
-            a = rng.uniform(-bound, bound, (self.config.rank, fan_in)).astype(np.float32)
-            out[(li, proj)] = (a, np.zeros((self.net.out_features(proj), self.config.rank), np.float32))
-        return out
-
-    def _new_ewc(self, params: Params) -> EwcPlusPlus:
-        c = self.config
-        return EwcPlusPlus(params, c.scale, lam=c.ewc_lambda, decay=c.ewc_decay, threshold=c.boundary_threshold,
-                           patience=c.boundary_patience, warmup=c.boundary_warmup)
+        return scope_of(self.config, request)
 
     @property
     def _isolated(self) -> bool:
@@ -288,8 +191,8 @@ class Sona:
             if slot is not None:
                 return slot
             shared = self._merged is not None and not self._isolated
-            params = copy_params(self._merged) if shared else self._fresh_params(scope)
-            slot = Slot(scope, params, self.config.scale, self._new_ewc(params), self.config.initial_baseline)
+            params = copy_params(self._merged) if shared else fresh_params(self.config, self.net, self.keys, scope)
+            slot = Slot(scope, params, self.config.scale, new_ewc(self.config, params), self.config.initial_baseline)
             self._slots[scope] = slot
             self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
             if scope != GLOBAL_SCOPE and prompt and not self._isolated:
@@ -586,12 +489,7 @@ class Sona:
                     parts.append((float(s.feedback_count), copy_params(s.params)))
         if not parts:
             return False
-        total = sum(w for w, _ in parts)
-        merged: Params = {}
-        for k in self.keys:
-            b_cat = np.concatenate([p[k][1] * np.float32(w / total) for w, p in parts], axis=1)
-            a_cat = np.concatenate([p[k][0] for _, p in parts], axis=0)
-            merged[k] = low_rank_product(b_cat, a_cat, self.config.rank)
+        merged = merge_adapters(parts, self.keys, self.config.rank)
         with self._lock:
             self._merged = merged
             self._counters["merges"] += 1
@@ -659,43 +557,8 @@ class Sona:
             start = copy_params(slot.params)
             ewc = copy.deepcopy(slot.ewc) if use_ewc and slot.ewc.active else None
             slot.pending_quality = 0.0
-        params = copy_params(start)
-        m1 = {k: (np.zeros_like(a), np.zeros_like(b)) for k, (a, b) in params.items()}
-        m2 = {k: (np.zeros_like(a), np.zeros_like(b)) for k, (a, b) in params.items()}
-        beta1, beta2, eps = 0.9, 0.999, 1e-8
-        rng = np.random.default_rng([c.seed, self._counters["deep_runs"]])
-        step = 0
-        epoch_losses: list[float] = []
-        for _ in range(c.deep_epochs):
-            total, tokens = 0.0, 0.0
-            for i in rng.permutation(len(samples)):
-                s = samples[i]
-                assert s.residual is not None
-                entries = {k: LoraFactors(a, b, slot.scale) for k, (a, b) in params.items()}
-                tape = self.net.tail_forward(s.residual, self.first_layer, entries)
-                rows = np.arange(s.num_prompt - 1, len(s.token_ids) - 1)
-                targets = np.asarray(s.token_ids[s.num_prompt:], dtype=np.int64)
-                w = np.full(len(rows), s.weight / len(rows), np.float32)
-                dr, lp = self.net.head_backward(tape, rows, targets, w)
-                grads, _ = self.net.tail_backward(tape, dr, entries)
-                pull = ewc.penalty_grad(params, self.keys) if ewc is not None else None
-                total += float(-np.mean(lp)) * s.weight
-                tokens += s.weight
-                step += 1
-                for k in self.keys:
-                    for j in (0, 1):
-                        g = grads[k][j] if k in grads else np.zeros_like(params[k][j])
-                        if pull is not None:
-                            g = g - pull[k][j]
-                        mm, vv = m1[k][j], m2[k][j]
-                        mm *= beta1
-                        mm += (1 - beta1) * g
-                        vv *= beta2
-                        vv += (1 - beta2) * g * g
-                        mhat = mm / (1 - beta1**step)
-                        vhat = vv / (1 - beta2**step)
-                        params[k][j][...] += np.float32(c.deep_lr) * mhat / (np.sqrt(vhat) + eps)  # ascent
-            epoch_losses.append(total / max(tokens, 1e-12))
+        params, step, epoch_losses = fit_deep(self.net, self.keys, self.first_layer, samples, start, slot.scale, ewc,
+                                              c, seed=(c.seed, self._counters["deep_runs"]))
         with slot.lock:
             # Keep what the instant loop learnt while this run trained.
             slot.params = {k: (params[k][0] + (slot.params[k][0] - start[k][0]),
@@ -764,72 +627,21 @@ class Sona:
         }
 
     # -- persistence ------------------------------------------------------------------------------
-    def _fingerprint(self) -> dict[str, Any]:
-        mc = self.model_config
-        digest = hashlib.sha256(self.net.final_norm.tobytes() + self.net.embed[:8].tobytes()).hexdigest()
-        return {"name": mc.name, "hidden_size": mc.hidden_size, "num_layers": mc.num_layers,
-                "vocab_size": mc.vocab_size, "weights_sha256": digest}
-
     def save(self, directory: str | Path | None = None) -> Path:
         """Write adapters (safetensors, one file per scope, with their EWC++ state), the bank
         (safetensors + JSON) and ``manifest.json`` (written last) to ``directory``."""
-        from safetensors.numpy import save_file
-
         target = Path(directory) if directory is not None else self.state_dir
         if target is None:
             raise SonaError("no state directory: pass one to save() or to Sona(state_dir=...)")
-        (target / "adapters").mkdir(parents=True, exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True)
         with self._lock:
             slots = list(self._slots.values())
             self.bank.save(target)
-        scopes = []
-        for i, s in enumerate(sorted(slots, key=lambda s: s.scope)):
-            with s.lock:
-                tensors = {}
-                for (li, proj), (a, b) in s.params.items():
-                    tensors[f"layers.{li}.{proj}.lora_A"] = np.ascontiguousarray(a)
-                    tensors[f"layers.{li}.{proj}.lora_B"] = np.ascontiguousarray(b)
-                tensors.update({k: np.ascontiguousarray(v) for k, v in s.ewc.state_arrays().items()})
-                entry: dict[str, Any] = {
-                    "scope": s.scope, "file": f"adapters/{i:04d}.safetensors", "version": s.version,
-                    "baseline": s.baseline, "feedback_count": s.feedback_count, "instant_updates": s.instant_updates,
-                    "deep_runs": s.deep_runs, "ewc_consolidations": s.ewc.consolidations,
-                    "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from,
-                }
-            tmp = target / (entry["file"] + ".tmp")
-            save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "scope": s.scope,
-                                                    "scale": repr(s.scale), "rank": str(self.config.rank)})
-            os.replace(tmp, target / entry["file"])
-            scopes.append(entry)
-        manifest = {"format": STATE_FORMAT, "model": self._fingerprint(), "config": self.config.to_json(),
-                    "adapted": [[li, p] for li, p in self.keys], "scopes": scopes, "bank": ["bank.safetensors",
-                                                                                             "bank.json"]}
-        tmp = target / "manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, target / "manifest.json")
-        return target
+        return save_state(target, slots, self.config, self.keys, self.model_config, self.net)
 
     def load(self, directory: str | Path) -> None:
         """Replace this instance's adapters and bank by those saved in ``directory``."""
-        d = Path(directory)
-        try:
-            manifest = json.loads((d / "manifest.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise SonaStateError(f"{d}: no readable SONA manifest.json ({exc})") from exc
-        if manifest.get("format") != STATE_FORMAT:
-            raise SonaStateError(f"{d}: state format {manifest.get('format')!r} is not {STATE_FORMAT!r}")
-        if manifest.get("model") != self._fingerprint():
-            raise SonaStateError(f"{d}: state was saved for another model ({manifest.get('model', {}).get('name')!r})")
-        saved_keys = [(int(li), str(p)) for li, p in manifest.get("adapted", [])]
-        if saved_keys != self.keys:
-            raise SonaStateError(f"{d}: state adapts {saved_keys}, this configuration adapts {self.keys}")
-        try:
-            slots = {e["scope"]: self._load_slot(d, e) for e in manifest["scopes"]}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SonaStateError(f"{d}: manifest.json is malformed ({type(exc).__name__}: {exc})") from exc
-        bank = ReasoningBank(self.model_config.hidden_size, max_entries=self.config.bank_max_entries,
-                             num_patterns=self.config.bank_patterns, seed=self.config.seed)
-        bank.load(d)
+        slots, bank = load_state(Path(directory), self.config, self.keys, self.model_config, self.net)
         with self._lock:
             self._slots = slots
             for scope in slots:
@@ -838,47 +650,16 @@ class Sona:
         self._slot(GLOBAL_SCOPE)
 
 
-    def _load_slot(self, d: Path, entry: dict[str, Any]) -> Slot:
-        from safetensors.numpy import load_file
 
-        try:
-            arrays = load_file(str(d / entry["file"]))
-        except Exception as exc:  # safetensors raises its own SafetensorError for bad headers
-            raise SonaStateError(f"{d / entry['file']}: unreadable adapter ({exc})") from exc
-        try:
-            params = {(li, p): (arrays[f"layers.{li}.{p}.lora_A"].astype(np.float32),
-                                arrays[f"layers.{li}.{p}.lora_B"].astype(np.float32)) for li, p in self.keys}
-        except KeyError as exc:
-            raise SonaStateError(f"{d / entry['file']}: tensor {exc} is missing") from exc
-        for (li, p), (a, b) in params.items():
-            want = ((self.config.rank, self.net.in_features(p)), (self.net.out_features(p), self.config.rank))
-            if (a.shape, b.shape) != want:
-                raise SonaStateError(f"{d / entry['file']}: layers.{li}.{p} has shapes {a.shape}, {b.shape}; "
-                                     f"expected {want}")
-        slot = Slot(entry["scope"], params, self.config.scale, self._new_ewc(params), float(entry["baseline"]))
-        try:
-            slot.ewc.load_arrays(arrays, int(entry["ewc_consolidations"]), int(entry["ewc_consolidated_samples"]))
-        except KeyError as exc:
-            raise SonaStateError(f"{d / entry['file']}: EWC++ state {exc} is missing") from exc
-        slot.version = int(entry["version"])
-        slot.feedback_count = int(entry["feedback_count"])
-        slot.instant_updates = int(entry["instant_updates"])
-        slot.deep_runs = int(entry["deep_runs"])
-        slot.routed_from = entry.get("routed_from")
-        slot.snapshot = slot._make_snapshot()
-        return slot
-
-
-def low_rank_product(b: np.ndarray, a: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Factors ``(A [rank, in], B [out, rank])`` of the best rank-``rank`` approximation of ``b @ a``
-    (``b [out, k]``, ``a [k, in]``), through QR of both factors and an SVD of the small core."""
-    qb, rb = np.linalg.qr(b.astype(np.float64))
-    qa, ra = np.linalg.qr(a.T.astype(np.float64))
-    u, s, vt = np.linalg.svd(rb @ ra.T)
-    r = min(rank, len(s))
-    root = np.sqrt(s[:r])
-    b_new = np.zeros((b.shape[0], rank))
-    a_new = np.zeros((rank, a.shape[1]))
-    b_new[:, :r] = (qb @ u[:, :r]) * root
-    a_new[:r] = (root[:, None] * vt[:r]) @ qa.T
-    return a_new.astype(np.float32), b_new.astype(np.float32)
+__all__ = [
+    "ADAPTER_METADATA_KEY",
+    "GLOBAL_SCOPE",
+    "STATE_FORMAT",
+    "DeepRunReport",
+    "FeedbackReceipt",
+    "Sample",
+    "Sona",
+    "Trajectory",
+    "key_scope",
+    "low_rank_product",
+]
