@@ -379,6 +379,43 @@ def test_n_choices_share_the_prompt_and_copy_on_write(llm, workload, counter):
     assert (tokens_of(again[0], 0), tokens_of(again[0], 1)) == (a, b)
 
 
+def test_prompt_logprobs_are_exact_chunked_cached_and_forked(llm, workload, counter):
+    """Prompt logprobs against one float64 log-softmax of the whole prompt's logits: the prompt run
+    in 16-token chunks, then again once its blocks are in the prefix cache (it must be recomputed:
+    the counter sees every prompt token twice), and with n=3 (computed once, sent once)."""
+    prompt = llm.tokenizer.encode(
+        "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid, "
+        "and the capital of Portugal is Lisbon. The capital of Greece is Athens."
+    )
+    assert len(prompt) > 32
+    cache = llm.allocate_cache(32, 16)
+    table = np.arange(32, dtype=np.int32)
+    full = llm.forward(ForwardBatch([SequenceChunk(np.asarray(prompt, np.int32), 0, table, all_logits=True)], 16),
+                       cache).all_logits[0].astype(np.float64)  # fmt: skip
+    ref = full - full.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    engine = LLMEngine(llm, EngineConfig(num_blocks=64, max_num_batched_tokens=16))
+    counter.tokens = 0
+    for n in (1, 1, 3):
+        outs = engine.generate([GenerationRequest(prompt, greedy(2, n=n, prompt_logprobs=2))])[0]
+        sent = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        assert len(sent) == 1
+        got = sent[0]
+        assert len(got) == len(prompt) and got[0] is None
+        for i in range(1, len(prompt)):
+            e = got[i]
+            assert e.token_id == prompt[i]
+            assert abs(e.logprob - ref[i - 1, prompt[i]]) < 1e-4
+            assert [t for t, _, _ in e.top] == [int(t) for t in np.argsort(-ref[i - 1], kind="stable")[:2]]
+            assert e.rank == 1 + int(np.count_nonzero(ref[i - 1] > ref[i - 1, prompt[i]] + 1e-9))
+    assert counter.tokens >= 3 * len(prompt)  # no prefix-cache hits for these requests
+    plain = engine.generate([GenerationRequest(prompt, greedy(2))])[0]
+    assert all(o.prompt_logprobs is None for o in plain)
+    assert plain[-1].metrics.cached_tokens > 0  # the blocks they published are there for others
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        engine.add_request(GenerationRequest(prompt, greedy(2, prompt_logprobs=21)))
+
+
 # -- sampling parameters through the engine ---------------------------------------------------
 
 

@@ -200,6 +200,60 @@ def test_completion_logprobs_match_reference(client, tokenizer, smollm2_path) ->
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
 
 
+def _hf_prompt_logprobs(path, ids: list[int]) -> np.ndarray:
+    """float64 log-softmax of HF transformers' logits at every prompt position."""
+    x = hf_logits(path, ids).astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_the_legacy_api(client, tokenizer, smollm2_path) -> None:
+    """lm-evaluation-harness's log-likelihood request: echo + logprobs returns every prompt token's
+    logprob (None for the first) before the completion's, against HF transformers. Sent twice, so the
+    second time the prompt's blocks are in the prefix cache and must be recomputed anyway."""
+    text = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ref = _hf_prompt_logprobs(smollm2_path, ids)
+    for _ in range(2):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text.startswith(tokenizer.decode(ids))
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        want = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
+        np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want, rtol=0, atol=5e-3)
+        assert lp.text_offset[: 3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+        best = [tokenizer.decode([int(np.argmax(ref[i - 1]))]) for i in range(1, len(ids))]
+        assert [next(iter(t)) for t in lp.top_logprobs[1 : len(ids)]] == best
+    # The log-likelihood of a continuation is the sum over its tokens: " Madrid." given the rest.
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_vllm_prompt_logprobs(client, tokenizer, smollm2_path) -> None:
+    ids = tokenizer.encode("Water boils at one hundred degrees", add_special_tokens=False)
+    ref = _hf_prompt_logprobs(smollm2_path, ids)
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(ref[i - 1, ids[i]], abs=5e-3)
+        row, mine = ref[i - 1], ref[i - 1, ids[i]]  # rank within what float32 ties allow
+        assert 1 + np.count_nonzero(row > mine + 1e-3) <= own["rank"] <= 1 + np.count_nonzero(row > mine - 1e-3)
+        top = np.argsort(-ref[i - 1])[:2]
+        assert {int(k) for k in entry} == {ids[i], *map(int, top)}
+        assert entry[str(int(top[0]))]["rank"] == 1
+        assert own["decoded_token"] == tokenizer.decode([ids[i]])
+    # Not streamed: a clear 400 naming the parameter.
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 21})
+
+
 def test_usage_reports_cached_prefix_tokens(client) -> None:
     system = "You are a careful assistant. " * 12  # a long shared prefix: several full KV blocks
 

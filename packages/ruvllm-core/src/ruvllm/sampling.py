@@ -32,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen token only)
+    #: Log-probabilities of the prompt's tokens under the model (the first has none), with this many
+    #: top alternatives each; None: not computed. Such a request recomputes its whole prompt (no
+    #: prefix-cache hits: cached positions have no logits).
+    prompt_logprobs: int | None = None
     #: Leave special tokens (``<|im_start|>``...) out of the output text; token ids keep them.
     skip_special_tokens: bool = True
     #: Output must match this (JSON schema, regex, choice, grammar); see :mod:`ruvllm.structured`.
@@ -71,6 +75,8 @@ class SamplingParams:
                 bad(f"stop token id {tok} is outside the vocabulary (0..{vocab_size - 1})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         for tok, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= int(tok) < vocab_size:
                 bad(f"logit_bias token id {tok} is outside the vocabulary (0..{vocab_size - 1})")

@@ -51,6 +51,7 @@ from ruvllm_server.schemas import (
     ErrorResponse,
     FunctionCall,
     FunctionDelta,
+    PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
     ToolCallDelta,
@@ -497,6 +498,37 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int, top: int) -> C
     )
 
 
+def prompt_logprobs_vllm(entries: list[TokenLogprob | None]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, the token's own entry and the top alternatives
+    (their rank is their place among them), keyed by token id."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): PromptLogprob(_clamp(e.logprob), e.rank, e.token)}
+        for r, (tid, tok, lp) in enumerate(e.top, 1):
+            d.setdefault(str(tid), PromptLogprob(_clamp(lp), r, tok))
+        out.append(d)
+    return out
+
+
+def echoed_prompt_logprobs(
+    prompt_ids: list[int], entries: list[TokenLogprob | None], top: int, decode: Callable[[list[int]], str]
+) -> CompletionLogprobs:
+    """The prompt's part of ``echo`` + ``logprobs`` (OpenAI's legacy completions): every prompt token,
+    its logprob (None for the first), its top alternatives, offsets into the echoed text."""
+    tokens, lps, tops, offsets, at = [], [], [], [], 0
+    for tid, e in zip(prompt_ids, entries, strict=True):
+        text = e.token if e is not None else decode([tid])
+        tokens.append(text)
+        lps.append(_clamp(e.logprob) if e is not None else None)
+        tops.append({tok: _clamp(lp) for _, tok, lp in e.top[:top]} if e is not None and top else None)
+        offsets.append(at)
+        at += len(text)
+    return CompletionLogprobs(tokens, lps, tops, offsets)
+
+
 def _error_event(exc: Exception) -> bytes:
     if isinstance(exc, APIError):
         return sse(exc.body)
@@ -771,6 +803,7 @@ class CompletionJob:
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     prompts_text: list[str] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
 
     def prepare(self) -> Run:
         req = self.req
@@ -785,6 +818,15 @@ class CompletionJob:
             raise bad_request(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts) * n}", param="prompt")
         if req.echo:
             self.prompts_text = [self.state.tokenizer.decode(p) for p in prompts]
+        self.prompts = prompts
+        echo_lp = bool(req.echo) and req.logprobs is not None
+        want_prompt = req.prompt_logprobs is not None or echo_lp
+        if want_prompt and req.stream:
+            raise bad_request(
+                "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not streamed; "
+                "send the request with stream false",
+                param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+            )
         requests = []
         for i, ids in enumerate(prompts):
             params = build_sampling(
@@ -795,6 +837,8 @@ class CompletionJob:
                 prompt_len=len(ids),
                 logprobs=req.logprobs,
             )
+            if want_prompt:
+                params.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs if echo_lp else 0)
             rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
             requests.append(engine_request(ids, params, rid, req.user, self.api_key_id, adapter))
         return Run(self.state, requests)
@@ -808,7 +852,10 @@ class CompletionJob:
     async def complete(self, run: Run) -> Completion:
         n = run.requests[0].sampling.n
         acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(len(run.requests) * n)}
+        prompt_lp: dict[int, list[TokenLogprob | None]] = {}
         async for p, out in run.outputs():
+            if out.prompt_logprobs is not None:
+                prompt_lp[p] = out.prompt_logprobs
             for d in out.deltas:
                 a = acc[self._index(run, p, d.index)]
                 a.text.append(d.text)
@@ -822,7 +869,18 @@ class CompletionJob:
             lp = (
                 completion_logprobs(a.logprobs, len(echo), self.req.logprobs) if self.req.logprobs is not None else None
             )
-            choices.append(CompletionChoice(i, echo + "".join(a.text), lp, a.finish_reason))
+            entries = prompt_lp.get(i // n)
+            if lp is not None and self.req.echo and entries is not None:
+                head = echoed_prompt_logprobs(self.prompts[i // n], entries, self.req.logprobs or 0,
+                                              self.state.tokenizer.decode)  # fmt: skip
+                lp = CompletionLogprobs(
+                    head.tokens + lp.tokens,
+                    head.token_logprobs + lp.token_logprobs,
+                    head.top_logprobs + lp.top_logprobs,
+                    head.text_offset + lp.text_offset,
+                )
+            plp = prompt_logprobs_vllm(entries) if self.req.prompt_logprobs is not None and entries else None
+            choices.append(CompletionChoice(i, echo + "".join(a.text), lp, a.finish_reason, plp))
         return Completion(self.id, self.created, self.state.model_name, choices, usage=run.usage())
 
     async def stream(self, run: Run) -> AsyncIterator[bytes]:

@@ -242,6 +242,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     best_of: PositiveInt | None = None
     suffix: str | None = None
+    #: vLLM's extension: the prompt tokens' log-probabilities with this many top alternatives each.
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class CompletionLogprobs(Struct):
@@ -251,11 +253,21 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct):
+    """One token's entry in vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    #: With ``prompt_logprobs``: per prompt token (None for the first), token id -> its entry.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(Struct):

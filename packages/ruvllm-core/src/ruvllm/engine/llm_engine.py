@@ -379,7 +379,8 @@ class LLMEngine:
         return out
 
     def _forward_isolating(self, sched: SchedulerOutput) -> dict[int, tuple[ScheduledChunk, np.ndarray]]:
-        """Run the step; returns chunk index -> (chunk, its logits row) for the chunks that ran.
+        """Run the step; returns chunk index -> (chunk, its logits row) for the chunks that ran (and
+        records the prompt logprobs of chunks that compute them).
 
         A step-wide backend error is not blamed on every request in it: the chunks are split in halves
         and each half runs again (a transient error is thus retried once), down to single requests, so
@@ -408,6 +409,9 @@ class LLMEngine:
                 return
             for row, i in enumerate(indices):
                 out[i] = (sched.chunks[i], np.asarray(result.logits[row]))
+                rows = result.all_logits.get(row)
+                if rows is not None and self._wants_prompt_logprobs(sched.chunks[i]):
+                    self._record_prompt_logprobs(sched.chunks[i], np.asarray(rows))
 
         attempt(list(range(len(sched.chunks))))
         if out:
@@ -433,10 +437,42 @@ class LLMEngine:
                 # Blocks released out of a sliding window read as block 0: never unmasked.
                 block_table=np.maximum(np.asarray(bm.block_table(c.seq.seq_id), dtype=np.int32), 0),
                 adapter=c.seq.state.adapter,
+                all_logits=self._wants_prompt_logprobs(c),
             )
             for c in sched.chunks
         ]
         return ForwardBatch(chunks=chunks, block_size=bm.block_size, block_copies=sched.block_copies)
+
+    @staticmethod
+    def _wants_prompt_logprobs(c: ScheduledChunk) -> bool:
+        st = c.seq.state
+        return st.sampling.prompt_logprobs is not None and c.seq.index == 0 and c.start < c.seq.num_prompt_tokens
+
+    def _record_prompt_logprobs(self, c: ScheduledChunk, rows: np.ndarray) -> None:
+        """Row j of a chunk's logits (position ``start + j``) scores the prompt token at the next
+        position: its log-probability under the model's raw logits, its rank, the top alternatives."""
+        st = c.seq.state
+        prompt, top = st.prompt_token_ids, int(st.sampling.prompt_logprobs or 0)
+        if st.prompt_logprobs is None:
+            st.prompt_logprobs = [None] * len(prompt)
+        decode = self.tokenizer.decode
+        x = rows.astype(np.float64)
+        lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+        for j in range(len(x)):
+            q = c.start + j + 1
+            if q >= len(prompt):
+                break
+            t = int(prompt[q])
+            lp = x[j] - lse[j]
+            best = np.argpartition(-lp, top)[:top] if 0 < top < len(lp) else np.arange(len(lp) if top else 0)
+            best = best[np.argsort(-lp[best], kind="stable")]
+            st.prompt_logprobs[q] = TokenLogprob(
+                token_id=t,
+                token=decode([t]),
+                logprob=float(lp[t]),
+                top=[(int(k), decode([int(k)]), float(lp[k])) for k in best],
+                rank=1 + int(np.count_nonzero(lp > lp[t])),
+            )
 
     # --------------------------------------------------------------------------- sequences
 
@@ -533,7 +569,12 @@ class LLMEngine:
         if finished:
             m.e2e = now - st.request.arrival_time
         metrics = replace(m, inter_token_latencies=list(m.inter_token_latencies))
-        return RequestOutput(st.request.request_id, deltas, finished, metrics)
+        prompt_logprobs = None
+        if st.sampling.prompt_logprobs is not None and not st.prompt_logprobs_sent:
+            # Reached only once a token was sampled, so the whole prompt has run.
+            prompt_logprobs = st.prompt_logprobs or [None] * len(st.prompt_token_ids)
+            st.prompt_logprobs_sent = True
+        return RequestOutput(st.request.request_id, deltas, finished, metrics, prompt_logprobs)
 
     def _finish_request(self, st: RequestState, finish_reason: str) -> None:
         first = st.seqs[0]

@@ -142,7 +142,7 @@ class Scheduler:
             seq = self.waiting[0]
             if taken + self._seats(seq) > self.max_num_seqs:
                 break
-            hit = bm.get_cached_prefix(seq.token_ids) if seq.cacheable else None
+            hit = bm.get_cached_prefix(seq.token_ids) if seq.reuses_prefix else None
             computed = hit.num_tokens if hit is not None else 0
             remaining = len(seq.token_ids) - computed
             if remaining > 1 and prompt_left <= 0:

@@ -79,6 +79,9 @@ class RequestState:
     forked: bool = False
     first_scheduled: float | None = None
     last_token_time: float | None = None
+    #: Prompt logprobs by position, filled as prompt chunks run (``sampling.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def adapter(self) -> Any:
@@ -127,6 +130,12 @@ class Sequence:
         # An adapter changes the keys/values a token produces: such sequences neither reuse nor
         # publish cached blocks.
         return self.state.adapter is None
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether admission may take cached prefix blocks: not when the prompt's logprobs are
+        asked for (cached positions are never recomputed, so they would have none)."""
+        return self.cacheable and self.state.sampling.prompt_logprobs is None
 
     def emit_text(self, text: str) -> None:
         self.new_text += text

@@ -35,6 +35,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    #: 1 + how many tokens the model found likelier (prompt logprobs; None for sampled tokens).
+    rank: int | None = None
 
 
 @dataclass
@@ -69,6 +71,9 @@ class RequestOutput:
     finished: bool
     #: Filled on every output; final figures once ``finished``.
     metrics: RequestMetrics
+    #: With ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for the first), on
+    #: the first output after the prompt is computed; None on every other output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
