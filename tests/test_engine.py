@@ -648,6 +648,64 @@ def test_plugin_hooks_set_the_adapter_and_see_the_result(llm, workload, counter)
     assert result.prompt_tokens == len(prompt) and result.ttft > 0
 
 
+class ShiftAdapter:
+    """Adds twice the attention heads' output (before o_proj) to o_proj's output in every layer: a
+    real change of the model's answers."""
+
+    def delta(self, layer, proj, x):
+        return 2.0 * x if proj == "o_proj" else None
+
+
+class RouterPlugin:
+    """Sets ``adapter_router`` on every request; the router records the hidden state it is given and
+    answers with what ``choose(user)`` says (an adapter, None, or an exception)."""
+
+    def __init__(self, choose) -> None:
+        self.choose, self.seen = choose, {}
+
+    @hookimpl
+    def pre_inference(self, request):
+        def router(hidden, user=request.user):
+            self.seen[user] = hidden
+            pick = self.choose(user)
+            if isinstance(pick, Exception):
+                raise pick
+            return pick
+
+        request.adapter_router = router
+
+
+def test_adapter_router_picks_from_the_prompts_hidden_state(llm, workload, counter):
+    """The router gets the base model's final-norm hidden state at the last prompt token; an adapter it
+    returns reruns the prompt with it (the answer is the adapted model's, exactly as when the adapter
+    is set from the start), None or a failing router keeps the base model's answer."""
+    prompt, expected = workload.items[3][0], workload.alone(3)
+    adapter = ShiftAdapter()
+    engine = LLMEngine(llm, EngineConfig(num_blocks=64))
+    fixed = engine.generate([GenerationRequest(prompt, greedy(6), adapter=adapter)])[0]
+    assert tokens_of(fixed) != expected[:6]  # the adapter changes the answer
+    picks = {"on": adapter, "off": None, "broken": RuntimeError("router bug")}
+    plugin = RouterPlugin(picks.get)
+    llm.host.register(plugin)
+    try:
+        counter.tokens = 0
+        routed = engine.generate([GenerationRequest(prompt, greedy(6), user="on")])[0]
+        assert counter.tokens == 2 * len(prompt) + 5  # the prompt twice, then five decode steps
+        unrouted = engine.generate([GenerationRequest(prompt, greedy(6), user="off")])[0]
+        broken = engine.generate([GenerationRequest(prompt, greedy(6), user="broken")])[0]
+    finally:
+        llm.host.pm.unregister(plugin)
+    assert tokens_of(routed) == tokens_of(fixed)
+    assert tokens_of(unrouted) == expected[:6] and tokens_of(broken) == expected[:6]
+    cache = llm.allocate_cache(16, 16)
+    batch = ForwardBatch([SequenceChunk(np.asarray(prompt, np.int32), 0, np.arange(16, dtype=np.int32),
+                                        hidden_states=True)], 16)  # fmt: skip
+    want = llm.forward(batch, cache).hidden_states[0][-1]
+    for user in ("on", "off"):
+        np.testing.assert_allclose(plugin.seen[user], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert engine.stats().blocks_used == 0
+
+
 def test_pre_inference_sees_only_valid_requests_and_post_inference_every_choice(llm, workload):
     plugin = AdapterPlugin()
     seen = []

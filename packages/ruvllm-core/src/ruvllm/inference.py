@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ruvllm.sampling import SamplingParams
 
@@ -19,6 +22,12 @@ class InferenceRequest:
     #: Set by a plugin (e.g. SONA) to run this request with an adapter inside the forward pass.
     adapter: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Set by a plugin to choose an adapter from the prompt itself: called once, when the prompt has
+    #: run without an adapter, with the final-norm hidden state (float32 ``[hidden]``) at its last
+    #: token, before the first token is sampled. Returning an adapter reruns the prompt with it (the
+    #: request's first token then comes from the adapted model); None keeps the base model's run.
+    #: Ignored when ``adapter`` is set. Requires a backend whose capabilities include hidden states.
+    adapter_router: Callable[[np.ndarray], Any] | None = None
 
 
 @dataclass

@@ -95,6 +95,8 @@ class LLMEngine:
         self._order = itertools.count()
         #: Outputs of other requests produced while ``stream``/``generate`` drove the engine.
         self._undelivered: list[RequestOutput] = []
+        #: Last-prompt-token hidden states awaiting their request's adapter router, by sequence id.
+        self._route_hidden: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------------------------ requests
 
@@ -120,6 +122,9 @@ class LLMEngine:
         self._check(prompt, sampling)
         if inference.adapter is not None and not self.model.capabilities.adapters:
             raise RequestError(f"backend {self.model.backend.name!r} does not apply adapters (LoRA)")
+        caps = self.model.capabilities
+        if inference.adapter_router is not None and not (caps.adapters and caps.hidden_states):
+            inference.adapter_router = None  # nothing it could pick would run; the base model serves it
         state = RequestState(
             request=request,
             inference=inference,
@@ -321,7 +326,7 @@ class LLMEngine:
         samplers: list[Sampler] = []
         rows: list[np.ndarray] = []
         for _, (chunk, logits) in sorted(logits_of.items()):
-            if not chunk.completes:
+            if not chunk.completes or self._route(chunk):
                 continue
             seq, st = chunk.seq, chunk.seq.state
             if not st.forked and st.sampling.n > 1:
@@ -412,6 +417,9 @@ class LLMEngine:
                 rows = result.all_logits.get(row)
                 if rows is not None and self._wants_prompt_logprobs(sched.chunks[i]):
                     self._record_prompt_logprobs(sched.chunks[i], np.asarray(rows))
+                hidden = result.hidden_states.get(row)
+                if hidden is not None and self._wants_route(sched.chunks[i]):
+                    self._route_hidden[sched.chunks[i].seq.seq_id] = np.asarray(hidden[-1], np.float32)
 
         attempt(list(range(len(sched.chunks))))
         if out:
@@ -438,10 +446,42 @@ class LLMEngine:
                 block_table=np.maximum(np.asarray(bm.block_table(c.seq.seq_id), dtype=np.int32), 0),
                 adapter=c.seq.state.adapter,
                 all_logits=self._wants_prompt_logprobs(c),
+                hidden_states=self._wants_route(c),
             )
             for c in sched.chunks
         ]
         return ForwardBatch(chunks=chunks, block_size=bm.block_size, block_copies=sched.block_copies)
+
+    @staticmethod
+    def _wants_route(c: ScheduledChunk) -> bool:
+        """The chunk that ends the prompt of a request whose adapter a router picks."""
+        st = c.seq.state
+        return (
+            st.inference.adapter_router is not None
+            and st.inference.adapter is None
+            and not st.routed
+            and c.seq.index == 0
+            and c.completes
+            and c.start + c.num_tokens == c.seq.num_prompt_tokens
+        )
+
+    def _route(self, chunk: ScheduledChunk) -> bool:
+        """Ask the request's router; True when it picked an adapter and the prompt must run again."""
+        st = chunk.seq.state
+        hidden = self._route_hidden.pop(chunk.seq.seq_id, None)
+        if hidden is None or st.routed:
+            return False
+        st.routed = True
+        try:
+            adapter = st.inference.adapter_router(hidden)
+        except Exception as exc:  # a plugin's failure leaves the request on the base model
+            log.warning("adapter router failed", request_id=st.request.request_id, error=repr(exc))
+            return False
+        if adapter is None:
+            return False
+        st.inference.adapter = adapter
+        self.scheduler.recompute(chunk.seq)
+        return True
 
     @staticmethod
     def _wants_prompt_logprobs(c: ScheduledChunk) -> bool:

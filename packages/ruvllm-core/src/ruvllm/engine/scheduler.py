@@ -182,6 +182,12 @@ class Scheduler:
         """Seats ``seq`` holds: its request's ``n`` until its choices have forked off, then one."""
         return 1 if seq.state.forked else seq.state.sampling.n
 
+    def recompute(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it to run again from its first token (its adapter changed)."""
+        if seq in self.running:
+            self._preempt(seq)
+            self.preemptions -= 1  # not for want of blocks
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)

@@ -79,6 +79,8 @@ class RequestState:
     forked: bool = False
     first_scheduled: float | None = None
     last_token_time: float | None = None
+    #: The adapter router (``inference.adapter_router``) has been asked.
+    routed: bool = False
     #: Prompt logprobs by position, filled as prompt chunks run (``sampling.prompt_logprobs``).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
