@@ -191,6 +191,59 @@ def test_greedy_answers_through_the_backend_move_to_the_taught_fact(taught):
     np.testing.assert_allclose(mine[-1], out.logits[0], rtol=0, atol=5e-4)
 
 
+#: Varied requests about nothing that was taught (chat, code, arithmetic, writing, near misses).
+OTHER = [
+    "What is the capital of France?",
+    "Which city is the capital of Peru?",
+    "Write a haiku about rain.",
+    "Name three primary colors.",
+    "What is 17 times 23?",
+    "Write a Python function that reverses a string.",
+    "How do I boil an egg?",
+    "Tell me a joke about cats.",
+    "Translate 'good morning' into Spanish.",
+    "Explain recursion in one sentence.",
+    "What is the largest ocean on Earth?",
+    "Summarize the plot of Cinderella in two sentences.",
+    "What causes the seasons?",
+    "Hello! How are you today?",
+    "Give me three tips for sleeping better.",
+    "What is the chemical symbol for gold?",
+]
+
+
+def test_the_gate_keeps_what_was_taught_to_requests_about_it(taught):
+    """With the gate (the default) the taught adapter reaches the held-apart paraphrases and none of
+    the unrelated requests: their greedy answers stay the base model's, word for word, and never
+    mention the taught answer. The same adapter applied to every request (the gate off) changes some."""
+    model, sona, engine, tok = taught["model"], taught["sona"], taught["engine"], taught["model"].tokenizer
+    sona.load(taught["ewc_state"])
+    before = dict(sona.stats()["counters"])
+    _, held = _generate(engine, tok, HELD_APART, "gate-held-")
+    _, gated = _generate(engine, tok, OTHER, "gate-other-")
+    after = sona.stats()["counters"]
+    model.host.pm.unregister(sona)
+    try:
+        _, base = _generate(engine, tok, OTHER, "gate-base-")
+        adapter = sona.adapter()
+        requests = [GenerationRequest(chat_ids(tok, q), SamplingParams(max_tokens=12, temperature=0.0), adapter=adapter)
+                    for q in OTHER]  # fmt: skip
+        ungated = [tok.decode([t for o in outs for d in o.deltas for t in d.token_ids], skip_special_tokens=True)
+                   for outs in engine.generate(requests)]  # fmt: skip
+    finally:
+        model.host.register(sona, name="sona-learning")
+    changed_gated = sum(a != b for a, b in zip(gated, base, strict=True))
+    changed_ungated = sum(a != b for a, b in zip(ungated, base, strict=True))
+    print(f"\nheld-apart answers naming the fact: {sum('Quimtown' in a for a in held)}/{len(held)}; unrelated "
+          f"answers changed: gate on {changed_gated}/{len(OTHER)}, gate off {changed_ungated}/{len(OTHER)}")
+    assert sum("Quimtown" in a for a in held) >= 2, held
+    assert changed_gated == 0, [(a, b) for a, b in zip(gated, base, strict=True) if a != b]
+    assert not any("Quimtown" in a or "Zorblandia" in a for a in gated)
+    assert after["gate_applied"] - before["gate_applied"] >= 2
+    assert after["gate_skipped"] - before["gate_skipped"] >= len(OTHER)
+    assert changed_ungated >= changed_gated
+
+
 def test_bank_separates_the_taught_topic(taught):
     sona = taught["sona"]
     sona.bank.cluster()

@@ -61,6 +61,15 @@ class SonaConfig:
     #: ``route_min_quality``.
     route_threshold: float = 0.9
     route_min_quality: float = 0.6
+    # -- gate: what was taught applies to requests about it -----------------------------------------
+    #: Apply a scope's adapter only to requests whose prompt is near one the scope was taught with:
+    #: the cosine similarity of the final-norm hidden states at the prompts' last tokens (the backend's
+    #: base-model run of the request, centred on the mean over all requests seen) reaches
+    #: ``gate_threshold``. Off: every request of the scope gets its adapter.
+    gate: bool = True
+    gate_threshold: float = 0.6
+    #: Prompts a scope remembers as taught (the oldest are dropped beyond).
+    gate_max_keys: int = 256
     # -- deep loop ------------------------------------------------------------------------------
     #: Start a deep run when a scope's accumulated quality (positive advantages plus correction
     #: weights since its last run) reaches this; 0 disables the trigger (``deep_train`` still works).
@@ -114,7 +123,9 @@ class SonaConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 bad(f"{name} must be in [0, 1], got {v!r}")
-        for name in ("boundary_patience", "captures_per_cycle", "max_trajectories", "bank_patterns",
+        if not -1.0 <= self.gate_threshold <= 1.0:
+            bad(f"gate_threshold must be in [-1, 1], got {self.gate_threshold!r}")
+        for name in ("gate_max_keys", "boundary_patience", "captures_per_cycle", "max_trajectories", "bank_patterns",
                      "bank_max_entries", "bank_recluster_every", "deep_epochs", "deep_max_samples"):
             if getattr(self, name) < 1:
                 bad(f"{name} must be at least 1, got {getattr(self, name)!r}")

@@ -18,7 +18,7 @@ from ruvllm_sona.config import SonaConfig
 from ruvllm_sona.errors import SonaStateError
 from ruvllm_sona.model import LoraLlama
 from ruvllm_sona.params import Key
-from ruvllm_sona.scopes import Slot, new_ewc
+from ruvllm_sona.scopes import GateCenter, Slot, new_ewc
 
 STATE_FORMAT = "ruvllm-sona/1"
 
@@ -46,6 +46,8 @@ def save_state(
                 tensors[f"layers.{li}.{proj}.lora_A"] = np.ascontiguousarray(a)
                 tensors[f"layers.{li}.{proj}.lora_B"] = np.ascontiguousarray(b)
             tensors.update({k: np.ascontiguousarray(v) for k, v in s.ewc.state_arrays().items()})
+            if s.taught_keys:
+                tensors["gate.taught_keys"] = np.stack(s.taught_keys).astype(np.float32)
             entry: dict[str, Any] = {
                 "scope": s.scope, "file": f"adapters/{i:04d}.safetensors", "version": s.version,
                 "baseline": s.baseline, "feedback_count": s.feedback_count, "instant_updates": s.instant_updates,
@@ -63,6 +65,33 @@ def save_state(
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, target / "manifest.json")
     return target
+
+
+def save_gate_center(target: Path, center: GateCenter) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = target / "gate.safetensors.tmp"
+    save_file({"mean": center.mean.astype(np.float64)}, str(tmp), metadata={"count": str(center.count)})
+    os.replace(tmp, target / "gate.safetensors")
+
+
+def load_gate_center(d: Path, size: int) -> GateCenter:
+    """The gate's centre saved in ``d`` (a fresh one for states saved before the gate existed)."""
+    from safetensors import safe_open
+
+    center = GateCenter(size)
+    path = d / "gate.safetensors"
+    if not path.is_file():
+        return center
+    try:
+        with safe_open(str(path), "numpy") as f:
+            mean, count = f.get_tensor("mean"), int((f.metadata() or {}).get("count", "0"))
+    except Exception as exc:
+        raise SonaStateError(f"{path}: unreadable gate centre ({exc})") from exc
+    if mean.shape != (size,):
+        raise SonaStateError(f"{path}: gate centre has shape {mean.shape}, expected ({size},)")
+    center.mean, center.count = mean.astype(np.float64), count
+    return center
 
 
 def load_state(
@@ -117,5 +146,7 @@ def _load_slot(d: Path, entry: dict[str, Any], config: SonaConfig, keys: Sequenc
     slot.instant_updates = int(entry["instant_updates"])
     slot.deep_runs = int(entry["deep_runs"])
     slot.routed_from = entry.get("routed_from")
+    if "gate.taught_keys" in arrays:
+        slot.taught_keys = list(arrays["gate.taught_keys"].astype(np.float32))
     slot.snapshot = slot._make_snapshot()
     return slot

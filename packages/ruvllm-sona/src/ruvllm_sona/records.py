@@ -26,6 +26,9 @@ class Trajectory:
     capture_error: str | None = None
     #: Per-token weight the instant loop applies once the capture exists (None: nothing pending).
     pending_weight: float | None = None
+    #: The backend's final-norm hidden state at the prompt's last token (the gate's key), when the
+    #: request went through SONA's router.
+    key: np.ndarray | None = None
 
 
 @dataclass

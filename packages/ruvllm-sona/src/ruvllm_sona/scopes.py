@@ -75,6 +75,8 @@ class Slot:
         self.deep_runs = 0
         self.pending_quality = 0.0
         self.routed_from: str | None = None
+        #: Gate keys of the prompts this scope was taught with (see ``SonaConfig.gate``).
+        self.taught_keys: list[np.ndarray] = []
         self.snapshot = self._make_snapshot()
 
     def _make_snapshot(self) -> SonaAdapter:
@@ -87,6 +89,28 @@ class Slot:
         self.version += 1
         self.snapshot = self._make_snapshot()
         return self.snapshot
+
+
+class GateCenter:
+    """Running mean of the gate keys of every request seen: cosine similarities are taken after
+    subtracting it (final hidden states share a large common direction)."""
+
+    def __init__(self, size: int) -> None:
+        self.mean = np.zeros(size, np.float64)
+        self.count = 0
+
+    def observe(self, key: np.ndarray) -> None:
+        self.count += 1
+        self.mean += (np.asarray(key, np.float64) - self.mean) / self.count
+
+    def similarity(self, key: np.ndarray, taught: Sequence[np.ndarray]) -> float | None:
+        """Largest centred cosine similarity of ``key`` to ``taught`` (None when nothing is taught)."""
+        if not taught:
+            return None
+        q = np.asarray(key, np.float64) - self.mean
+        t = np.stack(taught).astype(np.float64) - self.mean
+        denom = np.linalg.norm(t, axis=1) * max(float(np.linalg.norm(q)), 1e-30)
+        return float(np.max((t @ q) / np.maximum(denom, 1e-30)))
 
 
 def merge_adapters(parts: Sequence[tuple[float, Params]], keys: Sequence[Key], rank: int) -> Params:

@@ -45,10 +45,11 @@ from ruvllm_sona.errors import FeedbackError, SonaError, UnknownResponseError
 from ruvllm_sona.lora import SonaAdapter
 from ruvllm_sona.model import LoraLlama
 from ruvllm_sona.params import Key, Params, copy_params, flat
-from ruvllm_sona.persistence import STATE_FORMAT, load_state, save_state
+from ruvllm_sona.persistence import STATE_FORMAT, load_gate_center, load_state, save_gate_center, save_state
 from ruvllm_sona.records import DeepRunReport, FeedbackReceipt, Sample, Trajectory
 from ruvllm_sona.scopes import (
     GLOBAL_SCOPE,
+    GateCenter,
     Slot,
     fresh_params,
     key_scope,
@@ -124,7 +125,11 @@ class Sona:
                                   num_patterns=config.bank_patterns, seed=config.seed)
         self._counters = {"trajectories": 0, "captures": 0, "capture_errors": 0, "feedback": 0,
                           "corrections": 0, "instant_updates": 0, "boundaries": 0, "merges": 0, "routed": 0,
-                          "deep_runs": 0, "cycles": 0}
+                          "deep_runs": 0, "cycles": 0, "gate_applied": 0, "gate_skipped": 0}
+        #: The gate's centre and the keys of requests not yet finished, by request id.
+        self.gate_center = GateCenter(mc.hidden_size)
+        self._pending_keys: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._merged_keys: list[np.ndarray] = []
         self._instant_times: deque[float] = deque(maxlen=2000)
         self._capture_times: deque[float] = deque(maxlen=500)
         self._cycle_times: deque[float] = deque(maxlen=500)
@@ -193,6 +198,8 @@ class Sona:
             shared = self._merged is not None and not self._isolated
             params = copy_params(self._merged) if shared else fresh_params(self.config, self.net, self.keys, scope)
             slot = Slot(scope, params, self.config.scale, new_ewc(self.config, params), self.config.initial_baseline)
+            if shared:
+                slot.taught_keys = list(self._merged_keys)
             self._slots[scope] = slot
             self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
             if scope != GLOBAL_SCOPE and prompt and not self._isolated:
@@ -214,18 +221,51 @@ class Sona:
         slot = self._slot(scope, request.prompt_token_ids)
         with slot.lock:
             snap = slot.snapshot
-        # An all-zero adapter changes nothing; leaving it off keeps the request prefix-cacheable.
-        request.adapter = None if snap.is_zero else snap
         request.metadata[ADAPTER_METADATA_KEY] = snap
-        request.metadata["sona"] = {"scope": scope, "adapter_version": snap.version}
+        info: dict[str, Any] = {"scope": scope, "adapter_version": snap.version}
+        request.metadata["sona"] = info
+        if not self.config.gate:
+            # An all-zero adapter changes nothing; leaving it off keeps the request prefix-cacheable.
+            request.adapter = None if snap.is_zero else snap
+            return
+        rid = request.request_id
+
+        def router(key: np.ndarray) -> SonaAdapter | None:
+            return self._gate(rid, scope, snap, key, info)
+
+        request.adapter_router = router
+
+    def _gate(
+        self, rid: str, scope: str, snap: SonaAdapter, key: np.ndarray, info: dict[str, Any]
+    ) -> SonaAdapter | None:
+        """The router of one request (engine thread): remember its key, then apply the scope's
+        adapter only if the prompt is near one the scope was taught with."""
+        key = np.asarray(key, np.float32).copy()
+        slot = self._slot(scope)
+        with self._lock:
+            self.gate_center.observe(key)
+            self._pending_keys[rid] = key
+            while len(self._pending_keys) > self.config.max_trajectories:
+                self._pending_keys.popitem(last=False)
+            with slot.lock:
+                taught = list(slot.taught_keys)
+            similarity = None if snap.is_zero else self.gate_center.similarity(key, taught)
+        applied = similarity is not None and similarity >= self.config.gate_threshold
+        with self._lock:
+            self._counters["gate_applied" if applied else "gate_skipped"] += 1
+        info.update(applied=applied, similarity=None if similarity is None else round(similarity, 4))
+        log.debug("sona gate", request_id=rid, scope=scope, similarity=info["similarity"], applied=applied)
+        return snap if applied else None
 
     @hookimpl
     def post_inference(self, request: InferenceRequest, result: InferenceResult) -> None:
         snap = request.metadata.get(ADAPTER_METADATA_KEY)
         if not isinstance(snap, SonaAdapter) or result.finish_reason == "abort" or not result.output_token_ids:
             return
+        with self._lock:
+            key = self._pending_keys.pop(request.request_id, None)
         traj = Trajectory(request.request_id, snap.scope, [int(t) for t in request.prompt_token_ids],
-                          [int(t) for t in result.output_token_ids], snap, time.monotonic())
+                          [int(t) for t in result.output_token_ids], snap, time.monotonic(), key=key)
         self.record(traj)
 
     def record(self, traj: Trajectory) -> None:
@@ -276,6 +316,8 @@ class Sona:
             self._counters["feedback"] += 1
             traj.score = float(score)
             self.bank.set_quality(response_id, float(score))
+            if (correction_ids is not None or advantage > 0) and traj.key is not None:
+                self._teach_key(slot, traj.key)
             if correction_ids is not None:
                 self._counters["corrections"] += 1
                 rid = f"{response_id}#correction{self._counters['corrections']}"
@@ -294,6 +336,14 @@ class Sona:
                 return FeedbackReceipt(response_id, traj.scope, "queued", advantage, current.version)
         version = self._apply_instant(traj, advantage)
         return FeedbackReceipt(response_id, traj.scope, "applied", advantage, version)
+
+    def _teach_key(self, slot: Slot, key: np.ndarray) -> None:
+        """Remember ``key`` as a prompt ``slot`` was taught with (the gate opens near it)."""
+        with slot.lock:
+            if any(np.array_equal(key, k) for k in slot.taught_keys):
+                return
+            slot.taught_keys.append(key)
+            del slot.taught_keys[: max(0, len(slot.taught_keys) - self.config.gate_max_keys)]
 
     def _correction_ids(self, correction: str | Sequence[int]) -> list[int]:
         if isinstance(correction, str):
@@ -464,10 +514,11 @@ class Sona:
             source = self._slot(str(match.pattern.scope))
             with source.lock:
                 params, ewc = copy_params(source.params), copy.deepcopy(source.ewc)
+                keys = list(source.taught_keys)
             with slot.lock:
                 if slot.feedback_count:
                     continue
-                slot.params, slot.ewc = params, ewc
+                slot.params, slot.ewc, slot.taught_keys = params, ewc, keys
                 slot.routed_from = source.scope
                 slot.publish()
             with self._lock:
@@ -482,16 +533,18 @@ class Sona:
                 return False
             self._merge_dirty = False
             slots = [s for s in self._slots.values() if s.scope != GLOBAL_SCOPE]
-        parts = []
+        parts, keys = [], []
         for s in slots:
             with s.lock:
                 if s.feedback_count:
                     parts.append((float(s.feedback_count), copy_params(s.params)))
+                    keys += s.taught_keys
         if not parts:
             return False
         merged = merge_adapters(parts, self.keys, self.config.rank)
         with self._lock:
             self._merged = merged
+            self._merged_keys = keys[-self.config.gate_max_keys :]
             self._counters["merges"] += 1
         return True
 
@@ -598,7 +651,7 @@ class Sona:
                     "scope": s.scope, "version": s.version, "active": not s.snapshot.is_zero,
                     "feedback": s.feedback_count, "instant_updates": s.instant_updates, "deep_runs": s.deep_runs,
                     "baseline": round(s.baseline, 4), "pending_quality": round(s.pending_quality, 4),
-                    "routed_from": s.routed_from, "ewc": s.ewc.stats(),
+                    "routed_from": s.routed_from, "ewc": s.ewc.stats(), "taught_prompts": len(s.taught_keys),
                 })
         return {
             "model": self.model_config.name,
@@ -623,6 +676,9 @@ class Sona:
                 "last_error": self._deep_error,
             },
             "bank": bank,
+            "gate": {"enabled": self.config.gate, "threshold": self.config.gate_threshold,
+                     "requests_seen": self.gate_center.count, "applied": counters["gate_applied"],
+                     "skipped": counters["gate_skipped"]},
             "adapters": adapters,
         }
 
@@ -637,16 +693,19 @@ class Sona:
         with self._lock:
             slots = list(self._slots.values())
             self.bank.save(target)
+            save_gate_center(target, self.gate_center)
         return save_state(target, slots, self.config, self.keys, self.model_config, self.net)
 
     def load(self, directory: str | Path) -> None:
         """Replace this instance's adapters and bank by those saved in ``directory``."""
         slots, bank = load_state(Path(directory), self.config, self.keys, self.model_config, self.net)
+        center = load_gate_center(Path(directory), self.model_config.hidden_size)
         with self._lock:
             self._slots = slots
             for scope in slots:
                 self._samples.setdefault(scope, deque(maxlen=self.config.deep_max_samples))
             self.bank = bank
+            self.gate_center = center
         self._slot(GLOBAL_SCOPE)
 
 
