@@ -3,6 +3,7 @@ it to a loaded model so the engine's requests get its adapters, and detach() unw
 
 from __future__ import annotations
 
+import pytest
 from _candle_compat_fixtures import write_tiny_hf_checkpoint
 
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
@@ -53,3 +54,23 @@ def _write_word_tokenizer(path, vocab: int) -> None:
     inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     inner.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     inner.save(str(path / "tokenizer.json"))
+
+
+def test_plugin_options_set_sona_config_fields_by_name_and_type():
+    from ruvllm_sona.errors import SonaError
+    from ruvllm_sona.plugin import _enabled, config_from_options
+
+    opts = {"sona": {"enabled": "true", "scope": "user", "gate": "false", "gate_threshold": "0.7",
+                     "deep_max_samples": "256", "state_dir": "/tmp/x"}}  # fmt: skip
+    mine = _enabled(opts)
+    cfg = config_from_options(mine)
+    assert (cfg.scope, cfg.gate, cfg.gate_threshold, cfg.deep_max_samples) == ("user", False, 0.7, 256)
+    assert _enabled({"sona": {"enabled": "false", "gate": "true"}}) is None
+    with pytest.raises(SonaError, match=r"sona\.gait"):
+        _enabled({"sona": {"enabled": "true", "gait": "on"}})
+    with pytest.raises(SonaError, match=r"sona\.gate="):
+        config_from_options({"gate": "maybe"})
+    with pytest.raises(SonaError, match=r"sona\.deep_epochs="):
+        config_from_options({"deep_epochs": "many"})
+    with pytest.raises(SonaError, match=r"sona\.layers"):
+        _enabled({"sona": {"enabled": "true", "layers": "1,2"}})

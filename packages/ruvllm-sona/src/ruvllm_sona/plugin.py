@@ -17,6 +17,7 @@ attaches it, ``register_routes`` adds ``POST /v1/feedback`` and ``GET /v1/sona/s
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -69,16 +70,46 @@ def active() -> Sona | None:
     return _active
 
 
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+#: SonaConfig fields a plugin option may set (scalars; ``sona.<field>=value``).
+_SETTABLE = {f.name: f for f in dataclasses.fields(SonaConfig) if f.name not in ("projections", "layers")}
+
+
 def _enabled(options: Mapping[str, Mapping[str, str]]) -> Mapping[str, str] | None:
     mine = options.get("sona") or {}
     flag = str(mine.get("enabled", "false")).lower()
-    if flag not in ("true", "1", "yes", "false", "0", "no"):
+    if flag not in _TRUE + _FALSE:
         raise SonaError(f"plugin option sona.enabled must be true or false, got {mine.get('enabled')!r}")
-    unknown = set(mine) - {"enabled", "scope", "state_dir"}
+    unknown = set(mine) - {"enabled", "state_dir"} - set(_SETTABLE)
     if unknown:
         raise SonaError(f"unknown plugin option(s) {', '.join(sorted('sona.' + k for k in unknown))} "
-                        "(known: sona.enabled, sona.scope, sona.state_dir)")  # fmt: skip
-    return mine if flag in ("true", "1", "yes") else None
+                        "(known: sona.enabled, sona.state_dir and SonaConfig's scalar fields, e.g. sona.scope, "
+                        "sona.gate, sona.gate_threshold, sona.ewc_lambda, sona.deep_trigger)")  # fmt: skip
+    return mine if flag in _TRUE else None
+
+
+def config_from_options(mine: Mapping[str, str]) -> SonaConfig:
+    """A SonaConfig from ``sona.<field>=value`` options, each parsed as its field's default's type."""
+    values: dict[str, object] = {}
+    for name, raw in mine.items():
+        if name in ("enabled", "state_dir"):
+            continue
+        default = _SETTABLE[name].default
+        text = str(raw).strip()
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in _TRUE + _FALSE:
+                    raise ValueError("expected true or false")
+                values[name] = text.lower() in _TRUE
+            elif isinstance(default, int):
+                values[name] = int(text)
+            elif isinstance(default, float):
+                values[name] = float(text)
+            else:
+                values[name] = text
+        except ValueError as exc:
+            raise SonaError(f"plugin option sona.{name}={raw!r}: {exc}") from None
+    return SonaConfig(**values)  # type: ignore[arg-type]
 
 
 @hookimpl
@@ -86,9 +117,9 @@ def model_loaded(model: LoadedModel, options: Mapping[str, Mapping[str, str]]) -
     mine = _enabled(options)
     if mine is None:
         return
-    config = SonaConfig(scope=mine["scope"]) if mine.get("scope") else SonaConfig()
+    config = config_from_options(mine)
     attach(model, config, state_dir=mine.get("state_dir") or None)
-    log.info("sona attached", scope=config.scope, state_dir=mine.get("state_dir"))
+    log.info("sona attached", scope=config.scope, gate=config.gate, state_dir=mine.get("state_dir"))
 
 
 @hookimpl
