@@ -163,7 +163,7 @@ class Server:
                "--backend", backend]  # fmt: skip
         for k, v in options.items():
             cmd += ["--plugin-option", f"sona.{k}={v}"]
-        self.log = log
+        self.log, self.model = log, model
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
@@ -182,7 +182,7 @@ class Server:
 
     def chat(self, question: str, max_tokens: int) -> tuple[str, str]:
         r = self.http.post("/v1/chat/completions", json={
-            "model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "model": self.model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0})  # fmt: skip
         r.raise_for_status()
         body = r.json()
@@ -193,7 +193,7 @@ class Server:
         r.raise_for_status()
 
     def perplexity(self, text: str) -> float:
-        r = self.http.post("/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 1, "echo": True,
+        r = self.http.post("/v1/completions", json={"model": self.model, "prompt": text, "max_tokens": 1, "echo": True,
                                                     "logprobs": 0, "temperature": 0})  # fmt: skip
         r.raise_for_status()
         lps = [x for x in r.json()["choices"][0]["logprobs"]["token_logprobs"][:-1] if x is not None]
