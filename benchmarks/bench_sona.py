@@ -92,12 +92,62 @@ def forward_overhead(model: Any, prompt: np.ndarray, zero: Any, trained: Any) ->
     return overhead
 
 
+ROUTING_PROMPTS = ["Write a haiku about rain.", "What is 17 times 23?", "Name three primary colors.",
+                   "How do I boil an egg?", "Tell me a joke about cats.", "What causes the seasons?",
+                   "Explain recursion in one sentence.", "What is the largest ocean on Earth?"]  # fmt: skip
+
+
+def routing_overhead(model: Any, sona: Sona, rounds: int) -> dict[str, Any]:
+    """8 streams of 32 greedy tokens through the engine: without SONA, and with SONA's gate routing
+    every request (its final hidden state returned, the router asked, the trajectory recorded;
+    nothing taught near these prompts, so no prompt runs twice). Rounds interleaved; p50 of each."""
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.sampling import SamplingParams
+
+    tok = model.tokenizer
+    engine = LLMEngine(model, EngineConfig(num_blocks=256, enable_prefix_caching=False))
+    prompts = [list(tok.encode_chat([{"role": "user", "content": p}])) for p in ROUTING_PROMPTS]
+
+    def run() -> float:
+        reqs = [GenerationRequest(p, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)) for p in prompts]
+        t0 = time.perf_counter()
+        engine.generate(reqs)
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"no_sona": [], "sona_gate": []}
+    for i in range(rounds + 1):
+        for label in times:
+            if label == "sona_gate":
+                model.host.register(sona, name="sona-routing-bench")
+            try:
+                t = run()
+            finally:
+                if label == "sona_gate":
+                    model.host.pm.unregister(sona)
+            if i:  # the first round warms up
+                times[label].append(t)
+    row: dict[str, Any] = {k: pct(v) for k, v in times.items()}
+    row["tokens_per_s_p50"] = {k: round(8 * 32 / statistics.median(v), 1) for k, v in times.items()}
+    row["gate_overhead_p50"] = f"{statistics.median(times['sona_gate']) / statistics.median(times['no_sona']) - 1:+.1%}"
+    row["gate_counts"] = {k: v for k, v in sona.stats()["counters"].items() if k.startswith("gate_")}
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here as JSON")
     ap.add_argument("--updates", type=int, default=2000, help="instant updates per trajectory size")
     ap.add_argument("--no-jax", action="store_true", help="measure the forward overhead on candle-compat only")
+    ap.add_argument("--routing-only", action="store_true", help="measure only the gate's routing overhead")
+    ap.add_argument("--routing-rounds", type=int, default=5)
     args = ap.parse_args()
+    if args.routing_only:
+        model = load_model("smollm2", backend="candle-compat")
+        sona = Sona.for_model(model, SonaConfig(), start=False)
+        row = routing_overhead(model, sona, args.routing_rounds)
+        sona.close(save=False)
+        print(json.dumps({"backend": model.backend.name, "cpus": os.cpu_count(), "routing_8_streams": row}, indent=1))
+        return
 
     model = load_model("smollm2", backend="candle-compat")
     tok = model.tokenizer
@@ -166,6 +216,8 @@ def main() -> None:
     if not args.no_jax:
         jax_model = load_model("smollm2", backend="jax")
         results["forward_jax"] = forward_overhead(jax_model, prompt, zero, trained)
+    results["routing_8_streams"] = routing_overhead(model, Sona.for_model(model, SonaConfig(), start=False),
+                                                    args.routing_rounds)  # fmt: skip
     sona.close(save=False)
 
     print(json.dumps(results, indent=1))
