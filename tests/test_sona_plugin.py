@@ -26,6 +26,7 @@ def test_attach_serves_adapters_to_engine_requests(tmp_path):
     _write_word_tokenizer(path, 97)
     model = load_model(str(path), backend="candle-compat")
     sona = plugin.attach(model, SonaConfig(background_interval=0.02), state_dir=tmp_path / "state")
+    assert model.step_needs == {"hidden_states"}  # the gate routes on them: precompile covers those steps
     try:
         engine = LLMEngine(model, EngineConfig(num_blocks=16))
         engine.generate([GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0),

@@ -119,6 +119,40 @@ def test_after_precompile_a_mixed_workload_compiles_nothing_and_matches_requests
     assert engine.block_manager.num_used_blocks == 0 or engine.config.enable_prefix_caching
 
 
+def test_with_an_adapter_router_the_hidden_state_steps_are_precompiled_too(tiny_jax):
+    """A plugin that routes on hidden states (SONA's gate) declares it in ``step_needs``: precompile
+    compiles every shape twice, and a workload whose every request is routed compiles nothing more."""
+    from ruvllm import hookimpl
+
+    class Router:
+        def __init__(self) -> None:
+            self.asked = 0
+
+        @hookimpl
+        def pre_inference(self, request):
+            def route(hidden):
+                self.asked += 1
+                return None
+
+            request.adapter_router = route
+
+    router = Router()
+    tiny_jax.step_needs.add("hidden_states")
+    tiny_jax.host.register(router)
+    try:
+        engine = LLMEngine(tiny_jax, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256))
+        shapes = engine.precompile()
+        assert len(shapes) == 2 * len(step_shapes(4, 128)) + 3
+        jm = tiny_jax.model
+        compiled = set(jm._compiled)
+        engine.generate(_requests("routed-"))
+        assert set(jm._compiled) == compiled
+        assert router.asked == len(_requests())
+    finally:
+        tiny_jax.host.pm.unregister(router)
+        tiny_jax.step_needs.discard("hidden_states")
+
+
 # ---------------------------------------------------------------------------- step budget
 
 

@@ -405,7 +405,8 @@ class JaxModel:
     ) -> list[tuple[str, float]]:
         """Compile every step shape (:func:`step_shapes`) and block-copy size a step within ``limits``
         can need; returns each shape with its compile seconds (a fraction of a second when the
-        persistent compilation cache has it). Block tables become ``limits.max_model_len`` tokens wide."""
+        persistent compilation cache has it). Block tables become ``limits.max_model_len`` tokens wide.
+        With ``limits.hidden_states`` every shape is compiled a second time returning hidden states."""
         max_num_seqs, max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
         max_model_len = limits.max_model_len
         bs = cache.block_size
@@ -413,17 +414,20 @@ class JaxModel:
         done: list[tuple[str, float]] = []
         shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
         copies = _lengths(1, bucket(max_num_seqs))
-        total = len(shapes) + len(copies)
+        variants = (False, True) if limits.hidden_states else (False,)
+        total = len(shapes) * len(variants) + len(copies)
         table = np.zeros(-(-max_model_len // bs), np.int32)
         for shape in shapes:
-            chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
-            chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
-            t0 = time.perf_counter()
-            inputs, plan, _, lora = self._prepare(chunks, cache)
-            self._step_for(plan, cache, inputs, lora)
-            done.append((str(shape), time.perf_counter() - t0))
-            if progress:
-                progress(len(done), total, *done[-1])
+            for hidden in variants:
+                chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
+                chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
+                chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden)
+                t0 = time.perf_counter()
+                inputs, plan, _, lora = self._prepare(chunks, cache)
+                self._step_for(plan, cache, inputs, lora)
+                done.append((f"{shape}{' hidden' if hidden else ''}", time.perf_counter() - t0))
+                if progress:
+                    progress(len(done), total, *done[-1])
         for n in copies:
             t0 = time.perf_counter()
             self._copy_fn(n, cache)

@@ -105,6 +105,9 @@ class StepLimits:
     max_num_batched_tokens: int
     #: Longest sequence (prompt plus output) in tokens.
     max_model_len: int
+    #: Steps may ask for final hidden states (a plugin routes on them, see
+    #: ``InferenceRequest.adapter_router``): compile those variants of every shape too.
+    hidden_states: bool = False
 
 
 @dataclass

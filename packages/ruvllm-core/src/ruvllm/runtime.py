@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,9 @@ class LoadedModel:
     model: BackendModel
     host: PluginHost
     options: LoadOptions
+    #: What plugins will ask of steps beyond logits (``"hidden_states"``), declared in their
+    #: ``model_loaded`` hook so the engine's precompile covers those step variants.
+    step_needs: set[str] = field(default_factory=set)
 
     @property
     def config(self) -> ModelConfig:

@@ -51,6 +51,8 @@ def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: s
             raise SonaError("SONA is already attached to a model in this process; call detach() first")
         sona = Sona.for_model(model, config, state_dir=Path(state_dir).expanduser() if state_dir else None)
         _active = sona
+    if sona.config.gate:
+        model.step_needs.add("hidden_states")  # the gate routes on them: the engine precompiles those steps
     module = sys.modules[__name__]
     if not model.host.pm.is_registered(module):
         model.host.register(module, name="sona")
