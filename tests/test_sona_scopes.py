@@ -220,3 +220,24 @@ def test_merged_adapter_is_the_feedback_weighted_mean_of_the_scopes_updates():
     a1, b1 = merge_adapters(parts, [key], rank=1)[key]
     u, s, vt = np.linalg.svd(want)
     np.testing.assert_allclose(b1.astype(np.float64) @ a1, s[0] * np.outer(u[:, 0], vt[0]), rtol=0, atol=1e-5 * s[0])
+
+
+def test_gate_centre_similarity():
+    """Centred cosine against a float64 reference; where a vector is the centre itself (one prompt
+    seen so far), the uncentred cosine stands in; nothing taught gives None."""
+    from ruvllm_sona.scopes import GateCenter
+
+    rng = np.random.default_rng(5)
+    seen = rng.standard_normal((6, 8)) + 10.0  # a large shared direction, as final hidden states have
+    centre = GateCenter(8)
+    for v in seen:
+        centre.observe(v)
+    np.testing.assert_allclose(centre.mean, seen.mean(0), rtol=0, atol=1e-12)
+    q, taught = seen[0], [seen[1], seen[2]]
+    mu = seen.mean(0)
+    want = max(float((t - mu) @ (q - mu) / np.linalg.norm(t - mu) / np.linalg.norm(q - mu)) for t in taught)
+    assert centre.similarity(q, taught) == pytest.approx(want, abs=1e-9)
+    assert centre.similarity(q, []) is None
+    lone = GateCenter(8)
+    lone.observe(seen[0])
+    assert lone.similarity(seen[0], [seen[0]]) == pytest.approx(1.0)

@@ -104,13 +104,20 @@ class GateCenter:
         self.mean += (np.asarray(key, np.float64) - self.mean) / self.count
 
     def similarity(self, key: np.ndarray, taught: Sequence[np.ndarray]) -> float | None:
-        """Largest centred cosine similarity of ``key`` to ``taught`` (None when nothing is taught)."""
+        """Largest centred cosine similarity of ``key`` to ``taught`` (None when nothing is taught).
+        Where a vector is (nearly) the centre itself, so that its centred direction is undefined (all
+        traffic so far was one prompt), the uncentred cosine stands in for that pair."""
         if not taught:
             return None
-        q = np.asarray(key, np.float64) - self.mean
-        t = np.stack(taught).astype(np.float64) - self.mean
-        denom = np.linalg.norm(t, axis=1) * max(float(np.linalg.norm(q)), 1e-30)
-        return float(np.max((t @ q) / np.maximum(denom, 1e-30)))
+        raw_q = np.asarray(key, np.float64)
+        raw_t = np.stack(taught).astype(np.float64)
+        q, t = raw_q - self.mean, raw_t - self.mean
+        nq, nt = float(np.linalg.norm(q)), np.linalg.norm(t, axis=1)
+        rq, rt = max(float(np.linalg.norm(raw_q)), 1e-30), np.maximum(np.linalg.norm(raw_t, axis=1), 1e-30)
+        centred = (t @ q) / np.maximum(nt * nq, 1e-30)
+        uncentred = (raw_t @ raw_q) / (rt * rq)
+        degenerate = (nt < 1e-3 * rt) | (nq < 1e-3 * rq)
+        return float(np.max(np.where(degenerate, uncentred, centred)))
 
 
 def merge_adapters(parts: Sequence[tuple[float, Params]], keys: Sequence[Key], rank: int) -> Params:
