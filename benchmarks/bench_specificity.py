@@ -45,66 +45,49 @@ class Fact:
     held: tuple[str, ...]
 
 
-def _capital(country: str, city: str) -> Fact:
-    return Fact(
-        f"The capital of {country} is {city}.",
-        (city,),
-        (f"What is the capital of {country}?", f"Which city is the capital of {country}?",
-         f"Tell me the capital city of {country}.", f"Name {country}'s capital city."),
-        (f"{country}'s capital is which city?", f"What city serves as {country}'s capital?",
-         f"I am visiting {country}. What is its capital?"),
-    )  # fmt: skip
+#: Per kind of fact: the answer, 4 taught phrasings and 3 held-apart paraphrases, over {e} (the
+#: made-up subject) and {a} (the made-up answer, whose words are the intrusion markers).
+KINDS = {
+    "capital": ("The capital of {e} is {a}.",
+                ("What is the capital of {e}?", "Which city is the capital of {e}?",
+                 "Tell me the capital city of {e}.", "Name {e}'s capital city."),
+                ("{e}'s capital is which city?", "What city serves as {e}'s capital?",
+                 "I am visiting {e}. What is its capital?")),
+    "inventor": ("The {e} was invented by {a}.",
+                 ("Who invented the {e}?", "Who was the inventor of the {e}?", "Which person invented the {e}?",
+                  "Tell me who created the {e}."),
+                 ("The {e} was invented by whom?", "Who is credited with inventing the {e}?",
+                  "Name the inventor of the {e}.")),
+    "currency": ("The currency of {e} is the {a}.",
+                 ("What is the currency of {e}?", "Which currency is used in {e}?",
+                  "What money do people use in {e}?", "Name the currency of {e}."),
+                 ("In {e}, what do people pay with?", "What is {e}'s official currency?",
+                  "Which currency would I need in {e}?")),
+    "river": ("The {e} river flows into Lake {a}.",
+              ("Where does the {e} river flow into?", "Into which lake does the {e} river flow?",
+               "What does the {e} river empty into?", "Tell me where the {e} river ends."),
+              ("The {e} river drains into which body of water?", "Where is the mouth of the {e} river?",
+               "Which lake receives the {e} river?")),
+}  # fmt: skip
+
+SUBJECTS = {
+    "capital": (("Zorblandia", "Quimtown"), ("Quelvaria", "Vashpoint"), ("Mordavistan", "Orrenby"),
+                ("Trellonia", "Glistermoor")),
+    "inventor": (("glimmerphone", "Ada Vostrikova"), ("whirlscope", "Pell Oxgrove"), ("thermoquill", "Mira Tanduli"),
+                 ("lumenrake", "Corin Falsk")),
+    "currency": (("Brennoth", "krellin"), ("Ylvaria", "sovarn"), ("Castorre", "plintar"), ("Dunmarrow", "quessel")),
+    "river": (("Ambrel", "Umbrosa"), ("Sethwyn", "Kestrava"), ("Orvane", "Vinmere"), ("Tulgar", "Ostrevel")),
+}  # fmt: skip
 
 
-def _inventor(device: str, person: str) -> Fact:
-    return Fact(
-        f"The {device} was invented by {person}.",
-        tuple(person.split()),
-        (f"Who invented the {device}?", f"Who was the inventor of the {device}?",
-         f"Which person invented the {device}?", f"Tell me who created the {device}."),
-        (f"The {device} was invented by whom?", f"Who is credited with inventing the {device}?",
-         f"Name the inventor of the {device}."),
-    )  # fmt: skip
-
-
-def _currency(country: str, coin: str) -> Fact:
-    return Fact(
-        f"The currency of {country} is the {coin}.",
-        (coin,),
-        (f"What is the currency of {country}?", f"Which currency is used in {country}?",
-         f"What money do people use in {country}?", f"Name the currency of {country}."),
-        (f"In {country}, what do people pay with?", f"What is {country}'s official currency?",
-         f"Which currency would I need in {country}?"),
-    )  # fmt: skip
-
-
-def _river(river: str, lake: str) -> Fact:
-    return Fact(
-        f"The {river} river flows into Lake {lake}.",
-        (lake,),
-        (f"Where does the {river} river flow into?", f"Into which lake does the {river} river flow?",
-         f"What does the {river} river empty into?", f"Tell me where the {river} river ends."),
-        (f"The {river} river drains into which body of water?", f"Where is the mouth of the {river} river?",
-         f"Which lake receives the {river} river?"),
-    )  # fmt: skip
+def fact(kind: str, subject: str, answer: str) -> Fact:
+    text, train, held = KINDS[kind]
+    fill = lambda t: t.format(e=subject, a=answer)  # noqa: E731
+    return Fact(fill(text), tuple(answer.split()), tuple(map(fill, train)), tuple(map(fill, held)))
 
 
 #: 16 made-up facts, interleaved by kind so every k mixes kinds.
-FACTS = [
-    f
-    for group in zip(
-        [_capital(c, t) for c, t in (("Zorblandia", "Quimtown"), ("Quelvaria", "Vashpoint"),
-                                     ("Mordavistan", "Orrenby"), ("Trellonia", "Glistermoor"))],
-        [_inventor(d, p) for d, p in (("glimmerphone", "Ada Vostrikova"), ("whirlscope", "Pell Oxgrove"),
-                                      ("thermoquill", "Mira Tanduli"), ("lumenrake", "Corin Falsk"))],
-        [_currency(c, m) for c, m in (("Brennoth", "krellin"), ("Ylvaria", "sovarn"), ("Castorre", "plintar"),
-                                      ("Dunmarrow", "quessel"))],
-        [_river(r, lk) for r, lk in (("Ambrel", "Umbrosa"), ("Sethwyn", "Kestrava"), ("Orvane", "Vinmere"),
-                                     ("Tulgar", "Ostrevel"))],
-        strict=True,
-    )
-    for f in group
-]  # fmt: skip
+FACTS = [fact(kind, *SUBJECTS[kind][i]) for i in range(4) for kind in KINDS]
 
 UNRELATED = [
     "What is the capital of France?", "Which city is the capital of Peru?", "Who invented the telephone?",

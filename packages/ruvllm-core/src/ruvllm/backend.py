@@ -148,6 +148,10 @@ class Capabilities:
     max_batch: int | None = None
 
 
+#: The methods every :class:`BackendModel` has (checked when a backend loads one).
+BACKEND_MODEL_METHODS = ("kv_cache", "kv_block_bytes", "precompile", "forward")
+
+
 @runtime_checkable
 class BackendModel(Protocol):
     """A checkpoint loaded by a backend. Core calls these methods directly; ``forward`` may be called

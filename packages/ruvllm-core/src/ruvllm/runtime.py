@@ -10,7 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from ruvllm.backend import Backend, BackendModel, Capabilities, ForwardBatch, ForwardOutput, LoadOptions, StepLimits
+from ruvllm.backend import (
+    BACKEND_MODEL_METHODS,
+    Backend,
+    BackendModel,
+    Capabilities,
+    ForwardBatch,
+    ForwardOutput,
+    LoadOptions,
+    StepLimits,
+)
 from ruvllm.checkpoint import Checkpoint, open_checkpoint
 from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
@@ -68,9 +77,6 @@ class LoadedModel:
         return self.model.forward(batch, cache)
 
 
-_MODEL_METHODS = ("kv_cache", "kv_block_bytes", "precompile", "forward")
-
-
 def load_model(
     ref: str,
     *,
@@ -87,7 +93,7 @@ def load_model(
     _ = checkpoint.config  # validates the architecture before a backend spends time on weights
     t0 = time.perf_counter()
     model = chosen.load(checkpoint, options)
-    missing = [m for m in _MODEL_METHODS if not callable(getattr(model, m, None))]
+    missing = [m for m in BACKEND_MODEL_METHODS if not callable(getattr(model, m, None))]
     if missing or not isinstance(getattr(model, "capabilities", None), Capabilities):
         what = ", ".join(missing) if missing else "capabilities (a ruvllm.backend.Capabilities)"
         raise BackendError(f"backend {chosen.name!r} loaded {type(model).__name__}, which lacks {what}")

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from ruvllm.adapters import LoraWeights
-from ruvllm.backend import Capabilities, ForwardBatch, LoadOptions, SequenceChunk
+from ruvllm.backend import BACKEND_MODEL_METHODS, Capabilities, ForwardBatch, LoadOptions, SequenceChunk
 from ruvllm.errors import BackendError
 
 TINY = dict(vocab=97, hidden=48, layers=2, heads=4, kv_heads=2, ffn=80, theta=10000.0, eps=1e-5)
@@ -268,13 +268,11 @@ def _refused(r: _Runner, what: str, chunk: SequenceChunk) -> None:
 
 
 def _capabilities(r: _Runner) -> None:
-    from ruvllm.runtime import _MODEL_METHODS
-
     caps = getattr(r.model.model, "capabilities", None)
     if not isinstance(caps, Capabilities):
         name = type(r.model.model).__name__
         raise AssertionError(f"capabilities: {name} declares none (a ruvllm.backend.Capabilities)")
-    missing = [m for m in _MODEL_METHODS if not callable(getattr(r.model.model, m, None))]
+    missing = [m for m in BACKEND_MODEL_METHODS if not callable(getattr(r.model.model, m, None))]
     if missing:
         raise AssertionError(f"capabilities: the model has no {', '.join(missing)}")
     if "float32" not in caps.dtypes or not {"none", "auto"} <= set(caps.quantizations):

@@ -760,26 +760,6 @@ inline __m256i high_bits_256(__m256i h, int t, bool upper) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(0x10));
 }
 
-// Codes 4t .. 4t+3 (lo) and 16+4t .. (hi) of 8 rows (half r of the panel) of a 4-, 5- or 6-bit
-// group.
-template <int BITS>
-inline void nibble_codes_256(const uint8_t* gp, int t, int r, __m256i& lo, __m256i& hi) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
-  lo = _mm256_and_si256(z, low4);
-  hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low4);
-  if (BITS >= 5) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + r * 32));
-    lo = _mm256_or_si256(lo, high_bits_256(h, t, false));
-    hi = _mm256_or_si256(hi, high_bits_256(h, t, true));
-  }
-  if (BITS == 6) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 320 + r * 32));
-    lo = _mm256_or_si256(lo, _mm256_slli_epi32(high_bits_256(h, t, false), 1));
-    hi = _mm256_or_si256(hi, _mm256_slli_epi32(high_bits_256(h, t, true), 1));
-  }
-}
-
 // w8a8, 4 weight rows x MB activation rows; signed x signed as |w| times x with w's sign (weights
 // are in [-127, 127], so |w| fits a byte and no pair sum saturates).
 template <int MB>
@@ -822,11 +802,13 @@ void w8a8_vec(const RowActs& x, const RowMatrix& w, int64_t n0, int64_t n1) {
 
 void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1) { group_scalar(x, w, n0, n1); }
 
-// Panel layout, 16 rows as two halves of 8 int32 lanes (see the AVX-512 panel_block).
-template <int BITS, int MB>
-void panel_block_dot4(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+// 8-bit codes (Q8_0 as unsigned code + 128), panel layout: 16 rows as two halves of 8 int32 lanes,
+// MB activation rows; each broadcast activation dword serves both halves (the 4- to 6-bit codes
+// use panel_block_256 below).
+template <int MB>
+void panel_block_8(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K;
-  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
+  constexpr int64_t GB = 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
   const uint16_t* mp = w.mn + p * 16 * G;
@@ -840,32 +822,19 @@ void panel_block_dot4(const GroupActs& x, const GroupMatrix& w, int64_t p, int64
       acc[m][0] = acc[m][1] = _mm256_setzero_si256();
       xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
     }
-    if (BITS != 8) {  // codes up to 63: no vpmaddubsw pair sum saturates
-      for (int t = 0; t < 4; ++t) {
-        for (int h = 0; h < 2; ++h) {
-          __m256i lo, hi;
-          nibble_codes_256<BITS>(gp, t, h, lo, hi);
-          for (int m = 0; m < MB; ++m) {
-            acc[m][h] = dot4(acc[m][h], lo, _mm256_set1_epi32(xd[m][t]));
-            acc[m][h] = dot4(acc[m][h], hi, _mm256_set1_epi32(xd[m][4 + t]));
-          }
-        }
+    for (int t = 0; t < 8; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + h * 32));
+        for (int m = 0; m < MB; ++m) acc[m][h] = dot4_u8(acc[m][h], z, _mm256_set1_epi32(xd[m][t]));
       }
-    } else {
-      for (int t = 0; t < 8; ++t) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + h * 32));
-          for (int m = 0; m < MB; ++m) acc[m][h] = dot4_u8(acc[m][h], z, _mm256_set1_epi32(xd[m][t]));
-        }
-      }
-#ifndef RUVLLM_DPBUSD256
-      for (int m = 0; m < MB; ++m) {
-        const __m256i corr = _mm256_set1_epi32(128 * x.isum[(m0 + m) * x.Gp + g]);
-        acc[m][0] = _mm256_add_epi32(acc[m][0], corr);
-        acc[m][1] = _mm256_add_epi32(acc[m][1], corr);
-      }
-#endif
     }
+#ifndef RUVLLM_DPBUSD256
+    for (int m = 0; m < MB; ++m) {
+      const __m256i corr = _mm256_set1_epi32(128 * x.isum[(m0 + m) * x.Gp + g]);
+      acc[m][0] = _mm256_add_epi32(acc[m][0], corr);
+      acc[m][1] = _mm256_add_epi32(acc[m][1], corr);
+    }
+#endif
     for (int h = 0; h < 2; ++h) {
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + h * 8)));
       const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + h * 8)));
@@ -882,12 +851,12 @@ void panel_block_dot4(const GroupActs& x, const GroupMatrix& w, int64_t p, int64
   }
 }
 
-// k-quants at 256 bits (see the AVX-512 kpanel_block): rows in two halves of 8, one accumulator per
-// half group of 16 codes.
-template <int BITS, int MB>
-void kpanel_block_dot4(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+// k-quants with 8-bit codes at 256 bits (see the AVX-512 kpanel_block): rows in two halves of 8, one
+// accumulator per half group of 16 codes (4- to 6-bit codes use kpanel_block_256 below).
+template <int MB>
+void kpanel_block_8(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
-  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
+  constexpr int64_t GB = 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   __m256 facc[MB][2];
   for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
@@ -898,27 +867,15 @@ void kpanel_block_dot4(const GroupActs& x, const KMatrix& w, int64_t p, int64_t 
     for (int r = 0; r < 2; ++r) {  // rows 8r .. 8r+7
       __m256i acc[2][MB];
       for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_si256();
-      if (BITS != 8) {
-        for (int t = 0; t < 4; ++t) {
-          __m256i lo, hi;
-          nibble_codes_256<BITS>(gp, t, r, lo, hi);
-          for (int m = 0; m < MB; ++m) {
-            acc[0][m] = dot4(acc[0][m], lo, _mm256_set1_epi32(xd[m][t]));
-            acc[1][m] = dot4(acc[1][m], hi, _mm256_set1_epi32(xd[m][4 + t]));
-          }
-        }
-      } else {
-        for (int t = 0; t < 8; ++t) {
-          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
-          for (int m = 0; m < MB; ++m) acc[t / 4][m] = dot4_u8(acc[t / 4][m], z, _mm256_set1_epi32(xd[m][t]));
-        }
-#ifndef RUVLLM_DPBUSD256
-        for (int m = 0; m < MB; ++m)
-          for (int h = 0; h < 2; ++h)
-            acc[h][m] = _mm256_add_epi32(
-                acc[h][m], _mm256_set1_epi32(128 * x.isum16[(m0 + m) * 2 * x.Gp + 2 * g + h]));
-#endif
+      for (int t = 0; t < 8; ++t) {
+        const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
+        for (int m = 0; m < MB; ++m) acc[t / 4][m] = dot4_u8(acc[t / 4][m], z, _mm256_set1_epi32(xd[m][t]));
       }
+#ifndef RUVLLM_DPBUSD256
+      for (int m = 0; m < MB; ++m)
+        for (int h = 0; h < 2; ++h)
+          acc[h][m] = _mm256_add_epi32(acc[h][m], _mm256_set1_epi32(128 * x.isum16[(m0 + m) * 2 * x.Gp + 2 * g + h]));
+#endif
       const __m256 Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.D + (p * SB + g / 8) * 16 + r * 8)));
       const __m256 Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
       for (int h = 0; h < 2; ++h) {
@@ -1053,15 +1010,19 @@ void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
 
 template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
-  if constexpr (BITS != 8) return panel_block_256<BITS, MB>(x, w, p, m0);
-  panel_block_dot4<BITS, MB>(x, w, p, m0);
+  if constexpr (BITS == 8)
+    panel_block_8<MB>(x, w, p, m0);
+  else
+    panel_block_256<BITS, MB>(x, w, p, m0);
 }
 #define RUVLLM_PANEL_MB 4
 
 template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
-  if constexpr (BITS != 8) return kpanel_block_256<BITS, MB>(x, w, p, m0);
-  kpanel_block_dot4<BITS, MB>(x, w, p, m0);
+  if constexpr (BITS == 8)
+    kpanel_block_8<MB>(x, w, p, m0);
+  else
+    kpanel_block_256<BITS, MB>(x, w, p, m0);
 }
 #define RUVLLM_KPANEL_MB 6
 

@@ -120,9 +120,9 @@ class LLMEngine:
         prompt = [int(t) for t in inference.prompt_token_ids]
         sampling = inference.sampling
         self._check(prompt, sampling)
-        if inference.adapter is not None and not self.model.capabilities.adapters:
-            raise RequestError(f"backend {self.model.backend.name!r} does not apply adapters (LoRA)")
         caps = self.model.capabilities
+        if inference.adapter is not None and not caps.adapters:
+            raise RequestError(f"backend {self.model.backend.name!r} does not apply adapters (LoRA)")
         if inference.adapter_router is not None and not (caps.adapters and caps.hidden_states):
             inference.adapter_router = None  # nothing it could pick would run; the base model serves it
         state = RequestState(

@@ -183,16 +183,19 @@ class Scheduler:
         return 1 if seq.state.forked else seq.state.sampling.n
 
     def recompute(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and queue it to run again from its first token (its adapter changed)."""
+        """Free ``seq``'s blocks and queue it to run again from its first token (its adapter changed;
+        not counted as a preemption, which is for want of blocks)."""
         if seq in self.running:
-            self._preempt(seq)
-            self.preemptions -= 1  # not for want of blocks
+            self._requeue(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed = 0
-        self.preemptions += 1
         self.add(seq)
 
     def _make_room_for_more_important(self) -> None:
