@@ -149,3 +149,27 @@ def test_adapters_load_and_unload_at_run_time(smollm2_model, smollm2_adapter, tm
                 == 200
             )
         assert srv.state.adapters == {}
+
+
+def test_the_adapters_requests_can_pick_are_declared_for_the_precompile():
+    """What ``--lora`` adapters (and runtime updates) declare to the engine's precompile: the loaded
+    adapters' largest rank, the projections they adapt and how many there are; with runtime updates
+    every projection, ``max_lora_rank`` (default 16) and ``max_loras`` (default 4) per step."""
+    import numpy as np
+
+    from ruvllm.adapters import LoraWeights
+    from ruvllm.backend import LORA_PROJECTIONS, AdapterLimits
+    from ruvllm_server.settings import ServerSettings
+    from ruvllm_server.state import lora_limits
+
+    def weights(name, rank, projs):
+        return LoraWeights(name, {(0, p): (np.zeros((rank, 8), np.float32), np.zeros((8, rank), np.float32), 1.0)
+                                  for p in projs})  # fmt: skip
+
+    loaded = {"a": weights("a", 8, ["v_proj", "q_proj"]), "b": weights("b", 4, ["down_proj"])}
+    assert lora_limits(ServerSettings(model="m"), {}) is None
+    assert lora_limits(ServerSettings(model="m"), loaded) == AdapterLimits(8, ("q_proj", "v_proj", "down_proj"), 2)
+    runtime = ServerSettings(model="m", enable_lora_runtime_updates=True)
+    assert lora_limits(runtime, loaded) == AdapterLimits(16, LORA_PROJECTIONS, 4)
+    bounded = ServerSettings(model="m", enable_lora_runtime_updates=True, max_lora_rank=32, max_loras=8)
+    assert lora_limits(bounded, {}) == AdapterLimits(32, LORA_PROJECTIONS, 8)

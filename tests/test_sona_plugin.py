@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from _candle_compat_fixtures import write_tiny_hf_checkpoint
 
+from ruvllm.backend import AdapterLimits
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
 from ruvllm.plugins import load_plugins
 from ruvllm.runtime import load_model
@@ -27,6 +28,8 @@ def test_attach_serves_adapters_to_engine_requests(tmp_path):
     model = load_model(str(path), backend="candle-compat")
     sona = plugin.attach(model, SonaConfig(background_interval=0.02), state_dir=tmp_path / "state")
     assert model.step_needs == {"hidden_states"}  # the gate routes on them: precompile covers those steps
+    # and steps carry its adapters: rank 2 on q and v, up to one per sequence
+    assert model.adapter_limits == AdapterLimits(2, ("q_proj", "v_proj"), None)
     try:
         engine = LLMEngine(model, EngineConfig(num_blocks=16))
         engine.generate([GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0),
@@ -42,6 +45,7 @@ def test_attach_serves_adapters_to_engine_requests(tmp_path):
     finally:
         plugin.detach()
     assert plugin.active() is None
+    assert model.adapter_limits is None  # detach withdrew the declaration
     assert (tmp_path / "state" / "manifest.json").is_file()
     # Detached: the hooks are inert again.
     engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2, temperature=0.0), request_id="q2")])

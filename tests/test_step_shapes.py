@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import httpx
 import numpy as np
@@ -151,6 +152,72 @@ def test_with_an_adapter_router_the_hidden_state_steps_are_precompiled_too(tiny_
     finally:
         tiny_jax.host.pm.unregister(router)
         tiny_jax.step_needs.discard("hidden_states")
+
+
+def _adapter(spec, name: str, rank: int, projections: tuple[str, ...], seed: int):
+    """A random LoRA adapter on every layer's ``projections`` of the jax model ``spec``."""
+    from ruvllm.adapters import LoraWeights
+
+    rng = np.random.default_rng(seed)
+    params = {}
+    for layer in range(spec.num_layers):
+        for proj in projections:
+            out, inp = spec.projection_shape(proj)
+            a = rng.standard_normal((rank, inp)).astype(np.float32) * 0.4
+            b = rng.standard_normal((out, rank)).astype(np.float32) * 0.4
+            params[(layer, proj)] = (a, b, 1.5)
+    return LoraWeights(name, params)
+
+
+def test_declared_adapters_are_precompiled_and_their_padded_steps_give_the_same_tokens(tiny_jax):
+    """Adapters declared before precompile (``LoadedModel.expect_adapters``: SONA and the server's
+    ``--lora`` do it) get one padded plan per shape: a workload mixing two adapters of different ranks
+    and projections with plain requests compiles nothing more, and its greedy tokens equal those of
+    plans sized to each step's adapters (compiled as they come)."""
+    from ruvllm.backend import AdapterLimits
+    from ruvllm_jax.model import LoraPlan
+
+    jm = tiny_jax.model
+    adapters = [_adapter(jm.spec, "a", 2, ("q_proj", "v_proj"), 1), _adapter(jm.spec, "b", 3, ("down_proj",), 2)]
+
+    def requests(prefix: str) -> list[GenerationRequest]:
+        out = _requests(prefix)
+        return [dataclasses.replace(r, adapter=adapters[i % 3]) if i % 3 < 2 else r for i, r in enumerate(out)]
+
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256)
+    tiny_jax.expect_adapters("test", AdapterLimits(3, ("q_proj", "v_proj", "down_proj")))
+    try:
+        engine = LLMEngine(tiny_jax, config)
+        shapes = engine.precompile()
+        assert len(shapes) == 2 * len(step_shapes(4, 128)) + 3
+        assert jm.fixed_lora == LoraPlan(slots=4, rank=4, projections=("q_proj", "v_proj", "down_proj"))
+        compiled = set(jm._compiled)
+        padded = engine.generate(requests("padded-"))
+        assert set(jm._compiled) == compiled
+        jm.fixed_lora = None  # plans sized to each step's adapters from here on
+        sized = LLMEngine(tiny_jax, config).generate(requests("sized-"))
+        assert len(jm._compiled) > len(compiled)  # those steps did need shapes of their own
+        base = LLMEngine(tiny_jax, config).generate(_requests("base-"))
+    finally:
+        tiny_jax.expect_adapters("test", None)
+        jm.fixed_lora = None
+    for p, s_ in zip(padded, sized, strict=True):
+        assert _tokens(p) == _tokens(s_), p[0].request_id
+    changed = [i for i, (p, b) in enumerate(zip(padded, base, strict=True)) if _tokens(p) != _tokens(b)]
+    assert changed and all(i % 3 < 2 for i in changed)  # the adapters matter, only where attached
+
+
+def test_adapter_limits_merge_and_refuse_what_no_backend_adapts():
+    from ruvllm.backend import AdapterLimits
+
+    a = AdapterLimits(2, ("v_proj", "q_proj"), 4)
+    b = AdapterLimits(8, ("down_proj",), 2)
+    assert a.merge(b) == AdapterLimits(8, ("q_proj", "v_proj", "down_proj"), 6)
+    assert a.merge(AdapterLimits(1, ("q_proj",))).per_step is None  # one side unbounded: unbounded
+    assert a.merge(None) is a
+    for bad in [(0, ("q_proj",)), (2, ()), (2, ("qkv_proj",)), (2, ("q_proj",), 0)]:
+        with pytest.raises(ValueError, match="AdapterLimits"):
+            AdapterLimits(*bad)
 
 
 # ---------------------------------------------------------------------------- step budget

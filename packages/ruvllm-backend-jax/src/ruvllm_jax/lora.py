@@ -132,6 +132,12 @@ class AdapterCache:
             self._gathered.popitem(last=False)
         return out
 
+    def padding(self, plan: LoraPlan, gathered: bool) -> LoraFactors:
+        """Factors of ``plan`` with every slot empty (zeros): what precompiling its step needs."""
+        if gathered:
+            return self.gathered([], plan)
+        return {proj: (self.zeros(proj, plan.rank),) * plan.slots for proj in plan.projections}
+
     def _upload(self, adapter: Any, version: Any) -> DeviceAdapter:
         params = getattr(adapter, "lora_params", None)
         if not callable(params):
@@ -188,6 +194,11 @@ class AdapterCache:
         return DeviceAdapter(adapter, version, rank, factors)
 
 
+def fits(plan: LoraPlan, bound: LoraPlan) -> bool:
+    """``plan``'s adapters run in ``bound``'s shape (no more slots, no larger rank, no other projection)."""
+    return plan.slots <= bound.slots and plan.rank <= bound.rank and set(plan.projections) <= set(bound.projections)
+
+
 def plan_adapters(
     adapters: Sequence[Any],
     lens: Sequence[int],
@@ -195,12 +206,14 @@ def plan_adapters(
     cache: AdapterCache,
     starts: Sequence[int] | None = None,
     gathered: bool = False,
+    fixed: LoraPlan | None = None,
 ) -> tuple[LoraPlan | None, np.ndarray | None, LoraFactors | None]:
     """Slots for the adapters of one step's chunks (``None`` entries: no adapter): the static plan,
     each token's slot (-1 for none) and the factors per projection and slot (``gathered``: in the
     native kernel's form, see :meth:`AdapterCache.gathered`). All None when no chunk has an adapter
     that changes anything, so the step is the one without adapters. Chunk ``i``'s tokens sit at
-    ``starts[i]`` (default: one after another)."""
+    ``starts[i]`` (default: one after another). With ``fixed`` (the precompiled plan) every step whose
+    adapters fit in it takes that plan, padded (zero factors add nothing)."""
     if all(a is None for a in adapters):
         return None, None, None
     uploaded = [None if a is None else cache.get(a) for a in adapters]
@@ -221,14 +234,16 @@ def plan_adapters(
     rank = max(e.rank for e in used)
     projections = tuple(p for p in PROJECTIONS if any(p in e.factors for e in used))
     plan = LoraPlan(slots=bucket(len(used)), rank=rank, projections=projections)
+    if fixed is not None and fits(plan, fixed):
+        plan = fixed
     if gathered:
         return plan, token_slot, cache.gathered(used, plan)
     factors: LoraFactors = {}
-    for proj in projections:
+    for proj in plan.projections:
         slots = []
         for entry in used:
-            own = cache.at_rank(entry, rank)
-            slots.append(own[proj] if proj in own else cache.zeros(proj, rank))
-        slots += [cache.zeros(proj, rank)] * (plan.slots - len(used))
+            own = cache.at_rank(entry, plan.rank)
+            slots.append(own[proj] if proj in own else cache.zeros(proj, plan.rank))
+        slots += [cache.zeros(proj, plan.rank)] * (plan.slots - len(used))
         factors[proj] = tuple(slots)
     return plan, token_slot, factors

@@ -36,8 +36,10 @@ from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
 from ruvllm_jax.model import (
+    PROJECTIONS,
     KVState,
     LoraFactors,
+    LoraPlan,
     ModelSpec,
     StepInputs,
     StepPlan,
@@ -229,6 +231,8 @@ class JaxModel:
     table_tokens: int = field(init=False, default=1)
     #: Set by :meth:`precompile`: a step compiled later is logged as a warning (a stall while serving).
     precompiled: bool = field(init=False, default=False)
+    #: Set by :meth:`precompile` from its limits' adapter bounds: the one adapter plan compiled.
+    fixed_lora: LoraPlan | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.native = self._want_native()
@@ -406,7 +410,10 @@ class JaxModel:
         """Compile every step shape (:func:`step_shapes`) and block-copy size a step within ``limits``
         can need; returns each shape with its compile seconds (a fraction of a second when the
         persistent compilation cache has it). Block tables become ``limits.max_model_len`` tokens wide.
-        With ``limits.hidden_states`` every shape is compiled a second time returning hidden states."""
+        With ``limits.hidden_states`` every shape is compiled a second time returning hidden states;
+        with ``limits.adapters`` once more (twice with hidden states) with adapters in one padded plan
+        (slots, rank and projections at the limits' bounds), which every step whose adapters fit it
+        then takes."""
         max_num_seqs, max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
         max_model_len = limits.max_model_len
         bs = cache.block_size
@@ -414,18 +421,30 @@ class JaxModel:
         done: list[tuple[str, float]] = []
         shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
         copies = _lengths(1, bucket(max_num_seqs))
-        variants = (False, True) if limits.hidden_states else (False,)
+        self.precompiled = False  # (compiling again, for other limits)
+        self.fixed_lora = None
+        if limits.adapters is not None:
+            a = limits.adapters
+            per_step = min(a.per_step or max_num_seqs, max_num_seqs)
+            projections = tuple(p for p in PROJECTIONS if p in a.projections)
+            self.fixed_lora = LoraPlan(slots=bucket(per_step), rank=bucket(a.max_rank), projections=projections)
+        variants = [
+            (hidden, lora)
+            for lora in ((None, self.fixed_lora) if self.fixed_lora else (None,))
+            for hidden in ((False, True) if limits.hidden_states else (False,))
+        ]
         total = len(shapes) * len(variants) + len(copies)
         table = np.zeros(-(-max_model_len // bs), np.int32)
         for shape in shapes:
-            for hidden in variants:
+            for hidden, fixed in variants:
                 chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
                 chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
                 chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden)
                 t0 = time.perf_counter()
-                inputs, plan, _, lora = self._prepare(chunks, cache)
+                inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed)
                 self._step_for(plan, cache, inputs, lora)
-                done.append((f"{shape}{' hidden' if hidden else ''}", time.perf_counter() - t0))
+                name = f"{shape}{' hidden' if hidden else ''}{' adapters' if fixed else ''}"
+                done.append((name, time.perf_counter() - t0))
                 if progress:
                     progress(len(done), total, *done[-1])
         for n in copies:
@@ -447,7 +466,8 @@ class JaxModel:
             self._compiled[key] = step
             seconds = round(time.perf_counter() - t0, 2)
             if self.precompiled:
-                # Adapters, hidden states and all-position logits are outside the precompiled set.
+                # All-position logits, and adapters or hidden states nobody declared (or adapters
+                # beyond the declared bounds), are outside the precompiled set.
                 log.warning("step compiled while serving", plan=plan, seconds=seconds, buckets=len(self._compiled))
             else:
                 log.debug("step compiled", plan=plan, seconds=seconds, buckets=len(self._compiled))
@@ -471,7 +491,7 @@ class JaxModel:
                 raise RequestError(f"chunk {i}: token ids must be in 0..{vocab - 1}")
 
     def _prepare(
-        self, chunks: list[SequenceChunk], cache: JaxKVCache
+        self, chunks: list[SequenceChunk], cache: JaxKVCache, force_lora: LoraPlan | None = None
     ) -> tuple[StepInputs, StepPlan, _Rows, LoraFactors | None]:
         """Inputs of one forward pass over ``chunks`` (one part of :func:`partition`): decoding
         tokens first, then each prompt chunk's, then padding up to the shape's token count."""
@@ -491,9 +511,14 @@ class JaxModel:
             starts[i] = nxt
             nxt += lens[i]
         native_step = self.native and (self.options.quantization == "w4a8" or t <= NATIVE_MAX_TOKENS)
-        lora_plan, lora_slot, lora = plan_adapters(
-            [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathers_lora(native_step, t)
-        )
+        gathered = gathers_lora(native_step, t)
+        if force_lora is not None:  # precompiling: the plan with every slot empty
+            lora_plan, lora = force_lora, self.adapters.padding(force_lora, gathered)
+            lora_slot = np.full(t, -1, np.int32)
+        else:
+            lora_plan, lora_slot, lora = plan_adapters(
+                [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathered, fixed=self.fixed_lora
+            )
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_block = np.full(t, nb, np.int32)

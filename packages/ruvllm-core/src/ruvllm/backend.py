@@ -95,6 +95,37 @@ class SequenceChunk:
 
 
 @dataclass(frozen=True)
+class AdapterLimits:
+    """What adapters steps may carry, declared before traffic by whoever attaches them (SONA, the
+    server's ``--lora``), so a backend that compiles per shape can compile the adapter variants of
+    its steps beforehand (one per shape: slots, rank and projections padded to these bounds)."""
+
+    #: Largest adapter rank.
+    max_rank: int
+    #: Projections (of :data:`LORA_PROJECTIONS`) any adapter adapts.
+    projections: tuple[str, ...]
+    #: Most distinct adapters in one step; None: one per sequence (``max_num_seqs``).
+    per_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1:
+            raise ValueError(f"AdapterLimits.max_rank must be positive, got {self.max_rank}")
+        unknown = [p for p in self.projections if p not in LORA_PROJECTIONS]
+        if unknown or not self.projections:
+            raise ValueError(f"AdapterLimits.projections must be some of {LORA_PROJECTIONS}, got {self.projections}")
+        if self.per_step is not None and self.per_step < 1:
+            raise ValueError(f"AdapterLimits.per_step must be positive or None, got {self.per_step}")
+
+    def merge(self, other: AdapterLimits | None) -> AdapterLimits:
+        """Bounds that cover both (the larger rank, every projection, the sum of adapters per step)."""
+        if other is None:
+            return self
+        per_step = None if self.per_step is None or other.per_step is None else self.per_step + other.per_step
+        projections = tuple(p for p in LORA_PROJECTIONS if p in self.projections or p in other.projections)
+        return AdapterLimits(max(self.max_rank, other.max_rank), projections, per_step)
+
+
+@dataclass(frozen=True)
 class StepLimits:
     """Bounds every step the engine schedules stays within; a backend that compiles per shape
     compiles all the shapes such steps need before traffic (the ``precompile`` hook)."""
@@ -108,6 +139,8 @@ class StepLimits:
     #: Steps may ask for final hidden states (a plugin routes on them, see
     #: ``InferenceRequest.adapter_router``): compile those variants of every shape too.
     hidden_states: bool = False
+    #: Steps may carry adapters within these bounds: compile those variants of every shape too.
+    adapters: AdapterLimits | None = None
 
 
 @dataclass

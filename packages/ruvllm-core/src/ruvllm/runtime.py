@@ -12,6 +12,7 @@ import structlog
 
 from ruvllm.backend import (
     BACKEND_MODEL_METHODS,
+    AdapterLimits,
     Backend,
     BackendModel,
     Capabilities,
@@ -46,6 +47,8 @@ class LoadedModel:
     #: What plugins will ask of steps beyond logits (``"hidden_states"``), declared in their
     #: ``model_loaded`` hook so the engine's precompile covers those step variants.
     step_needs: set[str] = field(default_factory=set)
+    #: Adapters steps will carry, by who declared them (see :meth:`expect_adapters`).
+    adapter_needs: dict[str, AdapterLimits] = field(default_factory=dict)
 
     @property
     def config(self) -> ModelConfig:
@@ -58,6 +61,22 @@ class LoadedModel:
     @cached_property
     def tokenizer(self) -> Tokenizer:
         return self.checkpoint.tokenizer()
+
+    def expect_adapters(self, owner: str, limits: AdapterLimits | None) -> None:
+        """Declare the adapters ``owner``'s requests will carry (a plugin's ``model_loaded`` hook,
+        the server's ``--lora``), so the engine's precompile covers those steps; None withdraws it."""
+        if limits is None:
+            self.adapter_needs.pop(owner, None)
+        else:
+            self.adapter_needs[owner] = limits
+
+    @property
+    def adapter_limits(self) -> AdapterLimits | None:
+        """Bounds covering every declaration (:meth:`AdapterLimits.merge`); None: no adapters."""
+        merged: AdapterLimits | None = None
+        for limits in self.adapter_needs.values():
+            merged = limits.merge(merged)
+        return merged
 
     def allocate_cache(self, num_blocks: int, block_size: int, **options: Any) -> Any:
         return self.model.kv_cache(num_blocks, block_size, options)

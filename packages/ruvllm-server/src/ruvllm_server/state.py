@@ -17,6 +17,7 @@ from ruvllm_server.metrics import ServerMetrics
 from ruvllm_server.settings import ServerConfigError, ServerSettings
 
 if TYPE_CHECKING:
+    from ruvllm.backend import AdapterLimits
     from ruvllm.engine import AsyncEngine
     from ruvllm.engine.types import EngineStats
     from ruvllm.reasoning import ReasoningParser
@@ -90,6 +91,31 @@ def load_adapters(settings: ServerSettings, config: Any) -> dict[str, Any]:
         out[name] = load_peft_adapter(ref, name, config, max_rank=settings.max_lora_rank)
         log.info("lora adapter loaded", name=name, path=ref, rank=out[name].max_rank)
     return out
+
+
+#: What runtime-loaded adapters are precompiled for when the settings do not bound them: rank (vLLM's
+#: default ``max_lora_rank``) and distinct adapters in one step. Steps beyond still run, their shapes
+#: compiled when first used (a warning in the log).
+RUNTIME_LORA_RANK = 16
+RUNTIME_LORAS_PER_STEP = 4
+
+
+def lora_limits(settings: ServerSettings, adapters: dict[str, Any]) -> AdapterLimits | None:
+    """What the ``--lora`` adapters, and with runtime updates the adapters loaded later, ask of steps;
+    None when requests can pick no adapter. A step holds at most as many distinct adapters as are
+    loaded (with runtime updates: ``max_loras``, else :data:`RUNTIME_LORAS_PER_STEP`)."""
+    from ruvllm.backend import LORA_PROJECTIONS, AdapterLimits
+
+    loaded = [a for a in adapters.values() if a.max_rank > 0]
+    if settings.enable_lora_runtime_updates:
+        rank = settings.max_lora_rank or max([RUNTIME_LORA_RANK, *(a.max_rank for a in loaded)])
+        per_step = max(settings.max_loras or RUNTIME_LORAS_PER_STEP, len(loaded))
+        return AdapterLimits(rank, LORA_PROJECTIONS, per_step)
+    if not loaded:
+        return None
+    used = {proj for a in loaded for _, proj in a.params}
+    projections = tuple(p for p in LORA_PROJECTIONS if p in used)
+    return AdapterLimits(max(a.max_rank for a in loaded), projections, len(loaded))
 
 
 def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:
@@ -194,6 +220,8 @@ class ServerState:
                 )
             self.reasoning_parser = found[s.reasoning_parser]
         self.adapters = load_adapters(s, self.model.config)
+        # Steps will carry them: the engine's precompile covers those steps.
+        self.model.expect_adapters("server.lora", lora_limits(s, self.adapters))
         options = s.effective_plugin_options
         check_plugin_options(self.model.host, options)
         # Plugins set up what they need for the model (SONA attaches its learner here).
@@ -267,6 +295,8 @@ class ServerState:
             # Plugins save and release (SONA joins its threads): keep the event loop free meanwhile.
             await anyio.to_thread.run_sync(lambda: self.model.host.hook.model_unloading(model=self.model))
             self.plugins_loaded = False
+        if self.model is not None:
+            self.model.expect_adapters("server.lora", None)
 
     # --- accessors ------------------------------------------------------------------------------
 

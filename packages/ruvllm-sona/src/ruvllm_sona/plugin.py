@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ruvllm.backend import AdapterLimits
 from ruvllm.hookspecs import hookimpl
 from ruvllm_sona.config import SonaConfig
 from ruvllm_sona.errors import SonaError
@@ -39,20 +40,25 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ruvllm_sona")
 
 _active: Sona | None = None
+#: The model _active learns on (detach withdraws what attach declared on it).
+_model: LoadedModel | None = None
 _attach_lock = threading.Lock()
 
 
 def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: str | Path | None = None) -> Sona:
     """Create the SONA learner for ``model``, start its background loop and make this module's hooks
     (registered with ``model.host`` if the entry point was filtered out) forward to it."""
-    global _active
+    global _active, _model
     with _attach_lock:
         if _active is not None:
             raise SonaError("SONA is already attached to a model in this process; call detach() first")
         sona = Sona.for_model(model, config, state_dir=Path(state_dir).expanduser() if state_dir else None)
-        _active = sona
+        _active, _model = sona, model
     if sona.config.gate:
         model.step_needs.add("hidden_states")  # the gate routes on them: the engine precompiles those steps
+    # Steps carry the scopes' adapter snapshots: up to one per sequence (in-flight requests keep the
+    # snapshot they started with, so even the global scope can have several in one step).
+    model.expect_adapters("sona", AdapterLimits(sona.config.rank, tuple(sona.config.projections)))
     module = sys.modules[__name__]
     if not model.host.pm.is_registered(module):
         model.host.register(module, name="sona")
@@ -61,9 +67,12 @@ def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: s
 
 def detach(save: bool = True) -> None:
     """Stop the attached learner (saving its state when it has a directory)."""
-    global _active
+    global _active, _model
     with _attach_lock:
         sona, _active = _active, None
+        model, _model = _model, None
+    if model is not None:
+        model.expect_adapters("sona", None)
     if sona is not None:
         sona.close(save=save)
 

@@ -223,6 +223,7 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             hidden_states="hidden_states" in self.model.step_needs,
+            adapters=self.model.adapter_limits if self.model.capabilities.adapters else None,
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
         return self.precompiled
