@@ -47,7 +47,7 @@ def candle_json(smollm2_path: Path) -> dict[str, Any]:
 
 def test_json_reports_settings_and_positive_metrics(candle_json: dict[str, Any]) -> None:
     r = candle_json
-    assert (r["model"], r["backend"], r["quantization"]) == ("smollm2", "candle-compat", "none")
+    assert (r["model"], r["backend"], r["quantization"], r["dtype"]) == ("smollm2", "candle-compat", "none", "float32")
     s = r["settings"]
     assert (s["prompt_length"], s["gen_length"], s["iterations"], s["warmup"], s["batch"]) == (8, 4, 2, 1, 2)
     assert set(r["metrics"]) == METRICS
@@ -105,7 +105,8 @@ def test_table_on_the_jax_backend(smollm2_path: Path) -> None:
     # native kernels build with their vector path) and the report names.
     from ruvllm_jax import native
 
-    assert f"backend   jax, quantization {'w4a8' if native.has_vector_path() else 'none'}" in out
+    want = f"backend   jax, quantization {'w4a8' if native.has_vector_path() else 'none'}, dtype float32"
+    assert want in out  # (--dtype auto resolves to float32 on a CPU)
     rows = {}
     for line in out.splitlines():
         label, sep, rest = line.partition("  ")

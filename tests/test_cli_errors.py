@@ -86,3 +86,15 @@ def test_threads_on_a_backend_that_cannot_apply_them() -> None:
     """candle-compat's BLAS fixes its threads at import: ``--threads`` is refused, not ignored."""
     proc = run_cli("generate", "smollm2", "hi", "--backend", "candle-compat", "--threads", "2", "--max-tokens", "1")
     assert_one_line_error(proc, "candle-compat takes no backend options (got threads)", "OPENBLAS_NUM_THREADS")
+
+
+def test_dtype_a_backend_cannot_run_or_that_does_not_exist(tmp_path: Path) -> None:
+    """``--dtype`` reaches the backend: one it cannot run is refused by name; an unknown one (from
+    ``RUVLLM_DTYPE``, which argparse does not check) before anything loads."""
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    proc = run_cli("generate", str(path), "hi", "--backend", "candle-compat", "--dtype", "bfloat16")
+    assert_one_line_error(proc, "float32 only", "bfloat16")
+    proc = run_cli("generate", str(path), "hi", "--backend", "candle-compat", env={"RUVLLM_DTYPE": "fp8"})
+    assert_one_line_error(proc, "unknown dtype 'fp8'")
+    proc = run_cli("generate", str(path), "hi", "--dtype", "fp8")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

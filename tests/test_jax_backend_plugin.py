@@ -71,19 +71,27 @@ def test_block_copies_duplicate_cache_contents(tiny_model):
     assert not np.allclose(alone.logits[0], out.logits[1])
 
 
-def test_bfloat16_compute_stays_close_to_float32(tiny, tiny_model):
-    bf16 = load_jax(tiny, dtype="bfloat16")
+@pytest.mark.parametrize("dtype, tolerance", [("bfloat16", 0.05), ("float16", 0.006)])
+def test_half_precision_compute_stays_close_to_float32(tiny, tiny_model, dtype, tolerance):
+    half = load_jax(tiny, dtype=dtype)
+    assert half.options.dtype == dtype and half.spec.dtype == dtype
     ids = np.arange(20, 37, dtype=np.int32)
     outs = []
-    for m in (tiny_model, bf16):
+    for m in (tiny_model, half):
         cache = m.allocate_cache(6, 4)
         chunk = SequenceChunk(ids, 0, np.arange(5, dtype=np.int32), all_logits=True)
         outs.append(m.forward(ForwardBatch([chunk], 4), cache).all_logits[0])
     assert outs[1].dtype == np.float32
+    assert half.kv_block_bytes(4, {}) * 2 == tiny_model.kv_block_bytes(4, {})  # the cache is half-width too
     scale = np.abs(outs[0]).max()
-    # bfloat16 keeps 8 mantissa bits: a few percent of the logit range after two layers.
-    assert np.abs(outs[1] - outs[0]).max() <= 0.05 * scale
-    assert not np.array_equal(outs[0], outs[1])  # it really ran in bfloat16
+    # bfloat16 keeps 8 mantissa bits, float16 11: a few percent (tenths of a percent) of the logit
+    # range after two layers.
+    assert np.abs(outs[1] - outs[0]).max() <= tolerance * scale
+    assert not np.array_equal(outs[0], outs[1])  # it really ran in half precision
+
+
+def test_dtype_auto_is_float32_on_a_cpu(tiny):
+    assert load_jax(tiny, dtype="auto").options.dtype == "float32"
 
 
 @pytest.mark.parametrize(

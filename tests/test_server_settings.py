@@ -32,6 +32,12 @@ def test_flags_beat_env_beat_toml(tmp_path: Path) -> None:
     assert s.cors_origins == ["https://a"]
 
 
+def test_dtype_from_flag_env_and_default() -> None:
+    assert load_settings(environ={}).dtype == "auto"
+    assert load_settings(environ={"RUVLLM_DTYPE": "bfloat16"}).dtype == "bfloat16"
+    assert load_settings({"dtype": "float16"}, environ={"RUVLLM_DTYPE": "bfloat16"}).dtype == "float16"
+
+
 def test_toml_server_table(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[server]\nrate_limit = 2.5\nenable_prefix_caching = false\n")
@@ -62,6 +68,8 @@ def test_masked_hides_keys() -> None:
         ({"rate_limit": -1.0}, {}, "rate_limit"),
         ({"max_step_ratio": 0.5}, {}, "max_step_ratio must be 0 \\(off\\) or above 1"),
         ({}, {"RUVLLM_MAX_STEP_RATIO": "-2"}, "max_step_ratio"),
+        ({"dtype": "float64"}, {}, "dtype"),
+        ({}, {"RUVLLM_DTYPE": "fp8"}, "dtype"),
     ],
 )
 def test_bad_values_name_the_setting(flags: dict, env: dict, needle: str) -> None:

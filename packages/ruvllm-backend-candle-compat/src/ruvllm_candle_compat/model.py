@@ -116,7 +116,7 @@ class CandleCompatModel:
                 f"candle-compat keeps weights in float32 (asked for quantization {options.quantization!r}); "
                 "use the jax backend for q8/q4"
             )
-        if options.dtype != "float32":
+        if options.dtype not in ("float32", "auto"):  # auto: float32 is this backend's only dtype
             raise BackendError(f"candle-compat computes in float32 only (asked for dtype {options.dtype!r})")
         if options.extra:
             # threads included: NumPy's BLAS fixes its pool at import (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
@@ -180,7 +180,7 @@ class CandleCompatModel:
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, h))
         model = cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head)
         #: The options as applied (``auto`` resolved), which core reports.
-        model.options = dataclasses.replace(options, quantization="none")
+        model.options = dataclasses.replace(options, quantization="none", dtype="float32")
         return model
 
     # -- building blocks ------------------------------------------------------------------------

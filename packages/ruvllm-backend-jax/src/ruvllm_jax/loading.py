@@ -42,7 +42,7 @@ log = structlog.get_logger("ruvllm_jax.loading")
 #: SmoothQuant's migration strength per projection input (0: none, 1: all onto the weights).
 SMOOTHING_ALPHA = {"attention_in": 0.5, "output_in": 0.5, "mlp_in": 0.5, "down_in": 0.5, "head_in": 0.5}
 
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def _float(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -251,6 +251,9 @@ class JaxModel:
                 f"jax backend: unknown option(s) {', '.join(sorted(unknown))} "
                 f"(known: {', '.join(sorted(_KNOWN_EXTRA))})"
             )
+        if options.dtype == "auto":  # bfloat16 on GPUs (half the bytes, tensor cores), float32 on CPUs
+            gpu = jax.devices()[0].platform == "gpu"
+            options = dataclasses.replace(options, dtype="bfloat16" if gpu else "float32")
         if options.quantization == "auto":
             options = dataclasses.replace(options, quantization=auto_quantization(checkpoint, options))
         if options.quantization not in QUANTIZATIONS:

@@ -33,7 +33,8 @@ class LoadOptions:
     #: ``auto`` lets the backend pick its fastest form that keeps the checkpoint's weights (backends
     #: without such a form treat it as ``none``). Others are backend-specific (see each backend).
     quantization: str = "none"
-    #: Compute dtype hint (``float32``, ``bfloat16``); backends may refuse what they cannot do.
+    #: Compute dtype (``float32``, ``bfloat16``, ``float16``; backends refuse what they cannot do, by
+    #: name); ``auto``: the backend's choice for its device (bfloat16 on GPUs, float32 on CPUs).
     dtype: str = "float32"
     #: Backend-specific extras (thread counts, device, tensor-parallel size, ...).
     extra: dict[str, Any] = field(default_factory=dict)
@@ -42,6 +43,9 @@ class LoadOptions:
     #: copies and ignore it.
     max_adapters: int | None = None
 
+
+#: What ``LoadOptions.dtype`` (``--dtype``) may name; a backend runs some of the concrete ones.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 #: Projections an adapter may adapt, in Hugging Face naming.
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

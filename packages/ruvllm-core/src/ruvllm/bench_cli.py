@@ -109,6 +109,8 @@ class BenchmarkReport:
     #: What the backend reports for its weights and KV cache (``weight_bytes`` / ``nbytes``), if it does.
     weight_bytes: int | None = None
     kv_cache_bytes: int | None = None
+    #: The compute dtype as applied (``auto`` resolved).
+    dtype: str = "float32"
 
     def metrics(self) -> list[MetricSummary]:
         s = self.settings
@@ -136,6 +138,7 @@ class BenchmarkReport:
             "path": self.path,
             "backend": self.backend,
             "quantization": self.quantization,
+            "dtype": self.dtype,
             "settings": asdict(self.settings),
             "spread": "min and max over the timed iterations",
             "metrics": {
@@ -255,6 +258,7 @@ def run_benchmark(
         path=str(model.checkpoint.path),
         backend=model.backend.name,
         quantization=model.options.quantization,
+        dtype=model.options.dtype,
         settings=settings,
         weight_bytes=_optional_int(getattr(model.model, "weight_bytes", None)),
         kv_cache_bytes=_optional_int(getattr(cache, "nbytes", None)),
@@ -283,7 +287,7 @@ def render_table(report: BenchmarkReport) -> str:
     s = report.settings
     lines = [
         f"model     {report.model} ({report.path})",
-        f"backend   {report.backend}, quantization {report.quantization}",
+        f"backend   {report.backend}, quantization {report.quantization}, dtype {report.dtype}",
         f"workload  batch {s.batch} x prompt {s.prompt_length} tokens, {s.gen_length} decode steps; "
         f"{s.iterations} timed iteration(s) after {s.warmup} warm-up",
         "",

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from ruvllm.backend import DTYPE_CHOICES
+
     p.add_argument("model", help="alias (smollm2), GGUF file, HF model directory or Hub repo id")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
     p.add_argument(
@@ -25,6 +27,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "none", "q8", "q4", "w8a8", "w4a8"],
         help="weight quantization at load (auto: the backend's fastest form that keeps the checkpoint's weights)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=os.environ.get("RUVLLM_DTYPE", "auto"),
+        choices=list(DTYPE_CHOICES),
+        help="compute dtype (default: RUVLLM_DTYPE or auto: bfloat16 on a GPU, float32 on a CPU)",
     )
     p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
@@ -60,7 +68,9 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
         args.model,
         backend=args.backend,
         options=LoadOptions(
-            quantization=args.quantization, extra={} if args.threads is None else {"threads": args.threads}
+            quantization=args.quantization,
+            dtype=args.dtype,
+            extra={} if args.threads is None else {"threads": args.threads},
         ),
         host=host,
         cache_dir=args.cache_dir,

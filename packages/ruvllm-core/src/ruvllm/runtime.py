@@ -12,6 +12,7 @@ import structlog
 
 from ruvllm.backend import (
     BACKEND_MODEL_METHODS,
+    DTYPE_CHOICES,
     AdapterLimits,
     Backend,
     BackendModel,
@@ -108,6 +109,8 @@ def load_model(
     host = host or load_plugins()
     chosen = host.choose_backend(backend)
     options = options or LoadOptions()
+    if options.dtype not in DTYPE_CHOICES:  # before anything loads
+        raise BackendError(f"unknown dtype {options.dtype!r} (choose from {', '.join(DTYPE_CHOICES)})")
     checkpoint = open_checkpoint(resolve(ref, cache=cache_dir))
     _ = checkpoint.config  # validates the architecture before a backend spends time on weights
     t0 = time.perf_counter()
@@ -117,9 +120,11 @@ def load_model(
         what = ", ".join(missing) if missing else "capabilities (a ruvllm.backend.Capabilities)"
         raise BackendError(f"backend {chosen.name!r} loaded {type(model).__name__}, which lacks {what}")
     caps = model.capabilities
-    if options.dtype not in caps.dtypes:
-        runs = ", ".join(caps.dtypes)
-        raise BackendError(f"backend {chosen.name!r} does not run dtype {options.dtype!r} (it runs {runs})")
-    log.debug("model loaded", model=ref, backend=chosen.name, seconds=round(time.perf_counter() - t0, 2))
     applied = getattr(model, "options", None)
-    return LoadedModel(ref, checkpoint, chosen, model, host, applied if isinstance(applied, LoadOptions) else options)
+    applied = applied if isinstance(applied, LoadOptions) else options
+    if applied.dtype not in caps.dtypes:  # (``auto`` resolved by the backend)
+        runs = ", ".join(caps.dtypes)
+        raise BackendError(f"backend {chosen.name!r} does not run dtype {applied.dtype!r} (it runs {runs})")
+    seconds = round(time.perf_counter() - t0, 2)
+    log.debug("model loaded", model=ref, backend=chosen.name, dtype=applied.dtype, seconds=seconds)
+    return LoadedModel(ref, checkpoint, chosen, model, host, applied)

@@ -191,6 +191,7 @@ class _Runner:
         from ruvllm.plugins import load_plugins
         from ruvllm.runtime import load_model
 
+        self.backend, self.path = backend, path
         self.model = load_model(str(path), backend=backend, host=load_plugins(), options=LoadOptions())
         self.weights = {n: self.model.checkpoint.tensor(n) for n in self.model.checkpoint.tensor_names()}
         self.atol = atol
@@ -277,6 +278,12 @@ def _capabilities(r: _Runner) -> None:
         raise AssertionError(f"capabilities: the model has no {', '.join(missing)}")
     if "float32" not in caps.dtypes or not {"none", "auto"} <= set(caps.quantizations):
         raise AssertionError("capabilities: every backend runs float32 with quantization none and auto")
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    auto = load_model(str(r.path), backend=r.backend, host=load_plugins(), options=LoadOptions(dtype="auto"))
+    if auto.options.dtype not in caps.dtypes:  # (load_model refuses it too)
+        raise AssertionError(f"capabilities: dtype 'auto' resolved to {auto.options.dtype!r}, not one it runs")
 
 
 def _hidden(r: _Runner) -> None:

@@ -28,6 +28,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         choices=["auto", "none", "q8", "q4", "w8a8", "w4a8"],
         help="weight quantization at load",
     )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype (default auto: bfloat16 on a GPU, float32 on a CPU)",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
     p.add_argument("--max-concurrent", type=int, default=None, help="requests served at once (default 256)")
@@ -141,6 +147,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "port": args.port,
         "backend": args.backend,
         "quantization": args.quantization,
+        "dtype": args.dtype,
         "threads": args.threads,
         "served_model_name": args.served_model_name,
         "max_concurrent": args.max_concurrent,

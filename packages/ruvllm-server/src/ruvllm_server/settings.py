@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import tomllib
@@ -29,6 +29,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: str | None = None
     #: ``auto``: the backend's fastest form that keeps the checkpoint's weights (see LoadOptions).
     quantization: str = "auto"
+    #: Compute dtype; ``auto``: bfloat16 on a GPU, float32 on a CPU (the backend refuses what it
+    #: cannot run, by name).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: CPU threads for the backend's kernels (default: the CPUs this process may use).
     threads: Positive | None = None
     host: str = "127.0.0.1"

@@ -39,6 +39,7 @@ def load_model(settings: ServerSettings) -> LoadedModel:
     return runtime_load(
         settings.model, backend=settings.backend, options=LoadOptions(
             quantization=settings.quantization,
+            dtype=settings.dtype,
             extra={} if settings.threads is None else {"threads": settings.threads},
             max_adapters=settings.max_loras,
         ),

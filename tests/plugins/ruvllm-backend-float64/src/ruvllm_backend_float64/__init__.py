@@ -4,6 +4,8 @@ a paged KV cache; LoRA adapters through ``delta``. Everything else is refused by
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ruvllm import hookimpl
@@ -32,10 +34,10 @@ class Float64Model:
         for field, present in unsupported.items():
             if present:
                 raise BackendError(f"float64 backend: {field} is not supported")
-        if options.quantization not in ("none", "auto") or options.dtype != "float32" or options.extra:
+        if options.quantization not in ("none", "auto") or options.dtype not in ("float32", "auto") or options.extra:
             raise BackendError("float64 backend: no quantization, dtype or extra options are supported")
         self.cfg = cfg
-        self.options = options
+        self.options = dataclasses.replace(options, quantization="none", dtype="float32")
 
         def t(name: str) -> np.ndarray:
             return np.asarray(checkpoint.tensor(name), np.float64)
