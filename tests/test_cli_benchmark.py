@@ -157,3 +157,18 @@ def test_progress_bar_rewrites_one_line() -> None:
     assert text.count("\r") == 5 + 2  # one per draw; the clearing line starts and ends with one
     assert "100%" in text and "step 4" in text
     assert text.endswith("\r")
+
+
+def test_kv_cache_dtype_reaches_the_jax_backend(smollm2_path: Path) -> None:
+    """``--kv-cache-dtype bfloat16`` under float32 compute: the report's KV cache is half the float32
+    one's bytes, and the settings say what was asked."""
+    pytest.importorskip("ruvllm_jax")
+    reports = {}
+    for kv in ("auto", "bfloat16"):
+        proc = run_benchmark_cli("smollm2", "--backend", "jax", *TINY, "--kv-cache-dtype", kv, "--format", "json")
+        assert proc.returncode == 0, proc.stderr
+        reports[kv] = json.loads(proc.stdout)
+    half, full = reports["bfloat16"], reports["auto"]
+    assert half["dtype"] == full["dtype"] == "float32"
+    assert half["settings"]["kv_cache_options"] == {"dtype": "bfloat16"} and full["settings"]["kv_cache_options"] == {}
+    assert half["memory"]["kv_cache_bytes"] * 2 == full["memory"]["kv_cache_bytes"]

@@ -90,6 +90,32 @@ def test_half_precision_compute_stays_close_to_float32(tiny, tiny_model, dtype, 
     assert not np.array_equal(outs[0], outs[1])  # it really ran in half precision
 
 
+def test_a_half_width_kv_cache_under_float32_compute(tiny, tiny_model):
+    """``kv_cache`` option ``dtype`` (``--kv-cache-dtype``): keys and values stored in bfloat16 while
+    the model computes in float32: half the bytes per block, logits within bfloat16's rounding of
+    the float32 cache's; prefill then decode over the stored keys."""
+    ids = np.arange(20, 37, dtype=np.int32)
+    outs = []
+    for options in ({}, {"dtype": "auto"}, {"dtype": "bfloat16"}):
+        cache = tiny_model.allocate_cache(6, 4, options)
+        first = SequenceChunk(ids[:-1], 0, np.arange(5, dtype=np.int32), all_logits=True)
+        pre = tiny_model.forward(ForwardBatch([first], 4), cache).all_logits[0]
+        last = SequenceChunk(ids[-1:], len(ids) - 1, np.arange(5, dtype=np.int32))
+        dec = tiny_model.forward(ForwardBatch([last], 4), cache)
+        outs.append(np.concatenate([pre, dec.logits]))
+    assert str(tiny_model.allocate_cache(2, 4, {"dtype": "bfloat16"}).state.k.dtype) == "bfloat16"
+    assert tiny_model.kv_block_bytes(4, {"dtype": "bfloat16"}) * 2 == tiny_model.kv_block_bytes(4, {})
+    np.testing.assert_array_equal(outs[1], outs[0])  # auto: the model's dtype
+    scale = np.abs(outs[0]).max()
+    assert np.abs(outs[2] - outs[0]).max() <= 0.02 * scale
+    assert not np.array_equal(outs[2], outs[0])
+    for bad, needle in (({"dtype": "float64"}, "KV cache dtype must be auto or one of"),
+                        ({"dtype": "bfloat16", "quantization": "int8"}, "not both"),
+                        ({"dtypes": "bfloat16"}, "unknown KV cache option")):  # fmt: skip
+        with pytest.raises(BackendError, match=needle):
+            tiny_model.kv_block_bytes(4, bad)
+
+
 def test_dtype_auto_is_float32_on_a_cpu(tiny):
     assert load_jax(tiny, dtype="auto").options.dtype == "float32"
 

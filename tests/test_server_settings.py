@@ -38,6 +38,14 @@ def test_dtype_from_flag_env_and_default() -> None:
     assert load_settings({"dtype": "float16"}, environ={"RUVLLM_DTYPE": "bfloat16"}).dtype == "float16"
 
 
+def test_kv_cache_options_from_the_settings() -> None:
+    from ruvllm_server.state import kv_cache_options
+
+    assert kv_cache_options(load_settings(environ={})) == {}
+    s = load_settings({"kv_cache_dtype": "bfloat16", "kv_cache_quantization": "int8"}, environ={})
+    assert kv_cache_options(s) == {"quantization": "int8", "dtype": "bfloat16"}
+
+
 def test_toml_server_table(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[server]\nrate_limit = 2.5\nenable_prefix_caching = false\n")
@@ -69,6 +77,7 @@ def test_masked_hides_keys() -> None:
         ({"max_step_ratio": 0.5}, {}, "max_step_ratio must be 0 \\(off\\) or above 1"),
         ({}, {"RUVLLM_MAX_STEP_RATIO": "-2"}, "max_step_ratio"),
         ({"dtype": "float64"}, {}, "dtype"),
+        ({"kv_cache_dtype": "int8"}, {}, "kv_cache_dtype"),
         ({}, {"RUVLLM_DTYPE": "fp8"}, "dtype"),
     ],
 )

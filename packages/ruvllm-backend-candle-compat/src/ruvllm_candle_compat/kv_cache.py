@@ -351,7 +351,7 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, options
     ``quantize_old``: ``"int8"`` or ``"int4"`` selects the two-tier cache; absent, the plain float32
     cache (``quantization``, the spelling every backend takes, means the same; ``"none"``: float32).
     ``recent_blocks`` (two-tier only, default 2): full blocks behind a sequence's tail block
-    kept in float32. ``dtype`` may only be ``"float32"``.
+    kept in float32. ``dtype`` may only be ``"float32"`` (or ``"auto"``, the same).
     """
     if "quantization" in options:  # the backend-neutral spelling (``--kv-cache-quantization``)
         options = dict(options)
@@ -367,7 +367,7 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, options
             f"(it takes {', '.join(KV_CACHE_OPTIONS)})"
         )
     dtype = options.get("dtype", "float32")
-    if dtype != "float32":
+    if dtype not in ("float32", "auto"):  # auto: float32, this backend's only KV dtype
         raise BackendError(
             f"candle-compat keeps its KV cache in float32 (got dtype {dtype!r}); "
             "quantize_old='int8' or 'int4' quantizes old blocks"

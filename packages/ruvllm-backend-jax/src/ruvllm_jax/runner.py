@@ -333,21 +333,25 @@ class JaxModel:
         return len(self._compiled)
 
     def kv_block_bytes(self, block_size: int, options: dict[str, Any] | None = None) -> int:
-        """Keys and values of every layer for ``block_size`` tokens as the cache stores them: the
-        model's dtype, or int8 codes plus float32 group scales (:class:`ruvllm_jax.model.KVState`)."""
+        """Keys and values of every layer for ``block_size`` tokens as the cache stores them: its
+        dtype (the model's unless the options name another), or int8 codes plus float32 group
+        scales (:class:`ruvllm_jax.model.KVState`)."""
         s = self.spec
-        per_head = s.head_dim * np.dtype(DTYPES[s.dtype]).itemsize
-        if self._kv_quantized(options):
+        quantized, dtype = self._kv_layout(options)
+        per_head = s.head_dim * np.dtype(DTYPES[dtype]).itemsize
+        if quantized:
             per_head = s.head_dim + 4 * kv_scale_groups(s.head_dim)
         return 2 * s.num_layers * s.num_kv_heads * block_size * per_head
 
-    def _kv_quantized(self, options: dict[str, Any] | None) -> bool:
-        """Whether the KV cache ``options`` ask for int8 (``quantization``: ``none`` or ``int8``)."""
+    def _kv_layout(self, options: dict[str, Any] | None) -> tuple[bool, str]:
+        """What the KV cache ``options`` ask for: int8 codes (``quantization``: ``none`` or ``int8``)
+        and the float dtype (``dtype``: ``auto``, the model's, or one of :data:`DTYPES`)."""
         options = dict(options or {})
         quant = options.pop("quantization", "none")
+        dtype = options.pop("dtype", "auto")
         if options:
             raise BackendError(
-                f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))} (it takes quantization)"
+                f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))} (it takes quantization, dtype)"
             )
         if quant not in ("none", "int8"):
             raise BackendError(f"jax backend: KV cache quantization must be 'none' or 'int8', got {quant!r}")
@@ -355,7 +359,16 @@ class JaxModel:
             raise BackendError(
                 "jax backend: an int8 KV cache needs attention='reference' (the Pallas kernels read floats)"
             )
-        return quant == "int8"
+        dtype = self.spec.dtype if dtype == "auto" else dtype
+        if dtype not in DTYPES:
+            raise BackendError(f"jax backend: KV cache dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+        if quant == "int8" and dtype != self.spec.dtype:
+            raise BackendError("jax backend: give the KV cache an int8 quantization or a dtype, not both")
+        if dtype != self.spec.dtype and self.attention != "reference":
+            raise BackendError(
+                f"jax backend: a {dtype} KV cache under {self.spec.dtype} compute needs attention='reference'"
+            )
+        return quant == "int8", dtype
 
     @property
     def capabilities(self) -> Capabilities:
@@ -371,10 +384,10 @@ class JaxModel:
         return self.allocate_cache(num_blocks, block_size, options)
 
     def allocate_cache(self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None) -> JaxKVCache:
-        quantized = self._kv_quantized(options)
+        quantized, dtype = self._kv_layout(options)
         if num_blocks < 1 or block_size < 1:
             raise BackendError(f"KV cache needs at least one block of one token (got {num_blocks} x {block_size})")
-        state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[self.spec.dtype], quantized=quantized)
+        state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], quantized=quantized)
         return JaxKVCache(state, num_blocks, block_size)
 
     # -- one step --------------------------------------------------------------------------------------
@@ -460,7 +473,7 @@ class JaxModel:
         return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):
-        key = (plan, cache.num_blocks, cache.block_size, cache.state.quantized)
+        key = (plan, cache.num_blocks, cache.block_size, cache.state.quantized, str(cache.state.k.dtype))
         step = self._compiled.get(key)
         if step is None:
             t0 = time.perf_counter()
@@ -615,7 +628,7 @@ class JaxModel:
         cache.state = self._copy_fn(n, cache)(cache.state, src, dst)
 
     def _copy_fn(self, n: int, cache: JaxKVCache) -> Any:
-        key = (n, cache.num_blocks, cache.block_size, cache.state.quantized)
+        key = (n, cache.num_blocks, cache.block_size, cache.state.quantized, str(cache.state.k.dtype))
         fn = self._copy_fns.get(key)
         if fn is None:
             idx = jax.ShapeDtypeStruct((n,), np.int32)

@@ -56,6 +56,8 @@ class BenchmarkSettings:
     warmup: int = 1
     #: The engine's block size, so the backend pages its KV cache as it does when serving.
     block_size: int = EngineConfig.block_size
+    #: The backend's KV cache options (``--kv-cache-dtype``: ``{"dtype": ...}``).
+    kv_cache_options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Check what can be checked before the model is loaded."""
@@ -210,7 +212,7 @@ def run_benchmark(
     prompts = benchmark_prompts(model, settings)
     blocks_per_seq = -(-(settings.prompt_length + settings.gen_length) // bs)
     try:
-        cache = model.allocate_cache(blocks_per_seq * settings.batch, bs)
+        cache = model.allocate_cache(blocks_per_seq * settings.batch, bs, **settings.kv_cache_options)
     except MemoryError:
         raise BenchmarkSettingsError(
             f"not enough memory for the KV cache of {settings.batch} sequences of "

@@ -34,6 +34,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=list(DTYPE_CHOICES),
         help="compute dtype (default: RUVLLM_DTYPE or auto: bfloat16 on a GPU, float32 on a CPU)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(DTYPE_CHOICES),
+        help="the KV cache's float dtype (default auto: the compute dtype)",
+    )
     p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
 
@@ -77,13 +83,17 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
     )
 
 
-def _stream(model: LoadedModel, prompt_ids: list[int], sampling, out=sys.stdout) -> str:
+def _kv_options(args: argparse.Namespace) -> dict[str, str]:
+    return {} if args.kv_cache_dtype == "auto" else {"dtype": args.kv_cache_dtype}
+
+
+def _stream(model: LoadedModel, prompt_ids: list[int], sampling, kv_options: dict[str, str], out=sys.stdout) -> str:
     """Generate with the engine, writing text as it arrives; returns the whole completion."""
     from ruvllm.engine import EngineConfig, LLMEngine
     from ruvllm.engine.types import GenerationRequest
 
     sampling.validate(model.config.vocab_size)
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=1))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, kv_cache_options=kv_options))
     pieces: list[str] = []
     for output in engine.stream(GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling)):
         for delta in output.deltas:
@@ -99,7 +109,7 @@ def cmd_generate(args: argparse.Namespace, host: PluginHost) -> int:
     sampling.validate()  # before the model load, so a typo fails fast
     model = _load(args, host)
     ids = model.tokenizer.encode(args.prompt)
-    _stream(model, ids, sampling)
+    _stream(model, ids, sampling, _kv_options(args))
     sys.stdout.write("\n")
     return 0
 
@@ -160,7 +170,7 @@ def cmd_chat(args: argparse.Namespace, host: PluginHost) -> int:
             continue
         history.append({"role": "user", "content": text})
         messages = ([{"role": "system", "content": system}] if system else []) + history
-        reply = _stream(model, tok.encode_chat(messages), sampling)
+        reply = _stream(model, tok.encode_chat(messages), sampling, _kv_options(args))
         print()
         history.append({"role": "assistant", "content": reply})
 
@@ -248,6 +258,7 @@ def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
         batch=args.batch,
         iterations=args.iterations,
         warmup=args.warmup,
+        kv_cache_options=_kv_options(args),
     )
     settings.validate()  # before the model load, so a typo fails fast
     check_format(args.format)

@@ -63,6 +63,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "candle-compat: blocks behind the 2 most recent, also int4); default none (full precision)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the KV cache's float dtype (default auto: the model's compute dtype)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="tokens one engine step may carry (default 2048)"
     )
     p.add_argument(
@@ -161,6 +167,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "kv_cache_memory": args.kv_cache_memory,
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_quantization": args.kv_cache_quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_step_ms": args.max_step_ms,
         "max_step_ratio": args.max_step_ratio,

@@ -63,6 +63,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Quantize the KV cache (``int8``; candle-compat also ``int4``); the backend reports the smaller
     #: blocks, so the same ``kv_cache_memory`` holds more of them. None: full precision.
     kv_cache_quantization: str | None = None
+    #: The KV cache's float dtype; ``auto``: the model's compute dtype (a half-width cache under
+    #: float32 compute holds twice the tokens in the same memory).
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
     #: Latency target of one engine step (ms): prompt chunks are sized so a step stays within it and

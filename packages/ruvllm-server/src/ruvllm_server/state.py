@@ -77,6 +77,16 @@ def kv_cache_budget(setting: str | int | None) -> int:
     return min(4 * 2**30, max(256 * 2**20, available // 4))
 
 
+def kv_cache_options(settings: ServerSettings) -> dict[str, str]:
+    """The backend's KV cache options from the settings (only what differs from its defaults)."""
+    out = {}
+    if settings.kv_cache_quantization:
+        out["quantization"] = settings.kv_cache_quantization
+    if settings.kv_cache_dtype != "auto":
+        out["dtype"] = settings.kv_cache_dtype
+    return out
+
+
 def load_adapters(settings: ServerSettings, config: Any) -> dict[str, Any]:
     """The ``--lora name=path`` adapters, loaded and checked against the base model."""
     from ruvllm.adapters import load_peft_adapter
@@ -199,7 +209,7 @@ class ServerState:
             kv_cache_memory_bytes=kv_cache_budget(s.kv_cache_memory),
             max_step_ms=s.max_step_ms or None,
             max_step_ratio=s.max_step_ratio or None,
-            kv_cache_options={"quantization": s.kv_cache_quantization} if s.kv_cache_quantization else {},
+            kv_cache_options=kv_cache_options(s),
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
