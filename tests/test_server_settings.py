@@ -46,6 +46,37 @@ def test_kv_cache_options_from_the_settings() -> None:
     assert kv_cache_options(s) == {"quantization": "int8", "dtype": "bfloat16"}
 
 
+def test_the_kv_budget_from_device_memory() -> None:
+    """``gpu_memory_utilization``: the KV cache gets that fraction of what the device reports, less
+    what is in use (the weights); nothing left is a one-line error."""
+    from ruvllm_server.state import device_kv_budget
+
+    assert device_kv_budget(0.9, 80 * 10**9, 2 * 10**9) == 70 * 10**9
+    assert device_kv_budget(1.0, 1000, 999) == 1
+    with pytest.raises(ServerConfigError, match="leave nothing for the KV cache beside the 900"):
+        device_kv_budget(0.5, 1000, 900)
+
+
+def test_the_kv_budget_on_a_cpu_backend(tmp_path: Path) -> None:
+    """On backends that report no device memory (candle-compat; jax on a CPU) the host default
+    applies, and ``gpu_memory_utilization`` is refused by name; with ``kv_cache_memory`` too, as well."""
+    from _jax_fixtures import write_tiny_hf_model
+
+    from ruvllm.runtime import load_model
+    from ruvllm_server.state import kv_cache_budget, kv_memory_budget
+
+    path = write_tiny_hf_model(tmp_path, "llama")
+    for backend in ("candle-compat", "jax"):
+        model = load_model(str(path), backend=backend)
+        assert kv_memory_budget(load_settings(environ={}), model) == kv_cache_budget(None)
+        assert kv_memory_budget(load_settings({"kv_cache_memory": "64MiB"}, environ={}), model) == 64 * 2**20
+        with pytest.raises(ServerConfigError, match=f"the {backend} backend reports none here"):
+            kv_memory_budget(load_settings({"gpu_memory_utilization": 0.5}, environ={}), model)
+        both = load_settings({"gpu_memory_utilization": 0.5, "kv_cache_memory": "1GiB"}, environ={})
+        with pytest.raises(ServerConfigError, match="not both"):
+            kv_memory_budget(both, model)
+
+
 def test_toml_server_table(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[server]\nrate_limit = 2.5\nenable_prefix_caching = false\n")
@@ -78,6 +109,8 @@ def test_masked_hides_keys() -> None:
         ({}, {"RUVLLM_MAX_STEP_RATIO": "-2"}, "max_step_ratio"),
         ({"dtype": "float64"}, {}, "dtype"),
         ({"kv_cache_dtype": "int8"}, {}, "kv_cache_dtype"),
+        ({"gpu_memory_utilization": 0.0}, {}, "gpu_memory_utilization"),
+        ({}, {"RUVLLM_GPU_MEMORY_UTILIZATION": "1.5"}, "gpu_memory_utilization"),
         ({}, {"RUVLLM_DTYPE": "fp8"}, "dtype"),
     ],
 )

@@ -327,6 +327,21 @@ class JaxModel:
         """Bytes the weights occupy on device (per replica set: a sharded array counts once)."""
         return weight_nbytes(self.weights)
 
+    def device_memory(self) -> tuple[int, int] | None:
+        """``(bytes, in use)``: what the allocators of the model's devices may hold (XLA's GPU
+        allocator: 75% of the card unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise) and
+        what is allocated now (the weights, once loaded), summed over the mesh; None where the
+        devices report no memory (CPU). The server sizes the KV cache from it
+        (``--gpu-memory-utilization``)."""
+        total = used = 0
+        for device in self.mesh.devices.flat:
+            stats = device.memory_stats()
+            if not stats or stats.get("bytes_limit", -1) <= 0:
+                return None
+            total += int(stats["bytes_limit"])
+            used += max(0, int(stats.get("bytes_in_use", 0)))
+        return total, used
+
     @property
     def compiled_buckets(self) -> int:
         """How many step shapes have been compiled so far (steady state stops this growing)."""

@@ -63,6 +63,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "candle-compat: blocks behind the 2 most recent, also int4); default none (full precision)",
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the device's memory for weights + KV cache, in (0, 1] (GPU backends; default 0.9 there)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default=None,
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -168,6 +174,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_quantization": args.kv_cache_quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_step_ms": args.max_step_ms,
         "max_step_ratio": args.max_step_ratio,

@@ -60,6 +60,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: given; default a quarter of the memory available at start (256 MiB to 4 GiB). Blocks are sized as the backend
     #: stores them (its dtype and layout).
     kv_cache_memory: str | int | None = None
+    #: Fraction of the device memory the backend reports (weights included) that weights and KV
+    #: cache may use, as vLLM's; the KV cache gets what the weights leave. Only for backends on a
+    #: device that reports its memory (jax on a GPU), where it defaults to 0.9; not with
+    #: ``kv_cache_memory``.
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     #: Quantize the KV cache (``int8``; candle-compat also ``int4``); the backend reports the smaller
     #: blocks, so the same ``kv_cache_memory`` holds more of them. None: full precision.
     kv_cache_quantization: str | None = None

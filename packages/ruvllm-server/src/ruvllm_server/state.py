@@ -87,6 +87,43 @@ def kv_cache_options(settings: ServerSettings) -> dict[str, str]:
     return out
 
 
+#: ``gpu_memory_utilization`` where the backend reports device memory and the settings name none.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def device_kv_budget(fraction: float, total: int, used: int) -> int:
+    """The KV cache's bytes when weights and cache may use ``fraction`` of a device's ``total`` bytes
+    and ``used`` are taken (the weights)."""
+    budget = int(fraction * total) - used
+    if budget <= 0:
+        raise ServerConfigError(
+            f"gpu_memory_utilization {fraction}: {int(fraction * total)} of the device's {total} bytes leave nothing "
+            f"for the KV cache beside the {used} already in use (raise it, or give kv_cache_memory)"
+        )
+    return budget
+
+
+def kv_memory_budget(settings: ServerSettings, model: LoadedModel) -> int:
+    """The KV cache's memory budget: ``kv_cache_memory``; else, on a device that reports its memory
+    (the backend model's ``device_memory()``), ``gpu_memory_utilization`` of it less what is in use;
+    else the host default (:func:`kv_cache_budget`)."""
+    fraction = settings.gpu_memory_utilization
+    if settings.kv_cache_memory is not None:
+        if fraction is not None:
+            raise ServerConfigError("give kv_cache_memory or gpu_memory_utilization, not both")
+        return kv_cache_budget(settings.kv_cache_memory)
+    report = getattr(model.model, "device_memory", None)
+    memory = report() if callable(report) else None
+    if memory is None:
+        if fraction is not None:
+            raise ServerConfigError(
+                f"gpu_memory_utilization needs a device that reports its memory; the {model.backend.name} backend "
+                "reports none here (a CPU): size the KV cache with kv_cache_memory"
+            )
+        return kv_cache_budget(None)
+    return device_kv_budget(fraction or DEFAULT_GPU_MEMORY_UTILIZATION, *memory)
+
+
 def load_adapters(settings: ServerSettings, config: Any) -> dict[str, Any]:
     """The ``--lora name=path`` adapters, loaded and checked against the base model."""
     from ruvllm.adapters import load_peft_adapter
@@ -206,7 +243,7 @@ class ServerState:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             enable_prefix_caching=s.enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_budget(s.kv_cache_memory),
+            kv_cache_memory_bytes=kv_memory_budget(s, self.model),
             max_step_ms=s.max_step_ms or None,
             max_step_ratio=s.max_step_ratio or None,
             kv_cache_options=kv_cache_options(s),
