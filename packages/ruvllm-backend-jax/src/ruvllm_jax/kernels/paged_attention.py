@@ -1,4 +1,6 @@
-"""Pallas attention kernels over the paged KV cache, written for the Triton (CUDA) lowering.
+"""Pallas attention kernels over the paged KV cache, written for (and lowered through) Pallas's Triton
+backend on CUDA; ``attention="pallas"`` opts into them (the jax backend's default on GPUs is XLA's
+attention over gathered blocks, see ``docs/jax-backend.md``).
 
 Both kernels run one program per (sequence, kv head[, query tile]) and stream the sequence's keys
 and values through its block table in steps of ``pages_per_step`` blocks, with an online softmax
@@ -23,10 +25,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from ruvllm_jax.attention import score_scale, window_start
 
 MASK_VALUE = -1e30
+#: Lowered through Pallas's Triton backend, named explicitly: JAX's default Pallas GPU backend is now
+#: Mosaic GPU, which stages every input block in shared memory, and these kernels take the whole
+#: cache as one block (they gather rows with computed indices), far over the 227 KB a Hopper SM has.
+TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=2)
 #: Keys streamed per inner step (rounded to whole blocks).
 KEYS_PER_STEP = 64
 #: Query tile rows (query tokens x heads of a group) of the prefill kernel.
@@ -240,6 +247,7 @@ def paged_decode_attention(
         out_specs=pl.BlockSpec((None, None, gp, hd), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
+        compiler_params=TRITON,
         name="ruvllm_paged_decode_attention",
     )(layer_arr, window_arr, context, tables, qg, k2, v2)
     return out[:, :, :group].reshape(s, nh, hd)
@@ -305,6 +313,7 @@ def paged_prefill_attention(
         out_specs=pl.BlockSpec((None, None, rows, hd), lambda i, h, t: (i, h, t, 0)),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
+        compiler_params=TRITON,
         name="ruvllm_paged_prefill_attention",
     )(layer_arr, window_arr, start, context, tables, qg, k2, v2)
     out = out.reshape(s, nkv, nq_pad, gp, hd)[:, :, :nq, :group]

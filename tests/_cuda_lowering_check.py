@@ -1,0 +1,73 @@
+"""Run in a subprocess by test_cuda_lowering.py, with jax-cuda12-plugin importable (``PYTHONPATH``)
+and no GPU: lowers the Pallas attention kernels and every step shape of a tiny Llama and of SmolLM2
+for the CUDA platform, as a GPU user's first steps would, and prints one line per check (``ok ...`` /
+``FAIL ...``). ``--control``: the kernels without their Triton compiler params, which must fail."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from ruvllm.backend import LoadOptions, StepLimits
+from ruvllm.checkpoint import open_checkpoint
+from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention
+from ruvllm_jax.runner import JaxModel
+
+
+def check(name: str, fn, *args) -> None:
+    try:
+        what = fn(*args)
+        print(f"ok {name}{f' ({what})' if what else ''}", flush=True)
+    except Exception as exc:  # reported, the test fails on it
+        print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
+
+
+def kernels(dtype, bs: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    s, layers, blocks = 3, 2, 64
+    kc = jax.ShapeDtypeStruct((layers, blocks, bs, kv_heads, head_dim), dtype)
+    i32 = jnp.int32
+    tables, ctx = jax.ShapeDtypeStruct((s, 40), i32), jax.ShapeDtypeStruct((s,), i32)
+    layer = jax.ShapeDtypeStruct((), i32)
+    q1 = jax.ShapeDtypeStruct((s, heads, head_dim), dtype)
+    qn = jax.ShapeDtypeStruct((s, 16, heads, head_dim), dtype)
+
+    def decode(q, k, v, lay, t, c, w):
+        return paged_decode_attention(q, k, v, lay, t, c, window=w)
+
+    def prefill(q, k, v, lay, t, st, c, w):
+        return paged_prefill_attention(q, k, v, lay, t, st, c, window=w)
+
+    jax.jit(decode).trace(q1, kc, kc, layer, tables, ctx, layer).lower(lowering_platforms=("cuda",))
+    jax.jit(prefill).trace(qn, kc, kc, layer, tables, ctx, ctx, layer).lower(lowering_platforms=("cuda",))
+
+
+def steps(path: str, dtype: str, attentions: tuple[str, ...]) -> str:
+    model = JaxModel.load(open_checkpoint(path), LoadOptions(quantization="none", dtype=dtype))
+    cache = model.allocate_cache(64, 16)
+    limits = StepLimits(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
+    counts = [len(model.lower_steps(cache, limits, "cuda", attention)) for attention in attentions]
+    return ", ".join(f"{a}: {n} step shapes" for a, n in zip(attentions, counts, strict=True))
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--control"]:  # the kernels under JAX's default Pallas GPU backend (Mosaic GPU)
+        import ruvllm_jax.kernels.paged_attention as kernels_module
+
+        kernels_module.TRITON = None
+        check("control: kernels float32 block 16 under Mosaic GPU", kernels, jnp.float32, 16, 9, 3, 64)
+        return
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for bs in (8, 16, 32):
+            for heads, kv_heads, head_dim in ((9, 3, 64), (8, 1, 256), (32, 8, 128)):
+                name = f"kernels {dtype.__name__} block {bs} heads {heads}/{kv_heads} x {head_dim}"
+                check(name, kernels, dtype, bs, heads, kv_heads, head_dim)
+    tiny, *real = sys.argv[1:]
+    check(f"steps {tiny} float32", steps, tiny, "float32", ("pallas", "reference"))
+    for path in real:  # what `auto` gives a GPU user: bfloat16, the Pallas kernels
+        check(f"steps {path} bfloat16", steps, path, "bfloat16", ("pallas", "reference"))
+
+
+if __name__ == "__main__":
+    main()
