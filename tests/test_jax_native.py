@@ -393,17 +393,31 @@ def test_smollm2_w4a8_is_close_to_float32(smollm2_path, smollm2_checkpoint, w4a8
 
 
 def test_smollm2_w4a8_same_text_with_and_without_kernels(smollm2_path, smollm2_checkpoint, w4a8_model):
+    """The kernels and XLA's w4a8 path pick the same greedy token wherever the choice is not a
+    near-tie. Their logits agree up to float rounding order, which activation quantization amplifies
+    (a code flips when rounding moves a value across a half step; scaling one norm weight by
+    (1 + 1e-6) moves the XLA path's logits by 0.33 at scale 27; the two paths differ by 0.4-1.4), and
+    XLA's own rounding differs between CPUs (an AVX2 EPYC flipped a 0.06-logit tie that an AVX-512
+    Xeon did not). So along XLA's greedy continuation of each prompt (teacher-forced through both),
+    a different pick is allowed only where XLA's top-2 margin is under twice the two paths' largest
+    logit difference at that position, and most positions must be clear of that."""
     tok = smollm2_checkpoint.tokenizer()
-    # Not the code prompt: its first token is a near-tie that float rounding order decides.
-    prompts = [tok.encode(p) for p in (SMOLLM2_PROMPTS[0], SMOLLM2_PROMPTS[2])]
     xla = load_jax(smollm2_checkpoint, quantization="w4a8", extra={"native": False})
     assert not xla.native
-    # The same logits up to float rounding order, which activation quantization amplifies: a code
-    # flips when rounding moves a value across a half step. Measured: scaling one norm weight by
-    # (1 + 1e-6) moves the XLA path's logits by 0.33 (scale 27); native vs XLA differ by 0.4-1.4.
-    a, b = prompt_logits(w4a8_model, prompts[0]), prompt_logits(xla, prompts[0])
-    assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
-    assert GreedyDecoder(w4a8_model).run(prompts, 8) == GreedyDecoder(xla).run(prompts, 8)
+    clear = 0
+    positions = 0
+    for prompt in (tok.encode(p) for p in SMOLLM2_PROMPTS):
+        ids = prompt + GreedyDecoder(xla).run([prompt], 10)[0]
+        a, b = prompt_logits(w4a8_model, ids), prompt_logits(xla, ids)
+        assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
+        for i in range(len(prompt) - 1, len(ids) - 1):
+            top2 = np.sort(b[i])[-2:]
+            margin, bound = top2[1] - top2[0], 2 * np.abs(a[i] - b[i]).max()
+            positions += 1
+            if margin >= bound:
+                clear += 1
+                assert a[i].argmax() == b[i].argmax(), (tok.decode(ids[: i + 1]), margin, bound)
+    assert clear >= positions // 2, (clear, positions)
 
 
 def test_smollm2_w4a8_batch_invariance(smollm2_checkpoint, w4a8_model):
