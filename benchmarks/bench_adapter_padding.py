@@ -18,14 +18,14 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
-import numpy as np
+from bench_adapters import random_adapter
 from provenance import cpu_summary
 
-from ruvllm.adapters import LoraWeights
 from ruvllm.backend import AdapterLimits, LoadOptions
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
-from ruvllm.runtime import LoadedModel, load_model
+from ruvllm.runtime import load_model
 from ruvllm.sampling import SamplingParams
 
 DECLARATIONS = {
@@ -34,24 +34,7 @@ DECLARATIONS = {
 }
 
 
-def random_adapter(model: LoadedModel, rank: int, projections: tuple[str, ...]) -> LoraWeights:
-    cfg = model.config
-    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
-    shapes = {"q_proj": (q, h), "v_proj": (kv, h), "down_proj": (h, cfg.intermediate_size)}
-    rng = np.random.default_rng(0)
-    params = {
-        (layer, proj): (
-            (rng.standard_normal((rank, shapes[proj][1])) / np.sqrt(shapes[proj][1])).astype(np.float32),
-            (rng.standard_normal((shapes[proj][0], rank)) * 0.01).astype(np.float32),
-            2.0,
-        )
-        for layer in range(cfg.num_layers)
-        for proj in projections
-    }
-    return LoraWeights("bench", params)
-
-
-def measure(engine: LLMEngine, adapter: LoraWeights, prompt_tokens: int, iterations: int) -> tuple[float, float]:
+def measure(engine: LLMEngine, adapter: Any, prompt_tokens: int, iterations: int) -> tuple[float, float]:
     prompt = [(i * 37) % 40000 + 10 for i in range(prompt_tokens)]
     prefill, decode = [], []
     for _ in range(iterations):
@@ -85,7 +68,7 @@ def main() -> None:
         engine = LLMEngine(model, config)
         engine.precompile()
         padded_plan = jm.fixed_lora
-        adapter = random_adapter(model, rank, projections)
+        adapter = random_adapter(model.config, "bench", 0, rank, projections)
         rows = []
         for rnd in range(args.rounds):
             figures = {}

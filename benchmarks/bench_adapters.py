@@ -24,10 +24,14 @@ from ruvllm.runtime import load_model
 from ruvllm.sampling import SamplingParams
 
 
-def random_adapter(cfg, name: str, seed: int, rank: int = 16) -> LoraWeights:
+def random_adapter(
+    cfg, name: str, seed: int, rank: int = 16, projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+) -> LoraWeights:
     rng = np.random.default_rng(seed)
-    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
-    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    every = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
+    shapes = {p: every[p] for p in projections}
     params = {
         (layer, proj): (
             (rng.standard_normal((rank, inp)) / np.sqrt(inp)).astype(np.float32),

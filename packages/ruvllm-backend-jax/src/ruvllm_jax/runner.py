@@ -541,7 +541,7 @@ class JaxModel:
         return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):
-        key = (plan, cache.num_blocks, cache.block_size, cache.state.quantized, str(cache.state.k.dtype))
+        key = (plan, cache.num_blocks, cache.block_size, cache.state.quantized, cache.state.k.dtype)
         step = self._compiled.get(key)
         if step is None:
             t0 = time.perf_counter()
@@ -696,7 +696,7 @@ class JaxModel:
         cache.state = self._copy_fn(n, cache)(cache.state, src, dst)
 
     def _copy_fn(self, n: int, cache: JaxKVCache) -> Any:
-        key = (n, cache.num_blocks, cache.block_size, cache.state.quantized, str(cache.state.k.dtype))
+        key = (n, cache.num_blocks, cache.block_size, cache.state.quantized, cache.state.k.dtype)
         fn = self._copy_fns.get(key)
         if fn is None:
             idx = jax.ShapeDtypeStruct((n,), np.int32)

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from ruvllm import hookimpl
+from ruvllm.backend import DTYPE_CHOICES
 
 
 def _add_serve_parser(subparsers: Any) -> None:
@@ -31,7 +32,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=list(DTYPE_CHOICES),
         help="compute dtype (default auto: bfloat16 on a GPU, float32 on a CPU)",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
@@ -71,7 +72,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default=None,
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=list(DTYPE_CHOICES),
         help="the KV cache's float dtype (default auto: the model's compute dtype)",
     )
     p.add_argument(
