@@ -120,6 +120,40 @@ def test_after_precompile_a_mixed_workload_compiles_nothing_and_matches_requests
     assert engine.block_manager.num_used_blocks == 0 or engine.config.enable_prefix_caching
 
 
+def test_device_sampling_functions_are_precompiled_and_sample_like_the_host(tiny_jax):
+    """With ``sampling="device"`` precompile also compiles the sampling functions (each step's row
+    count, every overlay width, with and without the sort); a workload with penalties, bias, top_p
+    and seeds then compiles nothing more and gives the host sampler's tokens."""
+    from ruvllm.sampling import overlay_widths
+
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, sampling="device")
+    engine = LLMEngine(tiny_jax, config)
+    shapes = engine.precompile()
+    jm = tiny_jax.model
+    rows = {s.decode_seqs + s.prefill_seqs for s in step_shapes(4, 128)}
+    sampling = [name for name, _ in shapes if name.startswith("sampling")]
+    assert len(sampling) == len(rows) * len(overlay_widths(tiny_jax.config.vocab_size)) * 2
+    compiled, samplers = set(jm._compiled), set(jm._samplers)
+
+    def requests(prefix: str) -> list[GenerationRequest]:
+        out = []
+        for i, req in enumerate(_requests(prefix)):
+            p = req.sampling
+            p.temperature, p.top_p, p.seed = 0.9, 0.8 if i % 2 else 1.0, i
+            p.repetition_penalty = 1.2 if i % 3 == 0 else 1.0
+            p.logit_bias = {5: 3.0} if i % 4 == 1 else {}
+            p.n = 1
+            out.append(req)
+        return out
+
+    got = engine.generate(requests("device-"))
+    assert set(jm._compiled) == compiled and set(jm._samplers) == samplers
+    want = LLMEngine(
+        tiny_jax, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, sampling="host")
+    ).generate(requests("host-"))
+    assert [_tokens(o) for o in got] == [_tokens(o) for o in want]
+
+
 def test_with_an_adapter_router_the_hidden_state_steps_are_precompiled_too(tiny_jax):
     """A plugin that routes on hidden states (SONA's gate) declares it in ``step_needs``: precompile
     compiles every shape twice, and a workload whose every request is routed compiles nothing more."""

@@ -28,10 +28,21 @@ import jax
 import numpy as np
 import structlog
 
-from ruvllm.backend import Capabilities, ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk, StepLimits
+from ruvllm.backend import (
+    Capabilities,
+    DeviceSampling,
+    ForwardBatch,
+    ForwardOutput,
+    LoadOptions,
+    SampledRows,
+    SequenceChunk,
+    StepLimits,
+)
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
+from ruvllm.sampling import overlay_widths
 from ruvllm_jax import native
+from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
@@ -242,6 +253,8 @@ class JaxModel:
     options: LoadOptions
     _compiled: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _copy_fns: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _samplers: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _all_allowed: dict[int, Any] = field(default_factory=dict, repr=False)
     #: Device copies of the adapters (LoRA factors) recent steps used.
     adapters: AdapterCache = field(init=False, repr=False)
     #: Whether small steps run the w8a8 products in :mod:`ruvllm_jax.native`'s kernels.
@@ -418,6 +431,10 @@ class JaxModel:
             adapters=True,
             hidden_states=True,
             all_logits=True,
+            # One device (a sharded step's logits are split across the mesh).
+            device_sampling=self.mesh.size == 1,
+            # On a CPU the logits are in host memory already, and the NumPy sampler is faster.
+            prefers_device_sampling=jax.devices()[0].platform != "cpu",
         )
 
     def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> JaxKVCache:
@@ -447,20 +464,61 @@ class JaxModel:
         if not chunks:
             return ForwardOutput(np.zeros((0, self.spec.vocab_size), np.float32))
         self._check(chunks, cache)
-        out = ForwardOutput(np.zeros((len(chunks), self.spec.vocab_size), np.float32))
+        vocab = self.spec.vocab_size
+        ds = batch.sampling
+        if ds is not None and not self.capabilities.device_sampling:
+            raise BackendError("jax backend: device sampling runs on one device, not a sharded mesh")
+        if ds is not None and len(ds.greedy) != len(chunks):
+            raise BackendError(f"device sampling has {len(ds.greedy)} rows for {len(chunks)} chunks")
+        out = ForwardOutput(np.zeros((0 if ds else len(chunks), vocab), np.float32))
+        sampled: list[tuple[list[int], SampledRows]] = []
         for part in partition([len(c.token_ids) for c in chunks]):
             inputs, plan, rows, lora = self._prepare([chunks[i] for i in part], cache)
             step = self._step_for(plan, cache, inputs, lora)
             logits, hidden, cache.state = step(self.weights, cache.state, inputs, lora)
-            logits = np.asarray(logits)
-            out.logits[part] = logits[rows.last]
+            if ds is not None:  # only the tokens (and asked-for logprobs) leave the device
+                sub = ds.rows(part)
+                fn = self._sampler_for(plan.logit_rows, *device_sampling.variant(sub))
+                sampled.append((part, device_sampling.to_host(fn(logits, self._sampling_inputs(sub, plan)), len(part))))
+                if not rows.all_logits:
+                    logits = None
+            if logits is not None:
+                logits = np.asarray(logits)
+                if ds is None:
+                    out.logits[part] = logits[rows.last]
             for j, sl in rows.all_logits.items():
                 out.all_logits[part[j]] = np.ascontiguousarray(logits[sl])
             if hidden is not None:
                 hidden = np.asarray(hidden)
                 for j, idx in rows.hidden.items():
                     out.hidden_states[part[j]] = np.ascontiguousarray(hidden[idx])
+        if ds is not None:
+            out.sampled = _merge_sampled(sampled, len(chunks))
         return out
+
+    def _sampling_inputs(self, ds: DeviceSampling, plan: StepPlan) -> device_sampling.SamplingInputs:
+        rows, vocab = plan.logit_rows, self.spec.vocab_size
+        everything = None
+        if ds.allowed is None:  # no grammar: the all-set bits, uploaded once per row count
+            everything = self._all_allowed.get(rows)
+            if everything is None:
+                everything = self._all_allowed[rows] = jax.device_put(device_sampling.all_allowed(rows, vocab))
+        return device_sampling.pad_inputs(ds, rows, vocab, everything)
+
+    def _sampler_for(self, rows: int, width: int, sort: bool) -> Any:
+        """The compiled device-sampling function of one variant (see :mod:`ruvllm_jax.sampling`)."""
+        key = (rows, width, sort)
+        fn = self._samplers.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            vocab = self.spec.vocab_size
+            logits = jax.ShapeDtypeStruct((rows, vocab), np.float32)
+            abstract = device_sampling.abstract_inputs(rows, vocab, width)
+            fn = jax.jit(partial(device_sampling.sample_rows, sort=sort)).lower(logits, abstract).compile()
+            self._samplers[key] = fn
+            if self.precompiled:
+                log.warning("sampling compiled while serving", variant=key, seconds=round(time.perf_counter() - t0, 2))
+        return fn
 
     def precompile(
         self,
@@ -474,7 +532,8 @@ class JaxModel:
         With ``limits.hidden_states`` every shape is compiled a second time returning hidden states;
         with ``limits.adapters`` once more (twice with hidden states) with adapters in one padded plan
         (slots, rank and projections at the limits' bounds), which every step whose adapters fit it
-        then takes."""
+        then takes. With ``limits.device_sampling``, the sampling functions of every step's row count,
+        overlay width, with and without the sort."""
         max_num_seqs, max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
         max_model_len = limits.max_model_len
         bs = cache.block_size
@@ -494,7 +553,14 @@ class JaxModel:
             for lora in ((None, self.fixed_lora) if self.fixed_lora else (None,))
             for hidden in ((False, True) if limits.hidden_states else (False,))
         ]
-        total = len(shapes) * len(variants) + len(copies)
+        vocab = self.spec.vocab_size
+        samplers = (
+            [(w, sort) for w in overlay_widths(vocab) for sort in (False, True)]
+            if limits.device_sampling and self.capabilities.device_sampling
+            else []
+        )
+        logit_rows = sorted({shape.decode_seqs + shape.prefill_seqs for shape in shapes}) if samplers else []
+        total = len(shapes) * len(variants) + len(copies) + len(logit_rows) * len(samplers)
         table = np.zeros(-(-max_model_len // bs), np.int32)
         for shape in shapes:
             for hidden, fixed in variants:
@@ -503,6 +569,14 @@ class JaxModel:
                 inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed)
                 self._step_for(plan, cache, inputs, lora)
                 name = f"{shape}{' hidden' if hidden else ''}{' adapters' if fixed else ''}"
+                done.append((name, time.perf_counter() - t0))
+                if progress:
+                    progress(len(done), total, *done[-1])
+        for rows in logit_rows:
+            for width, sort in samplers:
+                t0 = time.perf_counter()
+                self._sampler_for(rows, width, sort)
+                name = f"sampling {rows} rows, overlay {width}{', sorted' if sort else ''}"
                 done.append((name, time.perf_counter() - t0))
                 if progress:
                     progress(len(done), total, *done[-1])
@@ -703,6 +777,24 @@ class JaxModel:
             fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, idx, idx).compile()
             self._copy_fns[key] = fn
         return fn
+
+
+def _merge_sampled(parts: list[tuple[list[int], SampledRows]], n: int) -> SampledRows:
+    if len(parts) == 1 and parts[0][0] == list(range(n)):
+        return parts[0][1]
+    k = max(p.top_ids.shape[1] for _, p in parts)
+    out = SampledRows(
+        tokens=np.zeros(n, np.int32),
+        logprobs=np.zeros(n, np.float32),
+        top_ids=np.zeros((n, k), np.int32),
+        top_logprobs=np.full((n, k), -np.inf, np.float32),
+        finite=np.zeros(n, bool),
+    )
+    for idx, p in parts:
+        out.tokens[idx], out.logprobs[idx], out.finite[idx] = p.tokens, p.logprobs, p.finite
+        out.top_ids[idx, : p.top_ids.shape[1]] = p.top_ids
+        out.top_logprobs[idx, : p.top_ids.shape[1]] = p.top_logprobs
+    return out
 
 
 @dataclass

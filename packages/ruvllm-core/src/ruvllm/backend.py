@@ -145,6 +145,79 @@ class StepLimits:
     hidden_states: bool = False
     #: Steps may carry adapters within these bounds: compile those variants of every shape too.
     adapters: AdapterLimits | None = None
+    #: Steps may ask for device sampling (``ForwardBatch.sampling``): compile its functions too.
+    device_sampling: bool = False
+
+
+@dataclass
+class DeviceSampling:
+    """Sampling a backend with ``Capabilities.device_sampling`` runs on its device, after the step,
+    on each chunk's last-position logits: only the tokens (and log-probabilities) come back to the
+    host. Built by :func:`ruvllm.sampling.device_sampling` from the host samplers' state; one row per
+    chunk, in chunk order. The host sampler (:class:`ruvllm.sampling.Sampler`) is the reference.
+
+    Per row, with ``x`` the raw logits: every overlay entry ``(id, rep, add)`` replaces ``x[id]`` by
+    ``(rep ? (x[id] > 0 ? x[id] / repetition_penalty : x[id] * repetition_penalty) : x[id]) + add``
+    (repetition, presence and frequency penalties, logit bias, ``-inf`` for banned tokens; entries
+    with ``id == vocab`` are padding); tokens whose bit in ``allowed`` is 0 become ``-inf``. Then
+    ``greedy`` rows take the first argmax. Other rows divide by ``temperature``; rows without top_k,
+    top_p or min_p draw over the whole vocabulary in id order, the others over the kept candidates
+    in canonical order (adjusted logit descending, id ascending: top_k first, then top_p over the
+    renormalised top_k, then min_p), by inverting the CDF at ``uniform * total``."""
+
+    greedy: np.ndarray  # bool [B]
+    temperature: np.ndarray  # float32 [B] (1 for greedy rows)
+    top_k: np.ndarray  # int32 [B], 0 = off
+    top_p: np.ndarray  # float32 [B]
+    min_p: np.ndarray  # float32 [B]
+    repetition_penalty: np.ndarray  # float32 [B]
+    #: The row's draw in [0, 1), from the request's seeded generator (0 for greedy rows).
+    uniform: np.ndarray  # float32 [B]
+    overlay_ids: np.ndarray  # int32 [B, W]
+    overlay_rep: np.ndarray  # bool [B, W]
+    overlay_add: np.ndarray  # float32 [B, W]
+    #: Allowed tokens as little-endian bits (``np.packbits(..., bitorder="little")``), uint8
+    #: ``[B, ceil(vocab / 8)]``; None: every token (no row has a constraint).
+    allowed: np.ndarray | None = None
+    #: Top log-probabilities any row asked for (0..20).
+    top_logprobs: int = 0
+
+    def rows(self, index: list[int]) -> DeviceSampling:
+        """The rows ``index`` (a part of the batch the engine retries alone)."""
+        take = np.asarray(index, np.int64)
+        return DeviceSampling(
+            **{
+                name: getattr(self, name)[take]
+                for name in (
+                    "greedy",
+                    "temperature",
+                    "top_k",
+                    "top_p",
+                    "min_p",
+                    "repetition_penalty",
+                    "uniform",
+                    "overlay_ids",
+                    "overlay_rep",
+                    "overlay_add",
+                )
+            },
+            allowed=None if self.allowed is None else self.allowed[take],
+            top_logprobs=self.top_logprobs,
+        )
+
+
+@dataclass
+class SampledRows:
+    """What device sampling returns, one row per chunk."""
+
+    tokens: np.ndarray  # int32 [B]
+    #: log-softmax of the raw logits at the token.
+    logprobs: np.ndarray  # float32 [B]
+    #: The ``DeviceSampling.top_logprobs`` most likely tokens under the raw logits, most likely first.
+    top_ids: np.ndarray  # int32 [B, K]
+    top_logprobs: np.ndarray  # float32 [B, K]
+    #: Whether every raw logit of the row was finite (a row that was not has no valid token).
+    finite: np.ndarray  # bool [B]
 
 
 @dataclass
@@ -154,6 +227,9 @@ class ForwardBatch:
     #: Whole-block copies ``(src, dst)`` the backend applies to every layer's keys and values, in
     #: order, before running the step (copy-on-write of blocks that sequences shared).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    #: Sample on the device (only for backends with ``Capabilities.device_sampling``): the output's
+    #: ``sampled`` holds the tokens and its ``logits`` may be empty.
+    sampling: DeviceSampling | None = None
 
 
 @dataclass
@@ -164,6 +240,8 @@ class ForwardOutput:
     all_logits: dict[int, np.ndarray] = field(default_factory=dict)
     #: chunk index -> float32 ``[n, hidden]`` for chunks that asked for ``hidden_states``.
     hidden_states: dict[int, np.ndarray] = field(default_factory=dict)
+    #: The tokens device sampling picked, when the batch asked for it.
+    sampled: SampledRows | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +261,11 @@ class Capabilities:
     all_logits: bool = False
     #: Most sequences one step may carry; None: no limit of its own.
     max_batch: int | None = None
+    #: Samples on its device when ``ForwardBatch.sampling`` asks (see :class:`DeviceSampling`).
+    device_sampling: bool = False
+    #: The engine's ``sampling="auto"`` picks device sampling (where the logits' trip to the host
+    #: costs more than sampling there: GPUs).
+    prefers_device_sampling: bool = False
 
 
 #: The methods every :class:`BackendModel` has (checked when a backend loads one).

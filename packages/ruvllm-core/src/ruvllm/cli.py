@@ -51,6 +51,13 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--sampling",
+        default=os.environ.get("RUVLLM_SAMPLING", "auto"),
+        choices=["auto", "host", "device"],
+        help="where tokens are sampled (default: RUVLLM_SAMPLING or auto: on the device where the backend "
+        "prefers it, a GPU; else on the host)",
+    )
 
 
 def _sampling(args: argparse.Namespace):
@@ -87,13 +94,19 @@ def _kv_options(args: argparse.Namespace) -> dict[str, str]:
     return {} if args.kv_cache_dtype == "auto" else {"dtype": args.kv_cache_dtype}
 
 
-def _stream(model: LoadedModel, prompt_ids: list[int], sampling, kv_options: dict[str, str], out=sys.stdout) -> str:
-    """Generate with the engine, writing text as it arrives; returns the whole completion."""
-    from ruvllm.engine import EngineConfig, LLMEngine
+def _engine_config(args: argparse.Namespace):
+    from ruvllm.engine import EngineConfig
+
+    return EngineConfig(max_num_seqs=1, kv_cache_options=_kv_options(args), sampling=args.sampling)
+
+
+def _stream(model: LoadedModel, prompt_ids: list[int], sampling, config, out=sys.stdout) -> str:
+    """Generate with the engine (``config``), writing text as it arrives; returns the whole completion."""
+    from ruvllm.engine import LLMEngine
     from ruvllm.engine.types import GenerationRequest
 
     sampling.validate(model.config.vocab_size)
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, kv_cache_options=kv_options))
+    engine = LLMEngine(model, config)
     pieces: list[str] = []
     for output in engine.stream(GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling)):
         for delta in output.deltas:
@@ -109,7 +122,7 @@ def cmd_generate(args: argparse.Namespace, host: PluginHost) -> int:
     sampling.validate()  # before the model load, so a typo fails fast
     model = _load(args, host)
     ids = model.tokenizer.encode(args.prompt)
-    _stream(model, ids, sampling, _kv_options(args))
+    _stream(model, ids, sampling, _engine_config(args))
     sys.stdout.write("\n")
     return 0
 
@@ -170,7 +183,7 @@ def cmd_chat(args: argparse.Namespace, host: PluginHost) -> int:
             continue
         history.append({"role": "user", "content": text})
         messages = ([{"role": "system", "content": system}] if system else []) + history
-        reply = _stream(model, tok.encode_chat(messages), sampling, _kv_options(args))
+        reply = _stream(model, tok.encode_chat(messages), sampling, _engine_config(args))
         print()
         history.append({"role": "assistant", "content": reply})
 

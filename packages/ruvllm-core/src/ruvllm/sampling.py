@@ -11,6 +11,7 @@ import numpy as np
 from ruvllm.errors import RequestError
 
 if TYPE_CHECKING:
+    from ruvllm.backend import DeviceSampling
     from ruvllm.structured import Constraint, StructuredOutput
 
 
@@ -257,6 +258,61 @@ class Sampler:
         if self.constraint is not None:
             self.constraint.consume(token)
 
+    def commit(self, token: int, logprob: float, top: list[tuple[int, float]]) -> SampleResult:
+        """Take the token device sampling picked (see :func:`device_sampling`) and update the state
+        like :meth:`sample`; ``logprob`` and ``top`` are kept only as far as the request asked."""
+        p = self.params
+        chosen = 0.0 if p.logprobs is None else float(logprob)
+        top = top[: p.logprobs] if p.logprobs else []
+        self._record(int(token))
+        return SampleResult(int(token), chosen, top)
+
+    def _device_row(self, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float]:
+        """This step's row of :class:`ruvllm.backend.DeviceSampling`: overlay ids, rep flags and
+        additions (sorted by id), the allowed-token bits (None: all) and the repetition penalty."""
+        p = self.params
+        keys: list[np.ndarray] = []
+        add: list[np.ndarray] = []
+        rep: list[np.ndarray] = []
+        ids, cnt = self.produced()
+        penalty = p.repetition_penalty
+        if penalty != 1.0:
+            seen = np.union1d(self._prompt_ids, ids)
+            keys.append(seen)
+            add.append(np.zeros(len(seen)))
+            rep.append(np.ones(len(seen), bool))
+        if ids.size and (p.presence_penalty or p.frequency_penalty):
+            keys.append(ids)
+            add.append(-(p.frequency_penalty * cnt + p.presence_penalty))
+            rep.append(np.zeros(len(ids), bool))
+        if p.logit_bias:
+            keys.append(np.fromiter((int(t) for t in p.logit_bias), dtype=np.int64))
+            add.append(np.fromiter(p.logit_bias.values(), dtype=np.float64))
+            rep.append(np.zeros(len(p.logit_bias), bool))
+        banned = np.asarray(self._banned(vocab) if self.generated < p.min_tokens else [], np.int64)
+        if banned.size:
+            keys.append(banned)
+            add.append(np.full(len(banned), -np.inf))
+            rep.append(np.zeros(len(banned), bool))
+        bits = None
+        if self.constraint is not None:
+            allowed = np.zeros(vocab, bool)
+            a = self.constraint.allowed()
+            allowed[: min(len(a), vocab)] = a[:vocab]
+            if banned.size and not np.setdiff1d(np.flatnonzero(allowed), banned).size:
+                # Only what the min_tokens ban removed is allowed: the grammar wins, on the raw logits.
+                keys, add, rep, penalty = [], [], [], 1.0
+            bits = np.packbits(allowed, bitorder="little")
+        if not keys:
+            return np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.float32), bits, penalty
+        k = np.concatenate(keys)
+        uk, inv = np.unique(k, return_inverse=True)
+        total = np.zeros(len(uk))
+        np.add.at(total, inv, np.concatenate(add))
+        flags = np.zeros(len(uk), bool)
+        np.logical_or.at(flags, inv, np.concatenate(rep))
+        return uk.astype(np.int32), flags, total.astype(np.float32), bits, penalty
+
     def _commit(self, pick: _Pick, raw: np.ndarray) -> SampleResult:
         """Draw from what the batch pass decided for this row and update the state like :meth:`sample`."""
         if pick.cdf is not None:
@@ -270,6 +326,92 @@ class Sampler:
         chosen_lp = 0.0 if pick.lse is None else float(raw[token]) - pick.lse
         self._record(token)
         return SampleResult(token, chosen_lp, pick.top)
+
+
+# ----------------------------------------------------------------------------- device sampling
+
+#: Overlay widths of :func:`device_sampling` below the vocabulary's (a backend that compiles per
+#: shape compiles each).
+OVERLAY_WIDTHS = (16, 256, 4096)
+
+
+def overlay_width(n: int, vocab: int) -> int:
+    """The overlay width of a batch whose longest row has ``n`` entries: the smallest of
+    :data:`OVERLAY_WIDTHS` that holds it, else the vocabulary rounded up to a multiple of the
+    largest (a row has at most one entry per token)."""
+    for w in OVERLAY_WIDTHS:
+        if n <= w:
+            return w
+    step = OVERLAY_WIDTHS[-1]
+    return -(-max(n, vocab) // step) * step
+
+
+def overlay_widths(vocab: int) -> list[int]:
+    """Every width :func:`overlay_width` gives for this vocabulary."""
+    return sorted({overlay_width(n, vocab) for n in (0, *(w + 1 for w in OVERLAY_WIDTHS)) if n <= vocab})
+
+
+def device_sampling(samplers: Sequence[Sampler | None], vocab: int) -> DeviceSampling:
+    """The :class:`ruvllm.backend.DeviceSampling` rows of ``samplers`` for this step (None: a row
+    that samples nothing, e.g. a prompt chunk that does not end its prompt). Draws each non-greedy
+    sampler's uniform from its generator, as :meth:`Sampler.sample` would; pass the returned tokens
+    to :meth:`Sampler.commit`. The same seed thus gives the same tokens as host sampling, but for
+    float32 rounding at a CDF boundary or between near-equal logits. Raises what a row's grammar
+    raises, having drawn nothing."""
+    from ruvllm.backend import DeviceSampling
+
+    b = len(samplers)
+    greedy = np.ones(b, bool)
+    temperature = np.ones(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    top_p = np.ones(b, np.float32)
+    min_p = np.zeros(b, np.float32)
+    penalty = np.ones(b, np.float32)
+    uniform = np.zeros(b, np.float32)
+    # Every row first (a grammar may raise): a failed build has drawn from no generator.
+    rows = [None if s is None else s._device_row(vocab) for s in samplers]
+    top = 0
+    for i, (s, row) in enumerate(zip(samplers, rows, strict=True)):
+        if s is None or row is None:
+            continue
+        p = s.params
+        penalty[i] = row[4]
+        if p.logprobs:
+            top = max(top, min(p.logprobs, vocab))
+        if p.greedy:
+            continue
+        greedy[i] = False
+        temperature[i] = p.temperature
+        top_k[i] = p.top_k if 0 < p.top_k < vocab else 0
+        top_p[i], min_p[i] = p.top_p, p.min_p
+        uniform[i] = s.rng.random()
+    width = overlay_width(max((len(r[0]) for r in rows if r is not None), default=0), vocab)
+    ids = np.full((b, width), vocab, np.int32)
+    rep = np.zeros((b, width), bool)
+    add = np.zeros((b, width), np.float32)
+    masked = any(r is not None and r[3] is not None for r in rows)
+    allowed = np.full((b, -(-vocab // 8)), 0xFF, np.uint8) if masked else None
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        n = len(r[0])
+        ids[i, :n], rep[i, :n], add[i, :n] = r[0], r[1], r[2]
+        if r[3] is not None and allowed is not None:
+            allowed[i] = r[3]
+    return DeviceSampling(
+        greedy=greedy,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=penalty,
+        uniform=uniform,
+        overlay_ids=ids,
+        overlay_rep=rep,
+        overlay_add=add,
+        allowed=allowed,
+        top_logprobs=top,
+    )
 
 
 # ------------------------------------------------------------------------------ batch sampling

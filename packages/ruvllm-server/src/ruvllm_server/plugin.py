@@ -79,6 +79,13 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--max-num-batched-tokens", type=int, default=None, help="tokens one engine step may carry (default 2048)"
     )
     p.add_argument(
+        "--sampling",
+        default=None,
+        choices=["auto", "host", "device"],
+        help="where tokens are sampled: on the backend's device after its step, on the host, or auto (the device "
+        "where the backend prefers it: jax on a GPU); default auto",
+    )
+    p.add_argument(
         "--max-step-ms",
         type=float,
         default=None,
@@ -177,6 +184,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "sampling": args.sampling,
         "max_step_ms": args.max_step_ms,
         "max_step_ratio": args.max_step_ratio,
         "precompile": args.precompile,

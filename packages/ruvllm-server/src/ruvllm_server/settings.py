@@ -73,6 +73,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive = 2048
+    #: Where tokens are sampled: ``device`` (the backend samples after its step; only token ids and
+    #: asked-for log-probabilities reach the host), ``host``, or ``auto``: the device where the
+    #: backend prefers it (jax on a GPU).
+    sampling: Literal["auto", "host", "device"] = "auto"
     #: Latency target of one engine step (ms): prompt chunks are sized so a step stays within it and
     #: decoding streams keep a steady inter-token latency; 0: no target.
     max_step_ms: Annotated[float, msgspec.Meta(ge=0)] = 100.0

@@ -247,6 +247,7 @@ class ServerState:
             max_step_ms=s.max_step_ms or None,
             max_step_ratio=s.max_step_ratio or None,
             kv_cache_options=kv_cache_options(s),
+            sampling=s.sampling,
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:

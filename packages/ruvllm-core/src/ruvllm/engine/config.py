@@ -16,6 +16,10 @@ class EngineConfigError(RuvllmError):
     """An engine setting is out of range or unknown."""
 
 
+#: Values of ``EngineConfig.sampling``.
+SAMPLING_PLACES = ("auto", "host", "device")
+
+
 @dataclass
 class EngineConfig:
     #: Tokens per KV block.
@@ -46,6 +50,10 @@ class EngineConfig:
     #: prompt tokens may last at most this many times as long (with ``max_step_ms``, the smaller of
     #: both applies). Bounds the inter-token latency's tail by a multiple of its median. None: off.
     max_step_ratio: float | None = None
+    #: Where tokens are sampled: ``host`` (NumPy, every backend), ``device`` (in the backend, after
+    #: its step: only token ids and asked-for log-probabilities leave the device; backends with
+    #: ``Capabilities.device_sampling``), ``auto``: device where the backend prefers it (GPUs).
+    sampling: str = "auto"
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -69,6 +77,8 @@ class EngineConfig:
             bad(f"max_step_ms must be positive, got {self.max_step_ms}")
         if self.max_step_ratio is not None and not self.max_step_ratio > 1:
             bad(f"max_step_ratio must be above 1, got {self.max_step_ratio}")
+        if self.sampling not in SAMPLING_PLACES:
+            bad(f"sampling must be one of {', '.join(SAMPLING_PLACES)}, got {self.sampling!r}")
         if self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

@@ -6,15 +6,15 @@ import copy
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
 
-from ruvllm.backend import ForwardBatch, SequenceChunk, StepLimits
+from ruvllm.backend import DeviceSampling, ForwardBatch, SequenceChunk, StepLimits
 from ruvllm.block_manager import BlockManager
-from ruvllm.engine.config import EngineConfig, default_num_blocks
+from ruvllm.engine.config import EngineConfig, EngineConfigError, default_num_blocks
 from ruvllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ruvllm.engine.sequence import RequestState, Sequence
 from ruvllm.engine.step_budget import StepBudget
@@ -28,7 +28,7 @@ from ruvllm.engine.types import (
 )
 from ruvllm.errors import BackendError, RequestError, RequestFailedError
 from ruvllm.inference import ChoiceResult, InferenceRequest, InferenceResult
-from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
+from ruvllm.sampling import Sampler, SampleResult, SamplingParams, device_sampling, sample_batch
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -57,6 +57,12 @@ class LLMEngine:
                 f"max_num_seqs {config.max_num_seqs} exceeds the {caps.max_batch} sequences backend "
                 f"{model.backend.name!r} runs in one step; set max_num_seqs to at most {caps.max_batch}"
             )
+        if config.sampling == "device" and not caps.device_sampling:
+            raise EngineConfigError(f"backend {model.backend.name!r} cannot sample on its device; use sampling='host'")
+        #: Steps sample on the backend's device (see ``EngineConfig.sampling``).
+        self.device_sampling = config.sampling == "device" or (
+            config.sampling == "auto" and caps.device_sampling and caps.prefers_device_sampling
+        )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_bytes = model.kv_block_bytes(config.block_size, **config.kv_cache_options)
         self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len, self.block_bytes)
@@ -224,6 +230,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             hidden_states="hidden_states" in self.model.step_needs,
             adapters=self.model.adapter_limits if self.model.capabilities.adapters else None,
+            device_sampling=self.device_sampling,
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
         return self.precompiled
@@ -311,7 +318,8 @@ class LLMEngine:
                 st.metrics.queue_time = now - st.request.arrival_time
                 st.metrics.cached_tokens = seq.num_cached_tokens or 0
         t0 = time.perf_counter()
-        logits_of = self._forward_isolating(sched)
+        sampling = self._device_sampling(sched)
+        logits_of = self._forward_isolating(sched, sampling)
         if self.broken is not None:
             return []
         if self.step_budget is not None and len(logits_of) == len(sched.chunks):  # a clean step: learn its cost
@@ -327,6 +335,7 @@ class LLMEngine:
         sampled: list[tuple[RequestState, list[Sequence], Exception | None]] = []
         samplers: list[Sampler] = []
         rows: list[np.ndarray] = []
+        on_device: dict[int, SampleResult | Exception] = {}
         for _, (chunk, logits) in sorted(logits_of.items()):
             if not chunk.completes or self._route(chunk):
                 continue
@@ -336,7 +345,12 @@ class LLMEngine:
             else:
                 targets = [seq]
             error: Exception | None = None
-            if not np.isfinite(logits).all():
+            if isinstance(logits, _DeviceRow):  # sampled in the step (one target: no fork there)
+                if not logits.finite:
+                    error = FloatingPointError("the model produced non-finite logits for this sequence")
+                else:
+                    on_device[id(seq)] = seq.sampler.commit(logits.token, logits.logprob, logits.top)
+            elif not np.isfinite(logits).all():
                 error = FloatingPointError("the model produced non-finite logits for this sequence")
             else:
                 samplers += [s.sampler for s in targets]
@@ -345,7 +359,13 @@ class LLMEngine:
         samples = iter(sample_batch(samplers, rows, return_exceptions=True))
         for st, targets, error in sampled:
             rid = st.request.request_id
-            picked: list[SampleResult | Exception] = [error] if error else [next(samples) for _ in targets]
+            picked: list[SampleResult | Exception]
+            if error:
+                picked = [error]
+            elif id(targets[0]) in on_device:
+                picked = [on_device[id(targets[0])]]
+            else:
+                picked = [next(samples) for _ in targets]
             try:
                 for s, sample in zip(targets, picked, strict=False):
                     if isinstance(sample, Exception):
@@ -385,22 +405,48 @@ class LLMEngine:
         out, self._failures = self._failures, []
         return out
 
-    def _forward_isolating(self, sched: SchedulerOutput) -> dict[int, tuple[ScheduledChunk, np.ndarray]]:
-        """Run the step; returns chunk index -> (chunk, its logits row) for the chunks that ran (and
-        records the prompt logprobs of chunks that compute them).
+    def _device_sampling(self, sched: SchedulerOutput) -> DeviceSampling | None:
+        """The step's device-sampling rows, when this engine samples on the device and no chunk
+        needs its logits on the host (a request that forks into its ``n`` choices draws them all
+        from one row; a prompt whose end an adapter router reads may run again)."""
+        if not self.device_sampling:
+            return None
+        samplers: list[Sampler | None] = []
+        for c in sched.chunks:
+            st = c.seq.state
+            if c.completes and (self._wants_route(c) or (not st.forked and st.sampling.n > 1)):
+                return None
+            samplers.append(c.seq.sampler if c.completes else None)
+        try:
+            return device_sampling(samplers, self.model.config.vocab_size)
+        except Exception as exc:  # a row's grammar failed: the host sampler fails that request alone
+            log.warning("device sampling rows failed; sampling this step on the host", error=repr(exc))
+            return None
+
+    def _forward_isolating(
+        self, sched: SchedulerOutput, sampling: DeviceSampling | None = None
+    ) -> dict[int, tuple[ScheduledChunk, np.ndarray | _DeviceRow]]:
+        """Run the step; returns chunk index -> (chunk, its logits row, or what device ``sampling``
+        picked for it) for the chunks that ran (and records the prompt logprobs of chunks that
+        compute them).
 
         A step-wide backend error is not blamed on every request in it: the chunks are split in halves
         and each half runs again (a transient error is thus retried once), down to single requests, so
         an error tied to one sequence fails that request alone. Cache positions a failed attempt wrote
         are rewritten by the retry. Requests that fail alone with nothing running in between count
         against the engine; three in a row mark it broken (:attr:`broken`) and fail every request."""
-        out: dict[int, tuple[ScheduledChunk, np.ndarray]] = {}
+        out: dict[int, tuple[ScheduledChunk, np.ndarray | _DeviceRow]] = {}
         errors: list[Exception] = []
 
         def attempt(indices: list[int]) -> None:
             part = SchedulerOutput(chunks=[sched.chunks[i] for i in indices], block_copies=sched.block_copies)
+            batch = self._batch(part)
+            if sampling is not None:
+                batch.sampling = sampling if len(indices) == len(sched.chunks) else sampling.rows(indices)
             try:
-                result = self.model.forward(self._batch(part), self.cache)
+                result = self.model.forward(batch, self.cache)
+                if sampling is not None and result.sampled is None:
+                    raise BackendError("the backend returned no device-sampled tokens for a step that asked")
             except Exception as exc:
                 errors.append(exc)
                 log.warning("engine step failed; retrying in parts", error=repr(exc), chunks=len(indices))
@@ -414,8 +460,18 @@ class LLMEngine:
                 attempt([i for i in indices if sched.chunks[i].seq.state.request.request_id in first])
                 attempt([i for i in indices if sched.chunks[i].seq.state.request.request_id not in first])
                 return
+            got = result.sampled
             for row, i in enumerate(indices):
-                out[i] = (sched.chunks[i], np.asarray(result.logits[row]))
+                if got is not None:
+                    k = min(sched.chunks[i].seq.state.sampling.logprobs or 0, got.top_ids.shape[1])
+                    ids, lps = got.top_ids[row, :k].tolist(), got.top_logprobs[row, :k].tolist()
+                    top = list(zip(ids, lps, strict=True))
+                    out[i] = (
+                        sched.chunks[i],
+                        _DeviceRow(int(got.tokens[row]), float(got.logprobs[row]), top, bool(got.finite[row])),
+                    )
+                else:
+                    out[i] = (sched.chunks[i], np.asarray(result.logits[row]))
                 rows = result.all_logits.get(row)
                 if rows is not None and self._wants_prompt_logprobs(sched.chunks[i]):
                     self._record_prompt_logprobs(sched.chunks[i], np.asarray(rows))
@@ -645,3 +701,13 @@ class LLMEngine:
         s = self.stats()
         blocks = f"{s.blocks_used}/{s.blocks_total}"
         return f"LLMEngine({self.model.name}, running={s.running}, waiting={s.waiting}, blocks={blocks})"
+
+
+@dataclass(slots=True)
+class _DeviceRow:
+    """What device sampling picked for one chunk."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    finite: bool
