@@ -12,6 +12,8 @@ import jax.numpy as jnp
 
 from ruvllm.backend import LoadOptions, StepLimits
 from ruvllm.checkpoint import open_checkpoint
+from ruvllm.sampling import overlay_widths
+from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention
 from ruvllm_jax.runner import JaxModel
 
@@ -51,6 +53,22 @@ def steps(path: str, dtype: str, attentions: tuple[str, ...]) -> str:
     return ", ".join(f"{a}: {n} step shapes" for a, n in zip(attentions, counts, strict=True))
 
 
+def sampling(vocab: int) -> str:
+    """Every device-sampling variant (overlay widths, with and without the sort) at 1 and 64 rows."""
+    from functools import partial
+
+    n = 0
+    for rows in (1, 64):
+        for width in overlay_widths(vocab):
+            for sort in (False, True):
+                fn = jax.jit(partial(device_sampling.sample_rows, sort=sort))
+                logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+                inputs = device_sampling.abstract_inputs(rows, vocab, width)
+                fn.trace(logits, inputs).lower(lowering_platforms=("cuda",))
+                n += 1
+    return f"{n} variants"
+
+
 def main() -> None:
     if sys.argv[1:] == ["--control"]:  # the kernels under JAX's default Pallas GPU backend (Mosaic GPU)
         import ruvllm_jax.kernels.paged_attention as kernels_module
@@ -67,6 +85,8 @@ def main() -> None:
     check(f"steps {tiny} float32", steps, tiny, "float32", ("pallas", "reference"))
     for path in real:  # what `auto` gives a GPU user: bfloat16, the Pallas kernels
         check(f"steps {path} bfloat16", steps, path, "bfloat16", ("pallas", "reference"))
+    for vocab in (97, 49152, 128256):  # a tiny model's, SmolLM2's, Llama-3's
+        check(f"sampling vocab {vocab}", sampling, vocab)
 
 
 if __name__ == "__main__":

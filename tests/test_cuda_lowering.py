@@ -1,6 +1,7 @@
 """Proof without a GPU that a GPU user's first steps lower (issue 16): the Pallas attention kernels
 (float32 and bfloat16, block sizes 8-32, GQA groups 1-8, head dims 64-256) and every step shape of a
-tiny Llama and of SmolLM2, with the Pallas kernels and with XLA's attention, are lowered for the CUDA
+tiny Llama and of SmolLM2, with the Pallas kernels and with XLA's attention, and every device-sampling
+variant (:mod:`ruvllm_jax.sampling`) for three vocabularies, are lowered for the CUDA
 platform on this CPU-only machine (jax-cuda12-plugin of jax's own version provides the GPU lowering
 rules; ``nox -s tests`` installs it beside, not into, the test environment). The control: the same
 kernel under JAX's default Pallas GPU backend (Mosaic GPU) fails, as it did before the kernels named
@@ -42,7 +43,7 @@ def test_the_kernels_and_every_step_shape_lower_for_cuda(tmp_path, smollm2_path)
     lines = _run(str(tiny), str(smollm2_path))
     failed = [ln for ln in lines if ln.startswith("FAIL")]
     assert not failed, "\n".join(failed)
-    assert len(lines) == 2 * 3 * 3 + 2  # every kernel case and both models were checked
+    assert len(lines) == 2 * 3 * 3 + 2 + 3  # every kernel case, both models, device sampling at 3 vocabularies
     assert all("pallas: " in ln and "reference: " in ln for ln in lines if ln.startswith("ok steps"))
 
 
