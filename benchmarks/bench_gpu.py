@@ -1,28 +1,39 @@
-"""GPU benchmark of the Pallas paged-attention kernels: their time against the jax.numpy path and
-against the memory-bandwidth floor, then SmolLM2 decode throughput with each attention path.
+"""GPU benchmark of the JAX backend: the Pallas paged-attention kernels against the jax.numpy path
+and the memory-bandwidth floor, then whole-model decode throughput against the floor and against HF
+transformers on the same GPU.
 
-On a machine with a CUDA GPU (``pip install "ruvllm-backend-jax[cuda]"``):
+On a machine with a CUDA GPU (``pip install "ruvllm-backend-jax[cuda]"``, plus torch and
+transformers for the peer):
 
     python benchmarks/bench_gpu.py --json bench_gpu.json
+    # within a short device lease, one model and the batches that matter:
+    python benchmarks/bench_gpu.py --attn-shapes llama3-8b --dtypes bfloat16 --models llama3-8b \
+        --attentions pallas --model-batches 1 32 256 --peer-batches 1 256
 
 Attention part: one layer of paged attention at SmolLM2's shapes (9 query heads, 3 kv heads, head
-dim 64, blocks of 16 tokens, block tables in random order), bfloat16 and float32 caches, for decode
-(batch 1, 8, 32, 64 x context 512, 2048, 8192) and prefill (one sequence, 512 and 2048 query tokens).
-``paged_attention`` runs under ``jax.jit`` with ``impl="pallas"`` (the kernels compiled through
-Triton) and ``impl="reference"`` (jax.numpy, XLA). The floor is the bytes the attention must move
-(K and V of every context token of every sequence, plus q and the output) divided by the device's
-copy bandwidth, which the script measures first (a jitted elementwise pass over a 1 GiB array,
-bytes read + bytes written over time). Each run checks the kernel's output against the jax.numpy
-path (max abs difference relative to the largest output: 2e-2 for bfloat16, 1e-4 for float32) and
-exits non-zero when it does not match.
+dim 64) and Llama-3-8B's (32, 8, 128), blocks of 16 tokens, block tables in random order, bfloat16
+and float32 caches, for decode (batch 1, 8, 32, 64 x context 512, 2048, 4096, 8192) and prefill
+(one sequence, 512 and 2048 query tokens). ``paged_attention`` runs under ``jax.jit`` with
+``impl="pallas"`` (the kernels compiled through Triton) and ``impl="reference"`` (jax.numpy, XLA).
+The floor is the bytes the attention must move (K and V of every context token of every sequence,
+plus q and the output) divided by the device's copy bandwidth, which the script measures first (a
+jitted elementwise pass over a 1 GiB array, bytes read + bytes written over time); "% HBM" is floor
+over the kernel's time. Each run checks the kernel's output against the jax.numpy path (max abs
+difference relative to the largest output: 2e-2 for bfloat16, 1e-4 for float32) and exits non-zero
+when it does not match.
 
-Model part: SmolLM2 decode steps (bfloat16 weights and cache) at batch 1, 8, 32 with attention
-``pallas`` and ``reference`` in one run; medians of per-step times, tok/s = batch / step time.
+Model part: decode steps (bfloat16 weights and cache) at batch 1, 8, 32, 128, 256 after prompts of
+512 random tokens, for SmolLM2 (the bundled GGUF) and for a Llama-3-8B-shaped model whose random
+weights are made on the device (speed does not depend on the values). ruvllm runs each attention
+path and samples greedily on the device (only token ids come back, as when serving on a GPU); the
+peer is HF transformers on torch, bfloat16, static KV cache, ``torch.compile(mode="reduce-overhead")``,
+in the same run on the same GPU. Medians of per-step times; tok/s = batch / step time; the floor is
+(the weight bytes a step reads + the KV bytes it reads) / the measured bandwidth.
 
 Without a CUDA device the script says so and measures nothing (exit status 0: ``nox -s bench`` runs
-it on CPU). ``--interpret`` runs the attention part on any device at tiny sizes with the kernels in
-Pallas interpret mode: that exercises this script and checks the kernels' outputs, and its timings
-say nothing about the kernels' speed.
+it on CPU). ``--interpret`` runs everything on any device at tiny sizes (the kernels in Pallas
+interpret mode, a tiny random Llama, transformers eager): that exercises this script and checks the
+kernels' outputs, and its timings say nothing about speed.
 """
 
 from __future__ import annotations
@@ -46,8 +57,33 @@ import numpy as np
 
 from ruvllm_jax.attention import paged_attention
 
-# SmolLM2-135M's attention shapes.
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+#: Attention shapes (query heads, kv heads, head dim) of the two models measured.
+ATTN_SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
+BLOCK_SIZE = 16
+#: Llama-3-8B's shapes (random bfloat16 weights made on the device: speed does not depend on values).
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+#: A tiny Llama for ``--interpret`` (checks the script's model part on any device).
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+)
 #: Pallas output vs the jax.numpy output: max abs difference / max abs reference output.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -61,28 +97,35 @@ class AttnConfig:
     q_tokens: int  # new tokens per sequence (1 for decode)
     context: int  # tokens each sequence attends over, the new ones included
     dtype: str
+    shape: str = "smollm2"  # a key of ATTN_SHAPES
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        return ATTN_SHAPES[self.shape]
 
     @property
     def label(self) -> str:
         if self.kind == "decode":
-            return f"decode b={self.batch} ctx={self.context} {self.dtype}"
-        return f"prefill b={self.batch} q={self.q_tokens} ctx={self.context} {self.dtype}"
+            return f"{self.shape} decode b={self.batch} ctx={self.context} {self.dtype}"
+        return f"{self.shape} prefill b={self.batch} q={self.q_tokens} ctx={self.context} {self.dtype}"
 
     def bytes_moved(self) -> int:
         """What any implementation must read and write: K and V of every context token of every
         sequence, the queries and the output."""
+        heads, kv_heads, head_dim = self.heads
         item = jnp.dtype(DTYPES[self.dtype]).itemsize
-        kv = 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * item
-        q_and_out = 2 * self.batch * self.q_tokens * HEADS * HEAD_DIM * item
+        kv = 2 * self.batch * self.context * kv_heads * head_dim * item
+        q_and_out = 2 * self.batch * self.q_tokens * heads * head_dim * item
         return kv + q_and_out
 
     def bytes_needed(self) -> int:
         """Rough device memory the jax.numpy path needs: the cache, its gathered copy (K and V,
         twice for the prefill transposes) and a few float32 score arrays."""
+        heads, kv_heads, head_dim = self.heads
         keys = -(-self.context // BLOCK_SIZE) * BLOCK_SIZE
         item = jnp.dtype(DTYPES[self.dtype]).itemsize
-        cache = 2 * self.batch * keys * KV_HEADS * HEAD_DIM * item
-        scores = self.batch * HEADS * self.q_tokens * keys * 4
+        cache = 2 * self.batch * keys * kv_heads * head_dim * item
+        scores = self.batch * heads * self.q_tokens * keys * 4
         return 3 * cache + 4 * scores
 
 
@@ -105,15 +148,6 @@ class AttnRow:
     ok: bool | None = None
     skipped: str | None = None
     error: str | None = None
-
-
-@dataclass
-class ModelRow:
-    attention: str
-    batch: int
-    context_start: int
-    step_ms: float
-    tok_s: float
 
 
 # -- timing ------------------------------------------------------------------------------------------------
@@ -152,13 +186,14 @@ def copy_bandwidth(nbytes: int, iterations: int, min_iter_s: float) -> float:
 def attention_inputs(cfg: AttnConfig, seed: int) -> tuple[jax.Array, ...]:
     """One layer of cache holding exactly the sequences' blocks, handed out in random order."""
     dtype = DTYPES[cfg.dtype]
+    heads, kv_heads, head_dim = cfg.heads
     blocks_per_seq = -(-cfg.context // BLOCK_SIZE)
     num_blocks = cfg.batch * blocks_per_seq
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
-    shape = (1, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (1, num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     k_cache = jax.random.normal(kk, shape, dtype)
     v_cache = jax.random.normal(kv, shape, dtype)
-    q = jax.random.normal(kq, (cfg.batch, cfg.q_tokens, HEADS, HEAD_DIM), dtype)
+    q = jax.random.normal(kq, (cfg.batch, cfg.q_tokens, heads, head_dim), dtype)
     rng = np.random.default_rng(seed)
     tables = rng.permutation(num_blocks).astype(np.int32).reshape(cfg.batch, blocks_per_seq)
     context = np.full((cfg.batch,), cfg.context, np.int32)
@@ -216,17 +251,18 @@ def bench_attention(
     return row
 
 
-def attention_configs(interpret: bool, dtypes: list[str]) -> list[AttnConfig]:
+def attention_configs(interpret: bool, dtypes: list[str], shapes: list[str]) -> list[AttnConfig]:
     if interpret:  # only exercises the code path and checks outputs
         decode = [(b, c) for b in (1, 2) for c in (64, 128)]
         prefill = [(64, 64), (32, 128)]
     else:
-        decode = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 8192)]
+        decode = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 4096, 8192)]
         prefill = [(512, 512), (2048, 2048), (512, 2048)]
     out = []
-    for dt in dtypes:
-        out += [AttnConfig("decode", b, 1, c, dt) for b, c in decode]
-        out += [AttnConfig("prefill", 1, q, c, dt) for q, c in prefill]
+    for shape in shapes:
+        for dt in dtypes:
+            out += [AttnConfig("decode", b, 1, c, dt, shape) for b, c in decode]
+            out += [AttnConfig("prefill", 1, q, c, dt, shape) for q, c in prefill]
     return out
 
 
@@ -238,11 +274,11 @@ def markdown(rows: list[list[str]]) -> str:
 
 
 def attention_table(rows: list[AttnRow]) -> str:
-    out = [["config", "pallas ms", "jnp ms", "floor ms", "pallas/floor", "jnp/pallas", "rel err"]]
+    out = [["config", "pallas ms", "jnp ms", "floor ms", "pallas/floor", "jnp/pallas", "pallas % HBM", "rel err"]]
     for r in rows:
         if r.skipped or r.error:
             out.append(
-                [r.config, f"skipped: {r.skipped}" if r.skipped else f"ERROR {r.error[:80]}", "", "", "", "", ""]
+                [r.config, f"skipped: {r.skipped}" if r.skipped else f"ERROR {r.error[:80]}", "", "", "", "", "", ""]
             )
             continue
         assert r.pallas_ms is not None and r.jnp_ms is not None and r.floor_ms is not None
@@ -255,6 +291,7 @@ def attention_table(rows: list[AttnRow]) -> str:
                 f"{r.floor_ms:.4f}",
                 f"{r.pallas_ms / r.floor_ms:.1f}x",
                 f"{r.jnp_ms / r.pallas_ms:.2f}x",
+                f"{100 * r.floor_ms / r.pallas_ms:.0f}%",
                 err,
             ]
         )
@@ -264,61 +301,266 @@ def attention_table(rows: list[AttnRow]) -> str:
 # -- model ---------------------------------------------------------------------------------------------------
 
 
-def bench_model(
-    ref: str, impls: list[str], batches: list[int], prompt_tokens: int, steps: int, dtype: str
+def random_llama(shape: dict, dtype: str, attention: str, seed: int = 0):
+    """A :class:`ruvllm_jax.runner.JaxModel` of Llama ``shape`` with random weights made on the device
+    (normal * 0.02, norms 1): decode speed does not depend on the values, and 16 GB of 8B weights
+    never cross the host."""
+    from ruvllm.backend import LoadOptions
+    from ruvllm.model_config import ModelConfig
+    from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
+    from ruvllm_jax.runner import JaxModel
+    from ruvllm_jax.sharding import make_mesh
+
+    spec = ModelSpec.from_config(ModelConfig(architecture="llama", **shape), dtype)
+    dt = DTYPES[dtype]
+    L, h, v = spec.num_layers, spec.hidden_size, spec.vocab_size
+
+    def make(key: jax.Array) -> Weights:
+        keys = iter(jax.random.split(key, 16))
+
+        def normal(*dims: int) -> jax.Array:
+            return (0.02 * jax.random.normal(next(keys), dims, jnp.float32)).astype(dt)
+
+        projections = {p: normal(L, *spec.projection_shape(p)) for p in (
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        )}  # fmt: skip
+        layers = LayerWeights(input_norm=jnp.ones((L, h), dt), post_attention_norm=jnp.ones((L, h), dt), **projections)
+        return Weights(embed=normal(v, h), layers=layers, final_norm=jnp.ones((h,), dt), lm_head=normal(v, h))
+
+    weights = jax.jit(make)(jax.random.key(seed))
+    model = JaxModel(spec, weights, make_mesh(1), attention, LoadOptions(dtype=dtype, extra={"attention": attention}))
+    model.table_tokens = spec_context(shape)
+    return model
+
+
+def spec_context(shape: dict) -> int:
+    return int(shape["max_position_embeddings"])
+
+
+def weights_read(model) -> int:
+    """Bytes a decode step must read: every weight but an untied embedding table (a decode step
+    gathers ``batch`` rows of it)."""
+    from ruvllm_jax.quant import weight_nbytes
+
+    untied = model.weights.lm_head is not None
+    return model.weight_bytes - (weight_nbytes(model.weights.embed) if untied else 0)
+
+
+@dataclass
+class ModelRow:
+    model: str
+    engine: str  # "ruvllm <attention>" or "transformers"
+    batch: int
+    context_start: int
+    step_ms: float
+    tok_s: float
+    #: (weight bytes + the KV bytes a step reads) / measured bandwidth.
+    floor_ms: float | None = None
+    skipped: str | None = None
+
+
+def greedy_rows(batch: int, vocab: int):
+    """Device-sampling rows of ``batch`` greedy sequences (what a server on a GPU samples with)."""
+    from ruvllm.sampling import Sampler, SamplingParams, device_sampling
+
+    return device_sampling([Sampler(SamplingParams(temperature=0.0)) for _ in range(batch)], vocab)
+
+
+def bench_ruvllm(
+    name: str, model, batches: list[int], prompt_tokens: int, steps: int, bandwidth: float
 ) -> list[ModelRow]:
-    """Decode steps of the whole model: prompts of ``prompt_tokens`` random ids prefilled (untimed),
-    two warm-up steps, then the median of ``steps`` timed steps, per attention implementation."""
-    from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
-    from ruvllm.runtime import load_model
+    """Decode steps of the whole model: prompts of ``prompt_tokens`` random ids prefilled (untimed), two
+    warm-up steps, then the median of ``steps`` timed steps, each sampling greedily on the device (only
+    the token ids come back, as when serving). tok/s = batch / step time."""
+    from ruvllm.backend import ForwardBatch, SequenceChunk
 
     rows = []
     warm = 2
+    spec = model.spec
     per_seq = -(-(prompt_tokens + warm + steps + 1) // BLOCK_SIZE)
-    for impl in impls:
-        model = load_model(ref, backend="jax", options=LoadOptions(dtype=dtype, extra={"attention": impl}))
-        cache = model.allocate_cache(per_seq * max(batches) + 1, BLOCK_SIZE)
-        tables = [np.arange(per_seq, dtype=np.int32) + i * per_seq for i in range(max(batches))]
-        rng = np.random.default_rng(0)
-        for b in batches:
-            print(f"... model {impl} batch {b}", file=sys.stderr, flush=True)
-            prompts = rng.integers(0, model.config.vocab_size, size=(b, prompt_tokens), dtype=np.int32)
-            last = []
+    kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * jnp.dtype(DTYPES[spec.dtype]).itemsize
+    model.table_tokens = per_seq * BLOCK_SIZE
+    cache = None
+    for b in sorted(batches):
+        print(f"... {name} ruvllm {model.attention} batch {b}", file=sys.stderr, flush=True)
+        row = ModelRow(name, f"ruvllm {model.attention}", b, prompt_tokens, 0.0, 0.0)
+        try:
+            del cache
+            cache = model.allocate_cache(per_seq * b + 1, BLOCK_SIZE)
+            tables = [np.arange(per_seq, dtype=np.int32) + i * per_seq for i in range(b)]
+            rng = np.random.default_rng(b)
+            prompts = rng.integers(0, spec.vocab_size, size=(b, prompt_tokens), dtype=np.int32)
+            last: list[int] = []
             for g in range(0, b, 8):  # prefill a few sequences per step: bounded activation memory
                 chunks = [SequenceChunk(prompts[i], 0, tables[i]) for i in range(g, min(b, g + 8))]
-                last.extend(model.forward(ForwardBatch(chunks, BLOCK_SIZE), cache).logits.argmax(-1))
+                out = model.forward(
+                    ForwardBatch(chunks, BLOCK_SIZE, sampling=greedy_rows(len(chunks), spec.vocab_size)), cache
+                )
+                last.extend(out.sampled.tokens.tolist())
             times = []
             for step in range(warm + steps):
                 pos = prompt_tokens + step
                 chunks = [SequenceChunk(np.asarray([last[i]], np.int32), pos, tables[i]) for i in range(b)]
+                batch = ForwardBatch(chunks, BLOCK_SIZE, sampling=greedy_rows(b, spec.vocab_size))
                 t0 = time.perf_counter()
-                out = model.forward(ForwardBatch(chunks, BLOCK_SIZE), cache)
+                out = model.forward(batch, cache)
                 times.append(time.perf_counter() - t0)
-                last = list(out.logits.argmax(-1))
-            step_s = statistics.median(times[warm:])
-            rows.append(ModelRow(impl, b, prompt_tokens, step_s * 1e3, b / step_s))
-        del model, cache
+                last = out.sampled.tokens.tolist()
+        except Exception as exc:  # out of memory at a large batch: reported, the rest goes on
+            text = str(exc).strip().splitlines()
+            row.skipped = f"{type(exc).__name__}: {text[0][:120] if text else ''}"
+            rows.append(row)
+            continue
+        row.step_ms = statistics.median(times[warm:]) * 1e3
+        row.tok_s = b / (row.step_ms / 1e3)
+        kv_read = b * (prompt_tokens + warm + steps // 2) * kv_token
+        row.floor_ms = (weights_read(model) + kv_read) / bandwidth * 1e3
+        rows.append(row)
+    del cache
     return rows
 
 
-def model_table(rows: list[ModelRow], impls: list[str]) -> str:
-    by = {(r.attention, r.batch): r for r in rows}
-    batches = sorted({r.batch for r in rows})
-    head = ["batch", *[f"{i} tok/s" for i in impls], *[f"{i} ms/step" for i in impls]]
-    if len(impls) == 2:
-        head.append(f"{impls[0]}/{impls[1]}")
+def bench_transformers(
+    name: str, source: str | dict, batches: list[int], prompt_tokens: int, steps: int, compile: bool
+) -> list[ModelRow]:
+    """The peer: HF transformers on torch on the same device, bfloat16, greedy ``generate`` with a static
+    KV cache and (on CUDA) ``torch.compile(mode="reduce-overhead")``. A decode step's time is the
+    difference of two generate calls (2 and 2 + ``steps`` new tokens) divided by ``steps``, median of 3."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(source, dict):
+        cfg = LlamaConfig(
+            vocab_size=source["vocab_size"],
+            hidden_size=source["hidden_size"],
+            intermediate_size=source["intermediate_size"],
+            num_hidden_layers=source["num_layers"],
+            num_attention_heads=source["num_heads"],
+            num_key_value_heads=source["num_kv_heads"],
+            head_dim=source["head_dim"],
+            max_position_embeddings=source["max_position_embeddings"],
+            rope_theta=source["rope_theta"],
+        )
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    else:
+        path = Path(source)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+        model = model.to(device)
+    model.eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.pad_token_id = 0
+    if compile:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    rows = []
+    vocab = model.config.vocab_size
+    for b in sorted(batches):
+        print(f"... {name} transformers batch {b}", file=sys.stderr, flush=True)
+        ids = torch.randint(0, vocab, (b, prompt_tokens), device=device)
+
+        def generate(n: int, ids=ids) -> float:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        row = ModelRow(name, "transformers", b, prompt_tokens, 0.0, 0.0)
+        try:
+            generate(2 + steps)  # compiles (the static cache's shapes are those of the longest run)
+            per_step = [(generate(2 + steps) - generate(2)) / steps for _ in range(3)]
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            row.skipped = f"{type(exc).__name__}: {text[0][:120] if text else ''}"
+            rows.append(row)
+            continue
+        row.step_ms = max(statistics.median(per_step), 1e-9) * 1e3
+        row.tok_s = b / (row.step_ms / 1e3)
+        rows.append(row)
+    model.to("meta")  # frees the device memory before the next model loads
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def model_table(rows: list[ModelRow]) -> str:
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    by = {(r.engine, r.batch): r for r in rows}
+    ours = [e for e in engines if e.startswith("ruvllm")]
+    head = ["batch", *[f"{e} tok/s" for e in engines], *[f"{e} % of floor" for e in ours]]
+    if "transformers" in engines:
+        head += [f"{e} / transformers" for e in ours]
     out = [head]
-    for b in batches:
+
+    def ok(r: ModelRow | None) -> bool:
+        return r is not None and r.skipped is None and r.tok_s > 0
+
+    for b in sorted({r.batch for r in rows}):
         cells = [str(b)]
-        cells += [f"{by[(i, b)].tok_s:,.1f}" for i in impls]
-        cells += [f"{by[(i, b)].step_ms:.2f}" for i in impls]
-        if len(impls) == 2:
-            cells.append(f"{by[(impls[0], b)].tok_s / by[(impls[1], b)].tok_s:.2f}x")
+        for e in engines:
+            r = by.get((e, b))
+            cells.append(f"{r.tok_s:,.1f}" if ok(r) else ("skipped" if r else ""))
+        for e in ours:
+            r = by.get((e, b))
+            cells.append(f"{100 * r.floor_ms / r.step_ms:.0f}%" if ok(r) and r.floor_ms else "")
+        if "transformers" in engines:
+            peer = by.get(("transformers", b))
+            for e in ours:
+                r = by.get((e, b))
+                cells.append(f"{r.tok_s / peer.tok_s:.2f}x" if ok(r) and ok(peer) else "")
         out.append(cells)
     return markdown(out)
 
 
 # -- driver ------------------------------------------------------------------------------------------------
+
+
+def run_models(args: argparse.Namespace, cuda: bool, bw: float) -> list[ModelRow]:
+    """Decode throughput of each model: ruvllm (bfloat16, each attention path, device sampling) and
+    the transformers peer, in this run. Interpreted: a tiny random Llama on any device, reference
+    attention, transformers eager (the script's check; the figures mean nothing)."""
+    from ruvllm.resolve import resolve
+
+    rows: list[ModelRow] = []
+    if args.interpret:
+        models: list[tuple[str, str | dict]] = [("tiny-llama", TINY_LLAMA)]
+        attentions, batches, prompt, steps = ["reference"], [1, 4], 32, 4
+    else:
+        models = [(m, LLAMA3_8B if m == "llama3-8b" else str(resolve(m))) for m in args.models]
+        attentions, batches, prompt, steps = (
+            args.attentions,
+            args.model_batches,
+            args.model_prompt_tokens,
+            args.model_steps,
+        )
+    for name, source in models:
+        for attention in attentions:
+            if isinstance(source, dict):
+                model = random_llama(source, "bfloat16", attention)
+            else:
+                from ruvllm.backend import LoadOptions
+                from ruvllm.checkpoint import open_checkpoint
+                from ruvllm_jax.runner import JaxModel
+
+                model = JaxModel.load(
+                    open_checkpoint(source), LoadOptions(dtype="bfloat16", extra={"attention": attention})
+                )
+            rows += bench_ruvllm(name, model, batches, prompt, steps, bw)
+            del model
+        if not args.no_peer:
+            peer_batches = [b for b in batches if args.peer_batches is None or b in args.peer_batches]
+            rows += bench_transformers(name, source, peer_batches, prompt, steps, compile=cuda and not args.interpret)
+        print()
+        print(
+            f"{name} decode, bfloat16, prompts of {prompt} tokens, median of {steps} steps; floor = (weights a "
+            "step reads + its KV) / measured bandwidth"
+        )
+        print(model_table([r for r in rows if r.model == name]))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,10 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         "--copy-mib", type=int, default=None, help="array size of the bandwidth pass (1024; 64 interpreted)"
     )
     ap.add_argument("--no-model", action="store_true", help="skip the model part")
-    ap.add_argument("--model", default="smollm2", help="model reference for the model part")
-    ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument(
+        "--models", nargs="+", default=["smollm2", "llama3-8b"], help="smollm2 (or another reference) and/or llama3-8b"
+    )
+    ap.add_argument("--attn-shapes", nargs="+", default=["smollm2", "llama3-8b"], choices=sorted(ATTN_SHAPES))
+    ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     ap.add_argument("--model-prompt-tokens", type=int, default=512)
     ap.add_argument("--model-steps", type=int, default=32)
+    ap.add_argument("--attentions", nargs="+", default=["pallas", "reference"], help="ruvllm attention paths")
+    ap.add_argument("--no-peer", action="store_true", help="skip HF transformers")
+    ap.add_argument("--peer-batches", type=int, nargs="+", default=None, help="transformers batches (default: all)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -369,31 +617,22 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     attn_rows = []
-    for cfg in attention_configs(args.interpret, args.dtypes):
+    for cfg in attention_configs(args.interpret, args.dtypes, args.attn_shapes):
         print(f"... {cfg.label}", file=sys.stderr, flush=True)
         attn_rows.append(bench_attention(cfg, pallas_impl, bw, iterations, args.min_iter_ms / 1e3, memory_limit))
     print()
-    print(f"Paged attention, one layer: {HEADS} q heads, {KV_HEADS} kv heads, head dim {HEAD_DIM}, block {BLOCK_SIZE}")
+    print(f"Paged attention, one layer, block {BLOCK_SIZE}; shapes (q heads, kv heads, head dim): {ATTN_SHAPES}")
     print(f"pallas = impl {pallas_impl!r}, jnp = impl 'reference'; ms = median per call, both under jax.jit")
     print(attention_table(attn_rows))
     print(
-        "bytes moved = K and V of every context token of every sequence + q + output; prefill is compute-bound, "
-        "so its floor is a loose bound. rel err = max |pallas - jnp| / max |jnp|, tolerance "
-        + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
+        "bytes moved = K and V of every context token of every sequence + q + output; % HBM = floor / pallas time; "
+        "prefill is compute-bound, so its floor is a loose bound. rel err = max |pallas - jnp| / max |jnp|, "
+        "tolerance " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
     )
 
     model_rows: list[ModelRow] = []
-    impls = ["pallas", "reference"]
-    if cuda and not args.interpret and not args.no_model:
-        model_rows = bench_model(
-            args.model, impls, args.model_batches, args.model_prompt_tokens, args.model_steps, "bfloat16"
-        )
-        print()
-        print(
-            f"{args.model} decode, bfloat16, prompts of {args.model_prompt_tokens} tokens, "
-            f"median of {args.model_steps} steps (attention 'pallas' vs 'reference')"
-        )
-        print(model_table(model_rows, impls))
+    if not args.no_model:
+        model_rows = run_models(args, cuda, bw)
 
     failed = [r for r in attn_rows if r.ok is False or r.error]
     if args.json:
