@@ -16,6 +16,12 @@ context. Medians over ``--steps`` steps after ``--warmup`` untimed ones. Then th
 ``--batch`` requests of the issue's configuration: the median decode step and the ``sample_batch``
 call inside it.
 
+A third arm samples as a GPU server does, on the device (``ruvllm_jax.sampling``, jitted, here on
+XLA's CPU device): building the rows from the samplers' state, the call, the tokens back to the host
+and the commits; its tokens are compared with the reference's too (float32 on the device: a draw at
+a CDF boundary may flip). On a CPU the logits are in host memory already, which is why the engine's
+``sampling="auto"`` keeps the host sampler there: this arm says what that choice is worth.
+
 Run: ``python benchmarks/bench_sampling.py [--steps 30] [--batch 64] [--synthetic] [--json F]``
 """
 
@@ -139,6 +145,29 @@ def reference(samplers: list[Sampler], logits: np.ndarray) -> list[SampleResult]
     return [s.sample(row) for s, row in zip(samplers, logits, strict=True)]
 
 
+class DeviceArm:
+    """Device sampling of one step (rows built, jitted call, tokens back, commits)."""
+
+    def __init__(self) -> None:
+        from functools import partial
+
+        import jax
+
+        from ruvllm_jax import sampling as dev
+
+        self.dev = dev
+        self.fns = {sort: jax.jit(partial(dev.sample_rows, sort=sort)) for sort in (False, True)}
+
+    def __call__(self, samplers: list[Sampler], logits: np.ndarray) -> list[SampleResult]:
+        from ruvllm.sampling import device_sampling
+
+        vocab = logits.shape[-1]
+        ds = device_sampling(samplers, vocab)
+        _, sort = self.dev.variant(ds)
+        got = self.dev.to_host(self.fns[sort](logits, self.dev.pad_inputs(ds, len(samplers), vocab)), len(samplers))
+        return [s.commit(int(got.tokens[i]), float(got.logprobs[i]), []) for i, s in enumerate(samplers)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -163,8 +192,11 @@ def main() -> None:
         return [Sampler(SamplingParams(seed=1000 + i, **params), prompts[i], (2,)) for i in range(args.batch)]
 
     pairs = {name: (samplers(p), samplers(p)) for name, p in ARMS.items()}
-    times: dict[str, dict[str, list[float]]] = {name: {"batch": [], "reference": []} for name in ARMS}
+    on_device = {name: samplers(p) for name, p in ARMS.items()}
+    device_arm = DeviceArm()
+    times: dict[str, dict[str, list[float]]] = {name: {"batch": [], "reference": [], "device": []} for name in ARMS}
     mismatches = dict.fromkeys(ARMS, 0)
+    device_mismatches = dict.fromkeys(ARMS, 0)
     forward: list[float] = []
     primary = next(iter(ARMS))
     for step in range(total + 1):
@@ -172,10 +204,13 @@ def main() -> None:
         for name, (fast, ref) in pairs.items():
             got, t_batch = timed(sample_batch, fast, logits)
             want, t_ref = timed(reference, ref, logits)
+            dev, t_dev = timed(device_arm, on_device[name], logits)
             mismatches[name] += sum(a.token_id != b.token_id for a, b in zip(got, want, strict=True))
+            device_mismatches[name] += sum(a.token_id != b.token_id for a, b in zip(dev, want, strict=True))
             if step >= args.warmup:
                 times[name]["batch"].append(t_batch)
                 times[name]["reference"].append(t_ref)
+                times[name]["device"].append(t_dev)
             if name == primary:
                 tokens = [r.token_id for r in got]
         if step == total:
@@ -201,7 +236,15 @@ def main() -> None:
     for name, params in ARMS.items():
         b = 1000 * statistics.median(times[name]["batch"])
         r = 1000 * statistics.median(times[name]["reference"])
-        out["arms"][name] = {"params": params, "batch_ms": b, "reference_ms": r, "mismatches": mismatches[name]}
+        d = 1000 * statistics.median(times[name]["device"])
+        out["arms"][name] = {
+            "params": params,
+            "batch_ms": b,
+            "reference_ms": r,
+            "device_ms": d,
+            "mismatches": mismatches[name],
+            "device_mismatches": device_mismatches[name],
+        }
     print(f"cpu: {out['cpu']}; load average {' '.join(f'{x:.2f}' for x in out['load_average'])}")
     print(f"logits: {out['logits']}, {args.batch} sequences x vocab {vocab}, median of {args.steps} steps")
     if out["forward_ms"] is not None:
@@ -211,13 +254,17 @@ def main() -> None:
             f"of which sample_batch {out['engine_sampling_ms']:.2f} ms "
             f"({100 * out['engine_sampling_ms'] / out['engine_step_ms']:.1f}%)"
         )
-    print("| sampling | batch ms/step | reference ms/step | speed-up | % of forward | token mismatches |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| sampling | batch ms/step | reference ms/step | speed-up | % of forward | token mismatches "
+        "| device (XLA CPU) ms/step | device / batch | device mismatches |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, a in out["arms"].items():
         share = f"{100 * a['batch_ms'] / out['forward_ms']:.1f}%" if out["forward_ms"] else "-"
         print(
             f"| {name} | {a['batch_ms']:.2f} | {a['reference_ms']:.2f} | {a['reference_ms'] / a['batch_ms']:.1f}x | "
-            f"{share} | {a['mismatches']} |"
+            f"{share} | {a['mismatches']} | {a['device_ms']:.2f} | {a['device_ms'] / a['batch_ms']:.1f}x "
+            f"| {a['device_mismatches']} |"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
