@@ -254,3 +254,50 @@ def test_auto_picks_the_host_on_cpu_and_device_needs_the_capability(smollm2):
     assert not LLMEngine(smollm2, EngineConfig(num_blocks=64)).device_sampling  # jax on a CPU: host
     with pytest.raises(EngineConfigError, match="sampling must be one of"):
         LLMEngine(smollm2, EngineConfig(num_blocks=64, sampling="gpu"))
+
+
+def test_a_token_its_grammar_refuses_fails_that_request_alone(smollm2):
+    """A device-sampled token the request's grammar does not allow (a backend bug, forced here) fails
+    that request with the grammar's error; the others in the same steps finish."""
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.structured import StructuredOutput
+
+    engine = LLMEngine(smollm2, EngineConfig(num_blocks=128, max_num_seqs=4, sampling="device"))
+    chat = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Give me a product code."}])
+    bad = smollm2.tokenizer.encode("hello")[0]  # lowercase: the regex never allows it
+    engine.add_request(GenerationRequest(chat, SamplingParams(max_tokens=8, temperature=0.0), request_id="plain"))
+    engine.add_request(
+        GenerationRequest(
+            chat,
+            SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput("regex", CODE)),
+            request_id="constrained",
+        )
+    )
+    forward = smollm2.model.forward
+
+    def corrupt(batch, cache):
+        out = forward(batch, cache)
+        row = constrained_row(batch)
+        if out.sampled is not None and row >= 0:
+            out.sampled.tokens[row] = bad
+        return out
+
+    def constrained_row(batch) -> int:
+        # The constrained request is the one whose allowed bits are not all set.
+        if batch.sampling is None or batch.sampling.allowed is None:
+            return -1
+        rows = np.flatnonzero((batch.sampling.allowed != 0xFF).any(axis=1))
+        return int(rows[0]) if rows.size else -1
+
+    smollm2.model.forward = corrupt
+    failures, finished = [], set()
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished.add(out.request_id)
+            failures += engine.take_failures()
+    finally:
+        del smollm2.model.forward
+    assert [f.request_id for f in failures] == ["constrained"]
+    assert finished == {"plain"}

@@ -335,7 +335,7 @@ class LLMEngine:
         sampled: list[tuple[RequestState, list[Sequence], Exception | None]] = []
         samplers: list[Sampler] = []
         rows: list[np.ndarray] = []
-        on_device: dict[int, SampleResult | Exception] = {}
+        on_device: dict[int, SampleResult] = {}
         for _, (chunk, logits) in sorted(logits_of.items()):
             if not chunk.completes or self._route(chunk):
                 continue
@@ -349,7 +349,10 @@ class LLMEngine:
                 if not logits.finite:
                     error = FloatingPointError("the model produced non-finite logits for this sequence")
                 else:
-                    on_device[id(seq)] = seq.sampler.commit(logits.token, logits.logprob, logits.top)
+                    try:
+                        on_device[id(seq)] = seq.sampler.commit(logits.token, logits.logprob, logits.top)
+                    except Exception as exc:  # its grammar refused the token: this request fails alone
+                        error = exc
             elif not np.isfinite(logits).all():
                 error = FloatingPointError("the model produced non-finite logits for this sequence")
             else:
