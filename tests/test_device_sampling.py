@@ -301,3 +301,28 @@ def test_a_token_its_grammar_refuses_fails_that_request_alone(smollm2):
         del smollm2.model.forward
     assert [f.request_id for f in failures] == ["constrained"]
     assert finished == {"plain"}
+
+
+@pytest.mark.parametrize("name", ["issue config", "penalties that raise", "logit_bias", "min_tokens ban"])
+def test_the_overlay_kept_step_by_step_equals_one_built_from_scratch(name):
+    """The overlay is built once and updated per produced token; after 40 tokens (repeats included)
+    it is what a build from the sampler's state gives, and the step's bans sit on top of it."""
+    vocab = 300
+    rng = np.random.default_rng(2)
+    params = SamplingParams(**{**PARAMS[name], "min_tokens": 50, "stop_token_ids": [STOP]})
+    s = Sampler(params, rng.integers(0, vocab, 60).tolist(), (EOS,))
+    s._device_row(vocab)  # built now, kept from here on
+    for t in rng.integers(0, 40, 40):  # a small range: many repeats
+        s._record(int(t))
+    ids, _, add, _, _ = s._device_row(vocab)
+    kept = s._overlay
+    s._overlay = None
+    fresh_ids, fresh_rep, fresh_add = s._build_overlay()
+    np.testing.assert_array_equal(kept[0], fresh_ids)
+    np.testing.assert_array_equal(kept[1], fresh_rep)
+    np.testing.assert_allclose(kept[2], fresh_add, rtol=1e-12, atol=1e-12)
+    # The row: the kept overlay plus eos and the stop token banned (min_tokens not reached).
+    assert set(ids.tolist()) == set(fresh_ids.tolist()) | {EOS, STOP}
+    assert np.all(np.isneginf(add[np.isin(ids, [EOS, STOP])]))
+    assert np.all(np.isfinite(add[~np.isin(ids, [EOS, STOP])]))
+    assert np.all(np.diff(ids) > 0)

@@ -153,6 +153,8 @@ class Sampler:
         self._ids = np.empty(16, np.int64)
         self._cnt = np.empty(16, np.float64)
         self.generated = 0
+        #: Device sampling's overlay (ids, rep flags, additions), built on first use (see _device_row).
+        self._overlay: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def produced(self) -> tuple[np.ndarray, np.ndarray]:
         """The distinct tokens produced so far and how often each was (float64), as views."""
@@ -245,6 +247,8 @@ class Sampler:
     def _record(self, token: int) -> None:
         """Count ``token`` as produced and feed it to the constraint."""
         j = self._slot.get(token)
+        if self._overlay is not None:
+            self._overlay_record(token, j is None)
         if j is None:
             j = len(self._slot)
             if j == len(self._ids):
@@ -268,15 +272,49 @@ class Sampler:
         return SampleResult(int(token), chosen, top)
 
     def _device_row(self, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float]:
-        """This step's row of :class:`ruvllm.backend.DeviceSampling`: overlay ids, rep flags and
-        additions (sorted by id), the allowed-token bits (None: all) and the repetition penalty."""
+        """This step's row of :class:`ruvllm.backend.DeviceSampling`: overlay ids (sorted), rep
+        flags and additions, the allowed-token bits (None: all) and the repetition penalty.
+
+        The overlay of penalties and bias is built once (prompt, produced tokens, bias) and then kept
+        up to date by :meth:`_record` one token at a time, so a step costs O(width) copies per row
+        however long the prompt; the step's bans are applied to a copy."""
         p = self.params
-        keys: list[np.ndarray] = []
-        add: list[np.ndarray] = []
-        rep: list[np.ndarray] = []
-        ids, cnt = self.produced()
+        if self._overlay is None:
+            self._overlay = self._build_overlay()
+        ids, rep, add = self._overlay
         penalty = p.repetition_penalty
-        if penalty != 1.0:
+        banned = np.asarray(self._banned(vocab) if self.generated < p.min_tokens else [], np.int64)
+        bits = None
+        if self.constraint is not None:
+            allowed = np.zeros(vocab, bool)
+            a = self.constraint.allowed()
+            allowed[: min(len(a), vocab)] = a[:vocab]
+            bits = np.packbits(allowed, bitorder="little")
+            if banned.size and not np.setdiff1d(np.flatnonzero(allowed), banned).size:
+                # Only what the min_tokens ban removed is allowed: the grammar wins, on the raw logits.
+                empty = np.zeros(0, np.int32)
+                return empty, np.zeros(0, bool), np.zeros(0, np.float32), bits, 1.0
+        if banned.size:
+            pos = np.searchsorted(ids, banned)
+            hit = np.zeros(len(banned), bool)
+            if len(ids):
+                hit = (pos < len(ids)) & (ids[np.minimum(pos, len(ids) - 1)] == banned)
+            add = add.copy()
+            add[pos[hit]] = -np.inf
+            new = np.unique(banned[~hit])
+            if new.size:
+                at = np.searchsorted(ids, new)
+                ids, rep = np.insert(ids, at, new), np.insert(rep, at, False)
+                add = np.insert(add, at, -np.inf)
+        return ids, rep, add.astype(np.float32), bits, penalty
+
+    def _build_overlay(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p = self.params
+        keys: list[np.ndarray] = [np.zeros(0, np.int64)]
+        add: list[np.ndarray] = [np.zeros(0)]
+        rep: list[np.ndarray] = [np.zeros(0, bool)]
+        ids, cnt = self.produced()
+        if p.repetition_penalty != 1.0:
             seen = np.union1d(self._prompt_ids, ids)
             keys.append(seen)
             add.append(np.zeros(len(seen)))
@@ -289,29 +327,29 @@ class Sampler:
             keys.append(np.fromiter((int(t) for t in p.logit_bias), dtype=np.int64))
             add.append(np.fromiter(p.logit_bias.values(), dtype=np.float64))
             rep.append(np.zeros(len(p.logit_bias), bool))
-        banned = np.asarray(self._banned(vocab) if self.generated < p.min_tokens else [], np.int64)
-        if banned.size:
-            keys.append(banned)
-            add.append(np.full(len(banned), -np.inf))
-            rep.append(np.zeros(len(banned), bool))
-        bits = None
-        if self.constraint is not None:
-            allowed = np.zeros(vocab, bool)
-            a = self.constraint.allowed()
-            allowed[: min(len(a), vocab)] = a[:vocab]
-            if banned.size and not np.setdiff1d(np.flatnonzero(allowed), banned).size:
-                # Only what the min_tokens ban removed is allowed: the grammar wins, on the raw logits.
-                keys, add, rep, penalty = [], [], [], 1.0
-            bits = np.packbits(allowed, bitorder="little")
-        if not keys:
-            return np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.float32), bits, penalty
         k = np.concatenate(keys)
         uk, inv = np.unique(k, return_inverse=True)
         total = np.zeros(len(uk))
         np.add.at(total, inv, np.concatenate(add))
         flags = np.zeros(len(uk), bool)
         np.logical_or.at(flags, inv, np.concatenate(rep))
-        return uk.astype(np.int32), flags, total.astype(np.float32), bits, penalty
+        return uk.astype(np.int32), flags, total
+
+    def _overlay_record(self, token: int, first: bool) -> None:
+        """Keep the device overlay up to date with one produced ``token`` (``first``: its first time)."""
+        p = self.params
+        rep_on = p.repetition_penalty != 1.0
+        delta = -(p.frequency_penalty + (p.presence_penalty if first else 0.0))
+        if not rep_on and not delta:
+            return
+        assert self._overlay is not None
+        ids, rep, add = self._overlay
+        pos = int(np.searchsorted(ids, token))
+        if pos < len(ids) and ids[pos] == token:
+            rep[pos] |= rep_on
+            add[pos] += delta
+        else:
+            self._overlay = (np.insert(ids, pos, token), np.insert(rep, pos, rep_on), np.insert(add, pos, delta))
 
     def _commit(self, pick: _Pick, raw: np.ndarray) -> SampleResult:
         """Draw from what the batch pass decided for this row and update the state like :meth:`sample`."""
