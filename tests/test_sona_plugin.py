@@ -52,6 +52,43 @@ def test_attach_serves_adapters_to_engine_requests(tmp_path):
     assert sona.stats()["counters"]["trajectories"] == 1
 
 
+def test_two_models_on_one_host_each_learn_from_their_own_requests(tmp_path):
+    """Two models loaded through one plugin host, each with its learner: the shared hooks send every
+    request to the learner of the model that served it; detaching one leaves the other working."""
+    from ruvllm.plugins import load_plugins
+
+    path = write_tiny_hf_checkpoint(tmp_path / "m", layers=2, hidden=48, vocab=97, max_positions=128)
+    _write_word_tokenizer(path, 97)
+    host = load_plugins()
+    a, b = (load_model(str(path), backend="candle-compat", host=host) for _ in range(2))
+    sa = plugin.attach(a, SonaConfig(background_interval=0.02, gate=False))
+    sb = plugin.attach(b, SonaConfig(background_interval=0.02, gate=False))
+    try:
+        with pytest.raises(Exception, match="already attached to this model"):
+            plugin.attach(a, SonaConfig())
+        assert plugin.active(a) is sa and plugin.active(b) is sb and plugin.active() is None
+        engines = {id(m): LLMEngine(m, EngineConfig(num_blocks=16)) for m in (a, b)}
+
+        def run(model, rid: str) -> None:
+            params = SamplingParams(max_tokens=2, temperature=0.0)
+            engines[id(model)].generate([GenerationRequest([5, 6, 7], params, request_id=rid)])
+
+        run(a, "a1")
+        run(a, "a2")
+        run(b, "b1")
+        assert sa.stats()["counters"]["trajectories"] == 2
+        assert sb.stats()["counters"]["trajectories"] == 1
+        plugin.detach(a)
+        assert plugin.active(a) is None and plugin.active() is sb
+        run(a, "a3")
+        run(b, "b2")
+        assert sa.stats()["counters"]["trajectories"] == 2
+        assert sb.stats()["counters"]["trajectories"] == 2
+    finally:
+        plugin.detach()
+    assert plugin.attached_models() == 0
+
+
 def _write_word_tokenizer(path, vocab: int) -> None:
     """A word-level tokenizer.json ("w0" .. "w96") so the engine can run the tiny checkpoint."""
     import tokenizers

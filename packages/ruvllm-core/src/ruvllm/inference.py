@@ -28,6 +28,9 @@ class InferenceRequest:
     #: request's first token then comes from the adapted model); None keeps the base model's run.
     #: Ignored when ``adapter`` is set. Requires a backend whose capabilities include hidden states.
     adapter_router: Callable[[np.ndarray], Any] | None = None
+    #: The :class:`ruvllm.runtime.LoadedModel` that serves it (set by the engine): plugins that keep
+    #: state per model (SONA) find theirs by it.
+    model: Any = None
 
 
 @dataclass

@@ -66,6 +66,8 @@ def sona_router(
     def current() -> Sona:
         s = sona if sona is not None else plugin.active()
         if s is None:
+            if plugin.attached_models() > 1:
+                raise _NotAttached("several models have SONA attached; this router was given none of them")
             raise _NotAttached("SONA is not attached to the served model")
         return s
 

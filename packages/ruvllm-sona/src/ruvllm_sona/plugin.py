@@ -5,9 +5,9 @@ SONA needs the model's weights, which hooks do not receive, so whoever loads the
     from ruvllm_sona.plugin import attach
     sona = attach(loaded_model, SonaConfig(scope="user"), state_dir="~/.ruvllm/sona")
 
-Until then the hooks do nothing (``GET /v1/sona/stats`` says so). One model per process is attached;
-embedding code that serves several models registers a :class:`~ruvllm_sona.sona.Sona` per host
-instead (``host.register(sona)``).
+Until then the hooks do nothing (``GET /v1/sona/stats`` says so). Several models in one process may
+each have their own learner: the hooks find a request's by the model the engine names on it
+(``InferenceRequest.model``).
 
 In the server SONA is a plugin like any other: with the plugin option ``sona.enabled=true``
 (``ruvllm serve --sona`` sets it; ``sona.scope``, ``sona.state_dir`` too) its ``model_loaded`` hook
@@ -39,21 +39,21 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("ruvllm_sona")
 
-_active: Sona | None = None
-#: The model _active learns on (detach withdraws what attach declared on it).
-_model: LoadedModel | None = None
+#: The learners attached in this process, by ``id()`` of the model they learn on (with the model,
+#: which keeps that id taken while attached). Requests find theirs through ``request.model``.
+_attached: dict[int, tuple[LoadedModel, Sona]] = {}
 _attach_lock = threading.Lock()
 
 
 def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: str | Path | None = None) -> Sona:
     """Create the SONA learner for ``model``, start its background loop and make this module's hooks
-    (registered with ``model.host`` if the entry point was filtered out) forward to it."""
-    global _active, _model
+    (registered with ``model.host`` if the entry point was filtered out) forward that model's
+    requests to it. Several models may each have one; a model has at most one."""
     with _attach_lock:
-        if _active is not None:
-            raise SonaError("SONA is already attached to a model in this process; call detach() first")
+        if id(model) in _attached:
+            raise SonaError("SONA is already attached to this model; call detach(model) first")
         sona = Sona.for_model(model, config, state_dir=Path(state_dir).expanduser() if state_dir else None)
-        _active, _model = sona, model
+        _attached[id(model)] = (model, sona)
     if sona.config.gate:
         model.step_needs.add("hidden_states")  # the gate routes on them: the engine precompiles those steps
     # Steps carry the scopes' adapter snapshots: up to one per sequence (in-flight requests keep the
@@ -65,20 +65,35 @@ def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: s
     return sona
 
 
-def detach(save: bool = True) -> None:
-    """Stop the attached learner (saving its state when it has a directory)."""
-    global _active, _model
+def detach(model: LoadedModel | None = None, save: bool = True) -> None:
+    """Stop the learner attached to ``model`` (None: every attached one), saving its state when it has
+    a directory."""
     with _attach_lock:
-        sona, _active = _active, None
-        model, _model = _model, None
-    if model is not None:
-        model.expect_adapters("sona", None)
-    if sona is not None:
+        keys = list(_attached) if model is None else [id(model)]
+        gone = [_attached.pop(k) for k in keys if k in _attached]
+    for m, sona in gone:
+        m.expect_adapters("sona", None)
         sona.close(save=save)
 
 
-def active() -> Sona | None:
-    return _active
+def active(model: LoadedModel | None = None) -> Sona | None:
+    """The learner attached to ``model``; without one, the only attached learner (None when there is
+    none, or several)."""
+    if model is not None:
+        entry = _attached.get(id(model))
+        return entry[1] if entry is not None else None
+    entries = list(_attached.values())
+    return entries[0][1] if len(entries) == 1 else None
+
+
+def attached_models() -> int:
+    """How many models have a learner attached in this process."""
+    return len(_attached)
+
+
+def _for(request: InferenceRequest) -> Sona | None:
+    # A request an engine built names its model; one built by hand goes to the only learner.
+    return active(request.model) if request.model is not None else active()
 
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -144,18 +159,18 @@ def register_routes(register: Callable[[object], None], context: RouteContext) -
 
 @hookimpl
 def model_unloading(model: LoadedModel) -> None:
-    detach()
+    detach(model)
 
 
 @hookimpl
 def pre_inference(request: InferenceRequest) -> None:
-    sona = _active
+    sona = _for(request)
     if sona is not None:
         sona.pre_inference(request)
 
 
 @hookimpl
 def post_inference(request: InferenceRequest, result: InferenceResult) -> None:
-    sona = _active
+    sona = _for(request)
     if sona is not None:
         sona.post_inference(request, result)

@@ -119,6 +119,7 @@ class LLMEngine:
             user=request.user,
             metadata=dict(request.metadata),
             adapter=request.adapter,
+            model=self.model,
         )
         # Plugins see only requests that pass every check; what they change is checked again.
         self._check(inference.prompt_token_ids, inference.sampling)
