@@ -154,6 +154,38 @@ def test_device_sampling_functions_are_precompiled_and_sample_like_the_host(tiny
     assert [_tokens(o) for o in got] == [_tokens(o) for o in want]
 
 
+def test_prompt_logprob_steps_are_precompiled_when_asked(tiny_jax):
+    """``precompile_all_logits``: every shape once more returning every position's logits; a workload
+    of prompt-logprob requests (prompts chunked across steps, beside decoding ones) then compiles
+    nothing more, and its prompt logprobs equal those of a request run alone."""
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, precompile_all_logits=True)
+    engine = LLMEngine(tiny_jax, config)
+    shapes = engine.precompile()
+    jm = tiny_jax.model
+    assert len([n for n, _ in shapes if n.endswith("all logits")]) == len(step_shapes(4, 128))
+    compiled = set(jm._compiled)
+
+    def requests(prefix: str) -> list[GenerationRequest]:
+        out = []
+        for i, req in enumerate(_requests(prefix)):
+            req.sampling.prompt_logprobs = 2 if i % 2 == 0 else None
+            req.sampling.n = 1
+            out.append(req)
+        return out
+
+    together = engine.generate(requests("all-"))
+    assert set(jm._compiled) == compiled
+    for req, outs in zip(requests("alone-"), together, strict=True):
+        if req.sampling.prompt_logprobs is None:
+            continue
+        (alone,) = LLMEngine(tiny_jax, EngineConfig(num_blocks=64)).generate([req])
+        got = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+        want = next(o.prompt_logprobs for o in alone if o.prompt_logprobs is not None)
+        assert [e is None for e in got] == [e is None for e in want]
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
 def test_with_an_adapter_router_the_hidden_state_steps_are_precompiled_too(tiny_jax):
     """A plugin that routes on hidden states (SONA's gate) declares it in ``step_needs``: precompile
     compiles every shape twice, and a workload whose every request is routed compiles nothing more."""

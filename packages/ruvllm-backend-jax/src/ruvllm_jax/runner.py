@@ -209,12 +209,13 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _shape_chunks(shape: Any, table: np.ndarray, hidden: bool) -> list[SequenceChunk]:
+def _shape_chunks(shape: Any, table: np.ndarray, hidden: bool, every: bool = False) -> list[SequenceChunk]:
     """Chunks of one step of ``shape`` (decoding sequences, then prompt chunks), the last asking for
-    hidden states when ``hidden``: what precompiling (or lowering) that shape runs."""
+    hidden states when ``hidden`` and for every position's logits when ``every``: what precompiling
+    (or lowering) that shape runs."""
     chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
     chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
-    chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden)
+    chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden, all_logits=every)
     return chunks
 
 
@@ -532,8 +533,9 @@ class JaxModel:
         With ``limits.hidden_states`` every shape is compiled a second time returning hidden states;
         with ``limits.adapters`` once more (twice with hidden states) with adapters in one padded plan
         (slots, rank and projections at the limits' bounds), which every step whose adapters fit it
-        then takes. With ``limits.device_sampling``, the sampling functions of every step's row count,
-        overlay width, with and without the sort."""
+        then takes. With ``limits.all_logits`` every variant once more returning every position's
+        logits (prompt logprobs, echo). With ``limits.device_sampling``, the sampling functions of
+        every step's row count, overlay width, with and without the sort."""
         max_num_seqs, max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
         max_model_len = limits.max_model_len
         bs = cache.block_size
@@ -549,9 +551,10 @@ class JaxModel:
             projections = tuple(p for p in PROJECTIONS if p in a.projections)
             self.fixed_lora = LoraPlan(slots=bucket(per_step), rank=bucket(a.max_rank), projections=projections)
         variants = [
-            (hidden, lora)
+            (hidden, lora, every)
             for lora in ((None, self.fixed_lora) if self.fixed_lora else (None,))
             for hidden in ((False, True) if limits.hidden_states else (False,))
+            for every in ((False, True) if limits.all_logits else (False,))
         ]
         vocab = self.spec.vocab_size
         samplers = (
@@ -563,12 +566,13 @@ class JaxModel:
         total = len(shapes) * len(variants) + len(copies) + len(logit_rows) * len(samplers)
         table = np.zeros(-(-max_model_len // bs), np.int32)
         for shape in shapes:
-            for hidden, fixed in variants:
-                chunks = _shape_chunks(shape, table, hidden)
+            for hidden, fixed, every in variants:
+                chunks = _shape_chunks(shape, table, hidden, every)
                 t0 = time.perf_counter()
                 inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed)
                 self._step_for(plan, cache, inputs, lora)
-                name = f"{shape}{' hidden' if hidden else ''}{' adapters' if fixed else ''}"
+                kinds = (" hidden", hidden), (" adapters", fixed), (" all logits", every)
+                name = f"{shape}{''.join(k for k, on in kinds if on)}"
                 done.append((name, time.perf_counter() - t0))
                 if progress:
                     progress(len(done), total, *done[-1])
@@ -720,7 +724,9 @@ class JaxModel:
                 logit_rows.extend(range(int(starts[i]), int(starts[i]) + lens[i]))
             if c.hidden_states:
                 rows.hidden[i] = slice(int(starts[i]), int(starts[i]) + lens[i])
-        g = sd + sp if len(logit_rows) <= sd + sp else bucket(len(logit_rows))
+        # A step that returns every position's logits returns as many rows as the shape can need (one
+        # per chunk and one per token): one such variant per shape, which precompile can compile.
+        g = sd + sp if len(logit_rows) <= sd + sp else sd + sp + t
         logit_idx = np.zeros(g, np.int32)
         logit_idx[: len(logit_rows)] = logit_rows
 

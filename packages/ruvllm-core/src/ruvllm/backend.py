@@ -147,6 +147,9 @@ class StepLimits:
     adapters: AdapterLimits | None = None
     #: Steps may ask for device sampling (``ForwardBatch.sampling``): compile its functions too.
     device_sampling: bool = False
+    #: Steps may ask for every position's logits (``SequenceChunk.all_logits``: prompt logprobs,
+    #: echo): compile those variants of every shape too.
+    all_logits: bool = False
 
 
 @dataclass

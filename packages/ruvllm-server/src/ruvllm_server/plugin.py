@@ -108,6 +108,14 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="do not compile the step shapes before reporting ready (they then compile while serving)",
     )
     p.add_argument(
+        "--precompile-prompt-logprobs",
+        action="store_const",
+        const=True,
+        default=None,
+        help="also compile, before ready, the steps that return every position's logits (prompt_logprobs, echo "
+        "with logprobs): twice the shapes; without it such requests' first steps compile while serving",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default=None,
         help="parser of tool calls in free text: hermes, llama3_json, mistral, json, or a plugin's (default: "
@@ -188,6 +196,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "max_step_ms": args.max_step_ms,
         "max_step_ratio": args.max_step_ratio,
         "precompile": args.precompile,
+        "precompile_prompt_logprobs": args.precompile_prompt_logprobs,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "plugin_options": args.plugin_option,

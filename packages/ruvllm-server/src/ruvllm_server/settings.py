@@ -85,6 +85,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_step_ratio: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     #: Compile every step shape before /ready turns 200 (none then compiles while serving).
     precompile: bool = True
+    #: Precompile also the steps that return every position's logits (``prompt_logprobs``, ``echo``
+    #: with logprobs): twice the shapes; without it such requests' first steps compile while serving.
+    precompile_prompt_logprobs: bool = False
     enable_prefix_caching: bool = True
     #: Seconds to wait for in-flight requests at shutdown.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0

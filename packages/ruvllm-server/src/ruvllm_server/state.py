@@ -248,6 +248,7 @@ class ServerState:
             max_step_ratio=s.max_step_ratio or None,
             kv_cache_options=kv_cache_options(s),
             sampling=s.sampling,
+            precompile_all_logits=s.precompile_prompt_logprobs,
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:

@@ -54,6 +54,9 @@ class EngineConfig:
     #: its step: only token ids and asked-for log-probabilities leave the device; backends with
     #: ``Capabilities.device_sampling``), ``auto``: device where the backend prefers it (GPUs).
     sampling: str = "auto"
+    #: :meth:`LLMEngine.precompile` also compiles the steps that return every position's logits
+    #: (prompt logprobs, echo); without it their first steps compile while serving.
+    precompile_all_logits: bool = False
 
     def validate(self) -> None:
         def bad(msg: str) -> None:

@@ -232,6 +232,7 @@ class LLMEngine:
             hidden_states="hidden_states" in self.model.step_needs,
             adapters=self.model.adapter_limits if self.model.capabilities.adapters else None,
             device_sampling=self.device_sampling,
+            all_logits=self.config.precompile_all_logits and self.model.capabilities.all_logits,
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
         return self.precompiled
