@@ -45,9 +45,13 @@ class JaxBackend(Backend):
 
     def load(self, checkpoint: Checkpoint, options: LoadOptions) -> JaxModel:
         # Importing the runner imports jax: only a chosen jax backend pays for it.
+        from ruvllm_jax import distributed
         from ruvllm_jax.runner import JaxModel
 
-        return JaxModel.load(checkpoint, options)
+        model = JaxModel.load(checkpoint, options)
+        if distributed.rank() == 0:  # process 0 of a group: the others run what it runs
+            return distributed.Leader(model)  # type: ignore[return-value]
+        return model
 
 
 @hookimpl

@@ -484,13 +484,13 @@ class JaxModel:
                 if not rows.all_logits:
                     logits = None
             if logits is not None:
-                logits = np.asarray(logits)
+                logits = _to_host(logits)
                 if ds is None:
                     out.logits[part] = logits[rows.last]
             for j, sl in rows.all_logits.items():
                 out.all_logits[part[j]] = np.ascontiguousarray(logits[sl])
             if hidden is not None:
-                hidden = np.asarray(hidden)
+                hidden = _to_host(hidden)
                 for j, idx in rows.hidden.items():
                     out.hidden_states[part[j]] = np.ascontiguousarray(hidden[idx])
         if ds is not None:
@@ -783,6 +783,16 @@ class JaxModel:
             fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, idx, idx).compile()
             self._copy_fns[key] = fn
         return fn
+
+
+def _to_host(a: jax.Array) -> np.ndarray:
+    """A step's output on this host: across processes (a mesh spanning several), sharded outputs are
+    gathered from all of them (every process runs this, as it runs the step)."""
+    if a.is_fully_addressable or a.is_fully_replicated:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def _merge_sampled(parts: list[tuple[list[int], SampledRows]], n: int) -> SampledRows:

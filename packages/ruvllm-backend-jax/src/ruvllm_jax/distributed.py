@@ -1,0 +1,197 @@
+"""One model across several processes (hosts): JAX's distributed runtime, one SPMD program.
+
+Every process runs :func:`initialize` first (``jax.distributed.initialize``; on CPUs the collectives
+go over gloo), then loads the same checkpoint with the same options, ``tensor_parallel`` spanning
+the devices of all of them. Process 0 runs the engine (and the server): the jax backend hands it a
+:class:`Leader`, which sends every call that runs or compiles a program (``kv_cache``, ``precompile``,
+``forward``) to the other processes before running it itself, so all of them run the same compiled
+steps, in the same order, on the same inputs, each on its shards. The others run :func:`follow`,
+which loads the model and obeys process 0 until it closes.
+
+The channel is :mod:`multiprocessing.connection` (pickled calls over TCP, authenticated with a key
+every process derives from the coordinator address, or ``RUVLLM_DISTRIBUTED_KEY``) at the
+coordinator's host, port + 1. A process that is gone is an error on process 0's next call, naming it.
+
+    from ruvllm_jax import distributed
+    distributed.initialize("10.0.0.1:7700", num_processes=2, process_id=rank)
+    options = LoadOptions(extra={"tensor_parallel": 2})
+    if rank == 0:
+        model = load_model(path, backend="jax", options=options)   # a Leader inside; run the engine on it
+    else:
+        distributed.follow(path, options)                          # returns when process 0 closes
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ruvllm.backend import ForwardBatch, ForwardOutput, LoadOptions, StepLimits
+from ruvllm.errors import BackendError
+
+if TYPE_CHECKING:
+    from ruvllm_jax.runner import JaxKVCache, JaxModel
+
+log = structlog.get_logger("ruvllm_jax.distributed")
+
+_group: dict[str, Any] = {}
+#: Seconds process 0 waits for the others to connect, and they for it.
+CONNECT_TIMEOUT_S = 300.0
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Join the group: ``coordinator`` is ``HOST:PORT`` of process 0 (the same on every process)."""
+    import jax
+
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise BackendError(f"coordinator must be HOST:PORT, got {coordinator!r}")
+    if num_processes < 2 or not 0 <= process_id < num_processes:
+        raise BackendError(
+            f"a group needs num_processes >= 2 and 0 <= process_id < num_processes, got {num_processes}, {process_id}"
+        )
+    if _group:
+        raise BackendError("this process already joined a group")
+    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    _group.update(coordinator=coordinator, host=host, port=int(port) + 1, size=num_processes, rank=process_id)
+    log.info("joined the group", coordinator=coordinator, process_id=process_id, num_processes=num_processes,
+             devices=len(jax.devices()), local_devices=len(jax.local_devices()))  # fmt: skip
+
+
+def rank() -> int | None:
+    """This process's id in the group; None outside one."""
+    return _group.get("rank")
+
+
+def _key() -> bytes:
+    secret = os.environ.get("RUVLLM_DISTRIBUTED_KEY") or f"ruvllm:{_group['coordinator']}"
+    return hashlib.sha256(secret.encode()).digest()
+
+
+class Leader:
+    """Process 0's model: a :class:`~ruvllm_jax.runner.JaxModel` whose program-running calls are sent to
+    the other processes first. Everything else is the model's own."""
+
+    def __init__(self, model: JaxModel) -> None:
+        import dataclasses
+
+        self.model = model
+        self.options = model.options
+        # Adapters would have to cross the channel each step (not done yet).
+        self.capabilities = dataclasses.replace(model.capabilities, adapters=False)
+        self._caches: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._conns: list[Connection] = []
+        listener = Listener((_group["host"], _group["port"]), authkey=_key())
+
+        def accept() -> None:
+            for _ in range(_group["size"] - 1):
+                try:
+                    conn = listener.accept()
+                    joined = conn.recv()
+                except (OSError, EOFError):  # the listener was closed: too late
+                    return
+                self._conns.append(conn)
+                log.info("process joined", process_id=joined)
+
+        waiter = threading.Thread(target=accept, daemon=True)
+        waiter.start()
+        waiter.join(CONNECT_TIMEOUT_S)
+        listener.close()
+        if len(self._conns) < _group["size"] - 1:
+            raise BackendError(
+                f"only {len(self._conns) + 1} of {_group['size']} processes joined within {CONNECT_TIMEOUT_S:.0f} s"
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def _send(self, *message: Any) -> None:
+        for i, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send(message)
+            except (OSError, EOFError) as exc:
+                raise BackendError(f"process {i} of the group is gone ({type(exc).__name__}: {exc})") from None
+
+    def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> JaxKVCache:
+        return self.allocate_cache(num_blocks, block_size, options)
+
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None
+    ) -> JaxKVCache:
+        with self._lock:
+            cache = self.model.allocate_cache(num_blocks, block_size, options)
+            self._caches[id(cache)] = len(self._caches)
+            self._send("cache", num_blocks, block_size, options)
+            return cache
+
+    def precompile(self, cache: JaxKVCache, limits: StepLimits, progress=None) -> list[tuple[str, float]]:
+        with self._lock:
+            self._send("precompile", self._caches[id(cache)], limits)
+            return self.model.precompile(cache, limits, progress)
+
+    def forward(self, batch: ForwardBatch, cache: JaxKVCache) -> ForwardOutput:
+        if any(c.adapter is not None for c in batch.chunks):
+            raise BackendError("jax backend: adapters are not applied across processes yet")
+        with self._lock:  # every process must see the steps in one order
+            self._send("forward", batch, self._caches[id(cache)])
+            return self.model.forward(batch, cache)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("close",))
+                conn.close()
+            except (OSError, EOFError):
+                pass
+        self._conns = []
+
+
+def follow(checkpoint: str, options: LoadOptions) -> None:
+    """Load ``checkpoint`` as process 0 does and run what it sends until it closes; raises
+    :class:`BackendError` when process 0 is gone without closing."""
+    import time
+
+    from ruvllm.checkpoint import open_checkpoint
+    from ruvllm_jax.runner import JaxModel
+
+    if not _group or _group["rank"] == 0:
+        raise BackendError("follow() is for processes 1.. of a group (call initialize() first)")
+    model = JaxModel.load(open_checkpoint(checkpoint), options)
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            conn = Client((_group["host"], _group["port"]), authkey=_key())
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BackendError(f"process 0 did not open {_group['host']}:{_group['port']}") from None
+            time.sleep(0.2)
+    conn.send(_group["rank"])
+    caches: list[JaxKVCache] = []
+    while True:
+        try:
+            message = conn.recv()
+        except (OSError, EOFError):
+            raise BackendError("process 0 of the group is gone") from None
+        kind = message[0]
+        if kind == "close":
+            return
+        if kind == "cache":
+            caches.append(model.allocate_cache(*message[1:]))
+        elif kind == "precompile":
+            model.precompile(caches[message[1]], message[2])
+        elif kind == "forward":
+            try:
+                model.forward(message[1], caches[message[2]])
+            except Exception as exc:  # process 0 ran the same step and met the same error
+                log.warning("step failed", error=repr(exc))
+        else:
+            raise BackendError(f"unknown message {kind!r} from process 0")

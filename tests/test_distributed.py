@@ -1,0 +1,108 @@
+"""One model across two processes (issue 19, part 1): ``jax.distributed`` over gloo on this machine,
+tensor parallelism over both processes' devices (one CPU device each), process 0 running the engine
+and the other following it (``ruvllm_jax.distributed``). The greedy tokens of three prompts are those
+of one process, for a tiny Llama and for SmolLM2; killing the follower fails the leader's next step
+with an error naming the lost process, within seconds, not a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "_distributed_check.py"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (the coordinator and the step channel)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def spawn(role: str, path: str, coordinator: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), role, path, coordinator],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+
+
+def tokens_of(out: str) -> list[list[int]]:
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
+    return json.loads(line[len("TOKENS ") :])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from _jax_fixtures import write_tiny_hf_model
+    from _tiny_served_fixtures import write_word_tokenizer
+
+    path = write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+    write_word_tokenizer(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_two_processes_give_the_tokens_of_one(which, tiny, smollm2_path):
+    path = tiny if which == "tiny" else str(smollm2_path)
+    alone = subprocess.run(
+        [sys.executable, str(SCRIPT), "alone", path, "-"], capture_output=True, text=True, env=ENV, timeout=600
+    )
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    follower = spawn("follower", path, coordinator)
+    leader = spawn("leader", path, coordinator)
+    try:
+        out, _ = leader.communicate(timeout=600)
+        fout, _ = follower.communicate(timeout=120)
+    finally:
+        for p in (leader, follower):
+            p.kill()
+    assert leader.returncode == 0, out[-3000:]
+    assert follower.returncode == 0 and "FOLLOWER DONE" in fout, fout[-3000:]
+    assert "devices=2 local_devices=1" in fout  # the mesh spans both processes
+    assert tokens_of(out) == tokens_of(alone.stdout)
+
+
+def test_a_dead_follower_fails_the_leaders_next_step_quickly(tiny):
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    follower = spawn("follower", tiny, coordinator)
+    leader = spawn("leader-rounds", tiny, coordinator)
+    lines: list[str] = []
+    try:
+        assert leader.stdout is not None
+        for line in leader.stdout:
+            lines.append(line)
+            if line.startswith("ROUND 2"):
+                break
+        else:
+            pytest.fail("".join(lines)[-3000:])
+        t0 = time.monotonic()
+        follower.kill()
+        rest, _ = leader.communicate(timeout=120)
+        seconds = time.monotonic() - t0
+    finally:
+        for p in (leader, follower):
+            p.kill()
+    (error,) = [ln for ln in rest.splitlines() if ln.startswith("ERROR ")]
+    assert leader.returncode == 1
+    assert "gone" in error or "Gloo" in error or "Connection reset" in error, error
+    assert seconds < 30, f"the leader took {seconds:.1f} s to fail"
