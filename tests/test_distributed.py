@@ -106,3 +106,45 @@ def test_a_dead_follower_fails_the_leaders_next_step_quickly(tiny):
     assert leader.returncode == 1
     assert "gone" in error or "Gloo" in error or "Connection reset" in error, error
     assert seconds < 30, f"the leader took {seconds:.1f} s to fail"
+
+
+def test_ruvllm_serve_as_process_0_and_ruvllm_follow(tiny, tmp_path):
+    """The commands of docs/scaling.md: ``ruvllm serve --coordinator --num-processes --tensor-parallel``
+    serves through a group whose other process runs ``ruvllm follow``; its greedy completion is that
+    of a plain ``ruvllm serve``; when process 0 stops, the follower exits 0."""
+    import httpx
+    from _server_fixtures import free_port, wait_until_ready
+
+    def serve(port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"serve-{port}.log"
+        cmd = [sys.executable, "-m", "ruvllm", "serve", tiny, "--backend", "jax", "--port", str(port),
+               "--no-precompile", "--quantization", "none", "--served-model-name", "tiny", *extra]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV), log
+
+    def complete(port: int) -> str:
+        body = {"model": "tiny", "prompt": "w5 w6 w7 w8", "max_tokens": 6, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    group = ["--coordinator", coordinator, "--num-processes", "2", "--tensor-parallel", "2"]
+    port, alone_port = free_port(), free_port()
+    leader, llog = serve(port, *group)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "ruvllm", "follow", tiny, "--coordinator", coordinator, "--num-processes", "2",
+         "--process-id", "1", "--tensor-parallel", "2", "--quantization", "none"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )  # fmt: skip
+    alone, alog = serve(alone_port)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", leader, llog, 180)
+        wait_until_ready(f"http://127.0.0.1:{alone_port}", alone, alog, 180)
+        assert complete(port) == complete(alone_port)
+        leader.terminate()
+        leader.wait(timeout=60)
+        out, _ = follower.communicate(timeout=60)
+        assert follower.returncode == 0, out[-3000:]
+    finally:
+        for p in (leader, follower, alone):
+            p.kill()

@@ -23,6 +23,7 @@ coordinator's host, port + 1. A process that is gone is an error on process 0's 
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import threading
@@ -89,6 +90,7 @@ class Leader:
         self._caches: dict[int, int] = {}
         self._lock = threading.Lock()
         self._conns: list[Connection] = []
+        atexit.register(self.close)  # the followers then exit 0 instead of reporting process 0 gone
         listener = Listener((_group["host"], _group["port"]), authkey=_key())
 
         def accept() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ruvllm import hookimpl
 from ruvllm.backend import Backend, LoadOptions
 from ruvllm.checkpoint import Checkpoint
+from ruvllm.errors import BackendError
 
 if TYPE_CHECKING:
     from ruvllm_jax.runner import JaxModel
@@ -48,6 +49,13 @@ class JaxBackend(Backend):
         from ruvllm_jax import distributed
         from ruvllm_jax.runner import JaxModel
 
+        if "coordinator" in options.extra and distributed.rank() is None:  # `ruvllm serve --coordinator`
+            try:
+                size = int(options.extra.get("num_processes", 0))
+            except (TypeError, ValueError):
+                given = options.extra["num_processes"]
+                raise BackendError(f"num_processes must be an integer, got {given!r}") from None
+            distributed.initialize(str(options.extra["coordinator"]), size, 0)
         model = JaxModel.load(checkpoint, options)
         if distributed.rank() == 0:  # process 0 of a group: the others run what it runs
             return distributed.Leader(model)  # type: ignore[return-value]
@@ -57,3 +65,58 @@ class JaxBackend(Backend):
 @hookimpl
 def register_backends(register: Callable[[Backend], None]) -> None:
     register(JaxBackend())
+
+
+@hookimpl
+def model_unloading(model: Any) -> None:
+    """A group's process 0 releases the others (they exit 0) when its model is unloaded."""
+    from ruvllm_jax import distributed
+
+    inner = getattr(model, "model", None)
+    if isinstance(inner, distributed.Leader):
+        inner.close()
+
+
+@hookimpl
+def register_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "follow",
+        help="run as process I > 0 of a group serving one model with process 0 (jax backend; docs/scaling.md)",
+    )
+    p.add_argument("model", help="the model process 0 serves (alias, GGUF file, HF directory)")
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0 (`ruvllm serve --coordinator`)")
+    p.add_argument("--num-processes", type=int, required=True)
+    p.add_argument("--process-id", type=int, required=True)
+    p.add_argument("--tensor-parallel", type=int, required=True, help="as process 0's (devices of every process)")
+    p.add_argument("--quantization", default="auto", help="as process 0's")
+    p.add_argument("--dtype", default="auto", help="as process 0's")
+    p.set_defaults(func=_follow)
+
+
+def _follow(args: Any, host: Any) -> int:
+    import os
+    import sys
+
+    from ruvllm.errors import RuvllmError
+    from ruvllm.resolve import resolve
+    from ruvllm_jax import distributed
+
+    try:
+        if args.process_id < 1:
+            raise BackendError("--process-id of a follower is 1 or more (process 0 runs `ruvllm serve`)")
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        options = LoadOptions(
+            quantization=args.quantization, dtype=args.dtype, extra={"tensor_parallel": args.tensor_parallel}
+        )
+        distributed.follow(str(resolve(args.model)), options)
+    except RuvllmError as exc:
+        print(f"ruvllm follow: error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    else:
+        print("ruvllm follow: process 0 closed the group", file=sys.stderr, flush=True)
+        code = 0
+    if distributed.rank() is not None:
+        # Not a normal exit: the distributed runtime's shutdown barrier would wait for process 0, which
+        # is gone or going, then abort.
+        os._exit(code)
+    return code

@@ -158,7 +158,11 @@ def partition(lens: list[int]) -> list[list[int]]:
     return [decode + groups[0], *groups[1:]]
 
 
-_KNOWN_EXTRA = {"tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads"}
+_KNOWN_EXTRA = {
+    "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads",
+    # Process 0 of a group (``ruvllm serve --coordinator``): see :mod:`ruvllm_jax.distributed`.
+    "coordinator", "num_processes",
+}  # fmt: skip
 #: w8a8 steps of at most this many (padded) tokens use the native kernels when they are loaded;
 #: larger ones use XLA's integer GEMM, which reuses each weight load across more rows. (w4a8 steps
 #: always use the native kernels on CPU: XLA has no fast form of the grouped product.)

@@ -36,6 +36,14 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="compute dtype (default auto: bfloat16 on a GPU, float32 on a CPU)",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
+    p.add_argument("--tensor-parallel", type=int, default=None, help="devices to shard the model over (default 1)")
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT: serve as process 0 of a group of --num-processes sharing one model (the others run "
+        "`ruvllm follow MODEL --coordinator HOST:PORT --num-processes N --process-id I`; docs/scaling.md)",
+    )
+    p.add_argument("--num-processes", type=int, default=None, help="processes in the group (with --coordinator)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
     p.add_argument("--max-concurrent", type=int, default=None, help="requests served at once (default 256)")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot before 503 (default 512)")
@@ -177,6 +185,9 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "quantization": args.quantization,
         "dtype": args.dtype,
         "threads": args.threads,
+        "tensor_parallel": args.tensor_parallel,
+        "coordinator": args.coordinator,
+        "num_processes": args.num_processes,
         "served_model_name": args.served_model_name,
         "max_concurrent": args.max_concurrent,
         "max_queue": args.max_queue,

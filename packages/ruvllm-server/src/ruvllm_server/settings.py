@@ -34,6 +34,13 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: CPU threads for the backend's kernels (default: the CPUs this process may use).
     threads: Positive | None = None
+    #: Devices the model is sharded over (backend extra ``tensor_parallel``; jax: over every process's
+    #: devices when ``num_processes`` > 1). 1: no sharding.
+    tensor_parallel: Positive = 1
+    #: ``HOST:PORT`` of this process, process 0 of a group of ``num_processes`` (the others run
+    #: ``ruvllm follow``); see docs/scaling.md. None: one process.
+    coordinator: str | None = None
+    num_processes: Positive = 1
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     #: Requests generating at once (admission control); more wait in a queue of ``max_queue``.

@@ -36,11 +36,18 @@ def load_model(settings: ServerSettings) -> LoadedModel:
 
     if not settings.model:
         raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
+    extra: dict[str, object] = {} if settings.threads is None else {"threads": settings.threads}
+    if settings.tensor_parallel > 1:
+        extra["tensor_parallel"] = settings.tensor_parallel
+    if (settings.coordinator is None) != (settings.num_processes == 1):
+        raise ServerConfigError("a group needs both --coordinator HOST:PORT and --num-processes N (N > 1)")
+    if settings.coordinator is not None:  # process 0 of a group (backends that cannot refuse it by name)
+        extra.update(coordinator=settings.coordinator, num_processes=settings.num_processes)
     return runtime_load(
         settings.model, backend=settings.backend, options=LoadOptions(
             quantization=settings.quantization,
             dtype=settings.dtype,
-            extra={} if settings.threads is None else {"threads": settings.threads},
+            extra=extra,
             max_adapters=settings.max_loras,
         ),
     )
