@@ -213,8 +213,14 @@ def attempt(row: AttnRow, what: str, fn: Callable[[], T]) -> T | None:
         if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
             row.skipped = f"{what}: out of device memory"
         else:
-            row.error = f"{what}: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            row.error = f"{what}: {first_line(exc)}"
         return None
+
+
+def first_line(exc: Exception) -> str:
+    """``Type: the first line of the message`` (at most 120 characters of it)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:120] if lines else ''}"
 
 
 def bench_attention(
@@ -407,8 +413,7 @@ def bench_ruvllm(
                 times.append(time.perf_counter() - t0)
                 last = out.sampled.tokens.tolist()
         except Exception as exc:  # out of memory at a large batch: reported, the rest goes on
-            text = str(exc).strip().splitlines()
-            row.skipped = f"{type(exc).__name__}: {text[0][:120] if text else ''}"
+            row.skipped = first_line(exc)
             rows.append(row)
             continue
         row.step_ms = statistics.median(times[warm:]) * 1e3
@@ -474,8 +479,7 @@ def bench_transformers(
             generate(2 + steps)  # compiles (the static cache's shapes are those of the longest run)
             per_step = [(generate(2 + steps) - generate(2)) / steps for _ in range(3)]
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            row.skipped = f"{type(exc).__name__}: {text[0][:120] if text else ''}"
+            row.skipped = first_line(exc)
             rows.append(row)
             continue
         row.step_ms = max(statistics.median(per_step), 1e-9) * 1e3

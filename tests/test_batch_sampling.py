@@ -198,19 +198,20 @@ class FakeGrammar:
         return False
 
 
+def grammar_samplers(name: str, vocab: int, rows: int = 16) -> list[Sampler]:
+    """Seeded samplers of PARAMS[name], each under its own FakeGrammar, with a min_tokens ban."""
+    p = SamplingParams(**{**PARAMS[name], "min_tokens": 12, "stop_token_ids": [STOP]})
+    return [
+        Sampler(SamplingParams(**{**vars(p), "seed": i}), [1, 2, 3], (EOS,), constraint=FakeGrammar(vocab, i))
+        for i in range(rows)
+    ]
+
+
 @pytest.mark.parametrize("name", ["greedy+penalties+bias", "issue config", "top_p", "temperature", "min_tokens ban"])
 def test_grammar_masks_and_their_fallback(name):
     vocab = 1003
     rng = np.random.default_rng(13)
-
-    def make() -> list[Sampler]:
-        p = SamplingParams(**{**PARAMS[name], "min_tokens": 12, "stop_token_ids": [STOP]})
-        return [
-            Sampler(SamplingParams(**{**vars(p), "seed": i}), [1, 2, 3], (EOS,), constraint=FakeGrammar(vocab, i))
-            for i in range(16)
-        ]
-
-    fast, ref = make(), make()
+    fast, ref = grammar_samplers(name, vocab), grammar_samplers(name, vocab)
     for step in range(10):
         run(fast, ref, make_logits(rng, 16, vocab, KINDS[step % 3]))
     # The fallback happened: eos came at step 5 under the min_tokens ban, because the grammar said so.

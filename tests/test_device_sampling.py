@@ -21,7 +21,7 @@ from functools import cache, partial
 import jax
 import numpy as np
 import pytest
-from test_batch_sampling import KINDS, PARAMS, FakeGrammar, make_logits, pairs
+from test_batch_sampling import KINDS, PARAMS, FakeGrammar, grammar_samplers, make_logits, pairs
 
 from ruvllm.sampling import Sampler, SamplingParams, device_sampling
 from ruvllm_jax import sampling as dev
@@ -123,15 +123,7 @@ def test_grammar_masks_and_their_fallback(name):
     winning where the ban leaves nothing (every 5th step the fake grammar allows only eos)."""
     vocab = 1003
     rng = np.random.default_rng(13)
-
-    def make() -> list[Sampler]:
-        p = SamplingParams(**{**PARAMS[name], "min_tokens": 12, "stop_token_ids": [STOP]})
-        return [
-            Sampler(SamplingParams(**{**vars(p), "seed": i}), [1, 2, 3], (EOS,), constraint=FakeGrammar(vocab, i))
-            for i in range(16)
-        ]
-
-    fast, ref = make(), make()
+    fast, ref = grammar_samplers(name, vocab), grammar_samplers(name, vocab)
     flips = sum(compare(fast, ref, make_logits(rng, 16, vocab, KINDS[step % 3])) for step in range(10))
     assert flips <= 1
     assert all(s.constraint.consumed[4] == EOS for s in fast)

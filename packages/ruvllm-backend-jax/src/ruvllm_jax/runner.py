@@ -471,7 +471,7 @@ class JaxModel:
         self._check(chunks, cache)
         vocab = self.spec.vocab_size
         ds = batch.sampling
-        if ds is not None and not self.capabilities.device_sampling:
+        if ds is not None and self.mesh.size > 1:  # (not the capabilities property: it is built per call)
             raise BackendError("jax backend: device sampling runs on one device, not a sharded mesh")
         if ds is not None and len(ds.greedy) != len(chunks):
             raise BackendError(f"device sampling has {len(ds.greedy)} rows for {len(chunks)} chunks")
