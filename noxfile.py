@@ -40,6 +40,7 @@ TEST_DEPS = [
     "accelerate>=1.0",  # transformers needs it to load GGUF files
     "openai>=1.40",
     "httpx>=0.27",
+    "ray[serve]>=2.50",  # the server's optional extra: replicas on Ray Serve (tests/test_ray_serve.py)
 ]
 TEST_PLUGINS = [
     "tests/plugins/ruvllm-example-plugin",
@@ -158,6 +159,7 @@ def bench(session: nox.Session) -> None:
         record = f"import pathlib, sys; pathlib.Path(sys.prefix, {stamp.name!r}).write_text({cmake!r})"
         session.run_install("python", "-c", record)  # skipped, like the install, under --no-install
     session.install("llama-cpp-python[server]>=0.3")
+    session.install("ray[serve]>=2.50")  # bench_ray.py: replicas on Ray Serve
     scripts = session.posargs or sorted(
         f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )

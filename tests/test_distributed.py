@@ -148,3 +148,44 @@ def test_ruvllm_serve_as_process_0_and_ruvllm_follow(tiny, tmp_path):
     finally:
         for p in (leader, follower, alone):
             p.kill()
+
+
+def test_ready_turns_503_when_a_follower_dies_without_traffic(tiny, tmp_path):
+    """Process 0 watches its followers' connections: when one dies, ``/ready`` answers 503 naming the
+    lost process (and ``/health`` says why) before any request meets the failure."""
+    import httpx
+    from _server_fixtures import free_port, wait_until_ready
+
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    port = free_port()
+    log = tmp_path / "serve.log"
+    leader = subprocess.Popen(
+        [sys.executable, "-m", "ruvllm", "serve", tiny, "--backend", "jax", "--port", str(port), "--no-precompile",
+         "--quantization", "none", "--coordinator", coordinator, "--num-processes", "2", "--tensor-parallel", "2"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV,
+    )  # fmt: skip
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "ruvllm", "follow", tiny, "--coordinator", coordinator, "--num-processes", "2",
+         "--process-id", "1", "--tensor-parallel", "2", "--quantization", "none"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_ready(base, leader, log, 180)
+        follower.kill()
+        follower.wait(timeout=30)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            r = httpx.get(f"{base}/ready", timeout=10)
+            if r.status_code == 503:
+                break
+            time.sleep(0.1)
+        seconds = time.monotonic() - t0
+        assert r.status_code == 503, r.text
+        assert r.json()["status"] == "failed" and "process 1 of the group is gone" in r.json()["detail"], r.text
+        assert seconds < 5, f"/ready took {seconds:.1f} s to turn unready"
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert "process 1 of the group is gone" in health.text, health.text
+    finally:
+        for p in (leader, follower):  # kill: a clean exit would wait on the runtime's shutdown barrier
+            p.kill()

@@ -388,6 +388,8 @@ def test_disconnect_mid_stream_aborts_the_request(server) -> None:
     }
     with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
         assert r.status_code == 200
+        # One content type, the one SSE clients check for (httpx-sse refuses any other).
+        assert r.headers.get_list("content-type") == ["text/event-stream; charset=utf-8"]
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert first.startswith("data: {")

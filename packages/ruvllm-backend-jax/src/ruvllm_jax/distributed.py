@@ -111,6 +111,30 @@ class Leader:
             raise BackendError(
                 f"only {len(self._conns) + 1} of {_group['size']} processes joined within {CONNECT_TIMEOUT_S:.0f} s"
             )
+        self._lost: str | None = None
+        threading.Thread(target=self._watch, name="ruvllm-group-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Followers never write after joining, so a connection that turns readable has ended: the
+        process is gone (or closing). Recorded for :meth:`health` at once, not at the next step."""
+        from multiprocessing.connection import wait
+
+        conns = list(self._conns)
+        while conns and self._conns:
+            try:
+                ready = wait(conns, timeout=1.0)
+            except (OSError, ValueError):  # closed by close()
+                return
+            for conn in ready:
+                if not self._conns:
+                    return
+                self._lost = f"process {conns.index(conn) + 1} of the group is gone"
+                log.error("process of the group lost", reason=self._lost)
+                return
+
+    def health(self) -> str | None:
+        """None while every process of the group is connected; else which one is gone."""
+        return self._lost
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -147,13 +171,13 @@ class Leader:
             return self.model.forward(batch, cache)
 
     def close(self) -> None:
-        for conn in self._conns:
+        conns, self._conns = self._conns, []  # first: the watcher then knows the ends are ours
+        for conn in conns:
             try:
                 conn.send(("close",))
                 conn.close()
             except (OSError, EOFError):
                 pass
-        self._conns = []
 
 
 def follow(checkpoint: str, options: LoadOptions) -> None:

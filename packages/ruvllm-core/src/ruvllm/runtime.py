@@ -96,6 +96,12 @@ class LoadedModel:
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         return self.model.forward(batch, cache)
 
+    def health(self) -> str | None:
+        """Why the backend model can no longer run steps (a process of its group is gone, say), or
+        None. Backends report it through an optional ``health()`` method of their model."""
+        report = getattr(self.model, "health", None)
+        return report() if report is not None else None
+
 
 def load_model(
     ref: str,

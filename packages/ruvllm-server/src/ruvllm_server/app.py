@@ -61,7 +61,13 @@ from ruvllm_server.schemas import (
 from ruvllm_server.settings import ServerSettings, load_settings
 from ruvllm_server.state import ServerState, check_plugin_options
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Named here as well as by the media type: with a union return annotation Litestar would otherwise
+#: send the handler's default (application/json), and SSE clients that check it (httpx-sse) refuse it.
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 
 
 def _state(request: Request) -> ServerState:

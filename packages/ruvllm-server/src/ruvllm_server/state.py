@@ -368,7 +368,10 @@ class ServerState:
     @property
     def broken(self) -> str | None:
         """Why the engine stopped working, or None."""
-        return self.engine.broken if self.engine is not None else None
+        if self.engine is not None and self.engine.broken:
+            return self.engine.broken
+        # The backend's own report (e.g. a process of a multi-process group died between steps).
+        return self.model.health() if self.model is not None else None
 
     @property
     def not_ready_reason(self) -> str:
