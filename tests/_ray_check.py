@@ -92,6 +92,9 @@ def openai_client_run() -> dict:
     )
     chat_chunks = [c.choices[0].delta.content or "" for c in chat_stream if c.choices]
     models = [m.id for m in client.models.list().data]
+    # A streamed answer read whole: the response must end after [DONE] (not just stop sending).
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 3, "stream": True}
+    whole_stream = httpx.post(f"{BASE}/v1/completions", json=body, timeout=30)
     return {
         "completion": whole.choices[0].text,
         "completion_streamed": "".join(chunks),
@@ -100,6 +103,8 @@ def openai_client_run() -> dict:
         "chat_streamed": "".join(chat_chunks),
         "chat_chunks": len(chat_chunks),
         "models": models,
+        "stream_read_whole": whole_stream.text[-40:],
+        "stream_content_type": whole_stream.headers["content-type"],
     }
 
 

@@ -60,16 +60,19 @@ def tiny(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+@pytest.mark.parametrize("which", ["tiny", "smollm2", "tiny-lora"])
 def test_two_processes_give_the_tokens_of_one(which, tiny, smollm2_path):
-    path = tiny if which == "tiny" else str(smollm2_path)
+    """``tiny-lora``: two LoRA adapters and the base model in one batch (the adapters cross the
+    channel to the follower once, then are referred to by key)."""
+    path = str(smollm2_path) if which == "smollm2" else tiny
+    suffix = "-lora" if which.endswith("lora") else ""
     alone = subprocess.run(
-        [sys.executable, str(SCRIPT), "alone", path, "-"], capture_output=True, text=True, env=ENV, timeout=600
+        [sys.executable, str(SCRIPT), f"alone{suffix}", path, "-"], capture_output=True, text=True, env=ENV, timeout=600
     )
     assert alone.returncode == 0, alone.stderr[-2000:]
     coordinator = f"127.0.0.1:{free_port_pair()}"
     follower = spawn("follower", path, coordinator)
-    leader = spawn("leader", path, coordinator)
+    leader = spawn(f"leader{suffix}", path, coordinator)
     try:
         out, _ = leader.communicate(timeout=600)
         fout, _ = follower.communicate(timeout=120)
@@ -80,6 +83,13 @@ def test_two_processes_give_the_tokens_of_one(which, tiny, smollm2_path):
     assert follower.returncode == 0 and "FOLLOWER DONE" in fout, fout[-3000:]
     assert "devices=2 local_devices=1" in fout  # the mesh spans both processes
     assert tokens_of(out) == tokens_of(alone.stdout)
+    if suffix:  # the adapters change what the first two prompts generate; the third has none
+        plain = subprocess.run(
+            [sys.executable, str(SCRIPT), "alone", path, "-"], capture_output=True, text=True, env=ENV, timeout=600
+        )
+        with_lora, without = tokens_of(out), tokens_of(plain.stdout)
+        assert with_lora[0] != without[0] and with_lora[1] != without[1]
+        assert with_lora[2] == without[2]
 
 
 def test_a_dead_follower_fails_the_leaders_next_step_quickly(tiny):

@@ -89,6 +89,8 @@ def test_the_openai_client_streams_and_non_streams_through_rays_proxy(ray_result
     assert r["completion_chunks"] > 1
     assert r["chat"] and r["chat_streamed"] == r["chat"]
     assert r["chat_chunks"] > 1
+    assert r["stream_read_whole"].endswith("data: [DONE]\n\n")  # the streamed response ends
+    assert r["stream_content_type"] == "text/event-stream; charset=utf-8"
 
 
 def test_prefix_affinity_serves_more_prompt_tokens_from_cache_than_round_robin(ray_result):

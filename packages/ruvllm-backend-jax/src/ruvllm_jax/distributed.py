@@ -27,6 +27,8 @@ import atexit
 import hashlib
 import os
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING, Any
 
@@ -76,18 +78,29 @@ def _key() -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
+#: Adapters the followers keep between steps (each side drops the least recently used beyond it).
+ADAPTERS_HELD = 64
+
+
+@dataclass(frozen=True)
+class _AdapterRef:
+    """An adapter in a forwarded batch: process 0's key of one the followers hold."""
+
+    key: int
+
+
 class Leader:
     """Process 0's model: a :class:`~ruvllm_jax.runner.JaxModel` whose program-running calls are sent to
     the other processes first. Everything else is the model's own."""
 
     def __init__(self, model: JaxModel) -> None:
-        import dataclasses
-
         self.model = model
         self.options = model.options
-        # Adapters would have to cross the channel each step (not done yet).
-        self.capabilities = dataclasses.replace(model.capabilities, adapters=False)
+        self.capabilities = model.capabilities
         self._caches: dict[int, int] = {}
+        #: Adapters the followers hold, by this process's ``id()``: (the object, its version), least
+        #: recently used first. A new or changed one crosses the channel once, before the step using it.
+        self._adapters: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._conns: list[Connection] = []
         atexit.register(self.close)  # the followers then exit 0 instead of reporting process 0 gone
@@ -164,11 +177,39 @@ class Leader:
             return self.model.precompile(cache, limits, progress)
 
     def forward(self, batch: ForwardBatch, cache: JaxKVCache) -> ForwardOutput:
-        if any(c.adapter is not None for c in batch.chunks):
-            raise BackendError("jax backend: adapters are not applied across processes yet")
         with self._lock:  # every process must see the steps in one order
-            self._send("forward", batch, self._caches[id(cache)])
+            self._send("forward", self._sendable(batch), self._caches[id(cache)])
             return self.model.forward(batch, cache)
+
+    def _sendable(self, batch: ForwardBatch) -> ForwardBatch:
+        """``batch`` with each adapter replaced by an :class:`_AdapterRef`; adapters the followers do
+        not hold yet (or hold at another version) are sent first, and the least recently used beyond
+        :data:`ADAPTERS_HELD` are dropped on both sides."""
+        import dataclasses
+
+        if all(c.adapter is None for c in batch.chunks):
+            return batch
+        new: dict[int, Any] = {}
+        chunks = []
+        for c in batch.chunks:
+            if c.adapter is None:
+                chunks.append(c)
+                continue
+            key, version = id(c.adapter), getattr(c.adapter, "version", None)
+            held = self._adapters.get(key)
+            if held is None or held[0] is not c.adapter or held[1] != version:
+                self._adapters[key] = (c.adapter, version)
+                new[key] = c.adapter
+            self._adapters.move_to_end(key)
+            chunks.append(dataclasses.replace(c, adapter=_AdapterRef(key)))
+        dropped = []
+        while len(self._adapters) > ADAPTERS_HELD:
+            key, _ = self._adapters.popitem(last=False)
+            new.pop(key, None)
+            dropped.append(key)
+        if new or dropped:
+            self._send("adapters", new, dropped)
+        return dataclasses.replace(batch, chunks=chunks)
 
     def close(self) -> None:
         conns, self._conns = self._conns, []  # first: the watcher then knows the ends are ours
@@ -183,6 +224,7 @@ class Leader:
 def follow(checkpoint: str, options: LoadOptions) -> None:
     """Load ``checkpoint`` as process 0 does and run what it sends until it closes; raises
     :class:`BackendError` when process 0 is gone without closing."""
+    import dataclasses
     import time
 
     from ruvllm.checkpoint import open_checkpoint
@@ -202,6 +244,7 @@ def follow(checkpoint: str, options: LoadOptions) -> None:
             time.sleep(0.2)
     conn.send(_group["rank"])
     caches: list[JaxKVCache] = []
+    adapters: dict[int, Any] = {}
     while True:
         try:
             message = conn.recv()
@@ -214,9 +257,20 @@ def follow(checkpoint: str, options: LoadOptions) -> None:
             caches.append(model.allocate_cache(*message[1:]))
         elif kind == "precompile":
             model.precompile(caches[message[1]], message[2])
+        elif kind == "adapters":
+            adapters.update(message[1])
+            for key in message[2]:
+                adapters.pop(key, None)
         elif kind == "forward":
+            batch = message[1]
+            if any(isinstance(c.adapter, _AdapterRef) for c in batch.chunks):
+                chunks = [
+                    dataclasses.replace(c, adapter=adapters[c.adapter.key]) if isinstance(c.adapter, _AdapterRef) else c
+                    for c in batch.chunks
+                ]
+                batch = dataclasses.replace(batch, chunks=chunks)
             try:
-                model.forward(message[1], caches[message[2]])
+                model.forward(batch, caches[message[2]])
             except Exception as exc:  # process 0 ran the same step and met the same error
                 log.warning("step failed", error=repr(exc))
         else:

@@ -241,6 +241,9 @@ class RuvllmEngineReplica:
                         yield message["body"]
                     if not message.get("more_body", False):
                         break
+            # The answer is complete: a streaming response still listens for the client's disconnect
+            # (as it would on a socket that stays open), so say the exchange is over, then let it end.
+            disconnected.set()
             await task  # re-raises what the app raised before answering
         finally:
             disconnected.set()  # the caller went away: the app sees a disconnect and stops generating
