@@ -116,3 +116,36 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(ray_result):
         assert s["done"] and s["error"] is None and s["tokens"] == STREAM_TOKENS, s
     assert kill["served_while_replacing"] >= 1
     assert kill["back_after_s"] is not None and kill["back_after_s"] < REPLACED_WITHIN_S
+
+
+# --- what build_app deploys (no cluster needed) -------------------------------------------------
+
+
+def test_plan_autoscaling_bounds_routers_and_refusals():
+    from ruvllm_server.ray import RoundRobinRouter, plan_deployment, prefix_router
+    from ruvllm_server.settings import ServerConfigError
+
+    plan = plan_deployment({"model": "smollm2", "min_replicas": "1", "max_replicas": "3", "max_concurrent": "8"})
+    scaling = plan.engine["autoscaling_config"]
+    assert (scaling.min_replicas, scaling.max_replicas) == (1, 3) and "num_replicas" not in plan.engine
+    assert plan.engine["max_ongoing_requests"] == 8 + 512  # what one replica's server admits and queues
+    assert plan.ingress["max_ongoing_requests"] == 3 * (8 + 512)
+    assert plan.settings == {"model": "smollm2", "max_concurrent": "8"}  # the replicas' server settings
+    router = plan.engine["request_router_config"]
+    assert router.request_router_kwargs == {"imbalanced_threshold": 8.0}
+    assert router.get_request_router_class() is prefix_router()
+
+    plan = plan_deployment({"model": "smollm2", "replicas": 2, "router": "round_robin"})
+    assert plan.engine["num_replicas"] == 2
+    assert plan.engine["request_router_config"].get_request_router_class() is RoundRobinRouter
+    assert "request_router_config" not in plan_deployment({"model": "smollm2", "router": "pow2"}).engine
+
+    for bad, words in [
+        ({"router": "random"}, "router must be one of"),
+        ({"replicas": 0}, "at least 1"),
+        ({"min_replicas": 3, "max_replicas": 2}, "min_replicas <= max_replicas"),
+        ({"replicas": "two"}, "must be numbers"),
+        ({"no_such_setting": 1}, "no_such_setting"),
+    ]:
+        with pytest.raises(ServerConfigError, match=words):
+            plan_deployment({"model": "smollm2", **bad})

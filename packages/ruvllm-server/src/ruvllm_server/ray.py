@@ -315,53 +315,75 @@ class RuvllmIngress:
 # --- the application ---------------------------------------------------------------------------
 
 
-def build_app(args: Mapping[str, Any]) -> Any:
-    """The Ray Serve application (``serve run ruvllm_server.ray:build_app model=smollm2 replicas=2``).
+@dataclass
+class DeploymentPlan:
+    """What :func:`build_app` deploys: the engine and ingress deployments' Ray Serve options and the
+    server settings every engine replica starts with."""
 
-    ``args``: ``replicas`` (default 1), or ``min_replicas`` and ``max_replicas`` for autoscaling;
-    ``router`` (prefix, round_robin or pow2); ``imbalanced_threshold`` (prefix router); and any server
-    setting. The settings are checked here, before anything is deployed.
-    """
+    engine: dict[str, Any]
+    ingress: dict[str, Any]
+    settings: dict[str, Any]
+
+
+def plan_deployment(args: Mapping[str, Any]) -> DeploymentPlan:
+    """Check ``args`` (see :func:`build_app`) and turn them into deployment options; a bad value is a
+    one-line :class:`~ruvllm_server.settings.ServerConfigError`, before anything is deployed."""
     from ruvllm_server.settings import ServerConfigError, load_settings
 
     args = dict(args)
     router = str(args.pop("router", "prefix"))
     if router not in ROUTERS:
         raise ServerConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
-    replicas = int(args.pop("replicas", 1))
-    ingress_replicas = int(args.pop("ingress_replicas", 1))
-    lo, hi = args.pop("min_replicas", None), args.pop("max_replicas", None)
-    threshold = float(args.pop("imbalanced_threshold", 8))
-    settings = load_settings(args)  # unknown or invalid settings fail now, in one line
+    try:
+        replicas = int(args.pop("replicas", 1))
+        ingress_replicas = int(args.pop("ingress_replicas", 1))
+        bounds = args.pop("min_replicas", None), args.pop("max_replicas", None)
+        lo, hi = (int(v) if v is not None else None for v in bounds)
+        threshold = float(args.pop("imbalanced_threshold", 8))
+    except ValueError as exc:
+        raise ServerConfigError(f"replica counts and imbalanced_threshold must be numbers: {exc}") from None
+    settings = load_settings(args)  # unknown or invalid server settings fail here, in one line
     if replicas < 1 or ingress_replicas < 1:
         raise ServerConfigError("replicas and ingress_replicas must be at least 1")
 
     # Ray's default of 5 ongoing requests per replica would cap a replica's batch: each replica takes
     # what its own server admits and queues (max_concurrent + max_queue); the ingress only forwards.
     admits = settings.max_concurrent + settings.max_queue
-    options: dict[str, Any] = {
+    engine: dict[str, Any] = {
         "name": "RuvllmEngine",
         "max_ongoing_requests": admits,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
     }
     if lo is not None or hi is not None:
-        options["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=int(lo if lo is not None else 1), max_replicas=int(hi if hi is not None else replicas)
-        )
+        lo, hi = lo if lo is not None else 1, hi if hi is not None else max(replicas, lo or 1)
+        if not 1 <= lo <= hi:
+            raise ServerConfigError(f"autoscaling needs 1 <= min_replicas <= max_replicas, got {lo} and {hi}")
+        engine["autoscaling_config"] = AutoscalingConfig(min_replicas=lo, max_replicas=hi)
     else:
-        options["num_replicas"] = replicas
+        engine["num_replicas"] = replicas
     if router == "prefix":
-        options["request_router_config"] = RequestRouterConfig(
+        engine["request_router_config"] = RequestRouterConfig(
             request_router_class=prefix_router(), request_router_kwargs={"imbalanced_threshold": threshold}
         )
     elif router == "round_robin":
-        options["request_router_config"] = RequestRouterConfig(request_router_class=RoundRobinRouter)
-    engine = serve.deployment(RuvllmEngineReplica).options(**options).bind(args)
-    ingress = serve.deployment(RuvllmIngress).options(
-        name="RuvllmIngress",
-        num_replicas=ingress_replicas,
-        max_ongoing_requests=admits * max(replicas, int(hi or 0)),
-        ray_actor_options={"num_cpus": 0},
-    )
-    return ingress.bind(engine)
+        engine["request_router_config"] = RequestRouterConfig(request_router_class=RoundRobinRouter)
+    ingress = {
+        "name": "RuvllmIngress",
+        "num_replicas": ingress_replicas,
+        "max_ongoing_requests": admits * max(replicas, hi or 0),
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    return DeploymentPlan(engine, ingress, args)
+
+
+def build_app(args: Mapping[str, Any]) -> Any:
+    """The Ray Serve application (``serve run ruvllm_server.ray:build_app model=smollm2 replicas=2``).
+
+    ``args``: ``replicas`` (default 1), or ``min_replicas`` and ``max_replicas`` for Ray's autoscaling
+    between those bounds; ``router`` (prefix, round_robin or pow2); ``imbalanced_threshold`` (prefix
+    router, default 8); ``ingress_replicas`` (default 1); and any server setting by its TOML name.
+    """
+    plan = plan_deployment(args)
+    engine = serve.deployment(RuvllmEngineReplica).options(**plan.engine).bind(plan.settings)
+    return serve.deployment(RuvllmIngress).options(**plan.ingress).bind(engine)
