@@ -199,3 +199,46 @@ def test_ready_turns_503_when_a_follower_dies_without_traffic(tiny, tmp_path):
     finally:
         for p in (leader, follower):  # kill: a clean exit would wait on the runtime's shutdown barrier
             p.kill()
+
+
+def test_leader_sends_each_adapter_once_and_drops_the_least_recently_used(monkeypatch):
+    """Process 0's bookkeeping of the adapters its followers hold (no group needed): an adapter
+    crosses once, again when its version changes; beyond ADAPTERS_HELD the least recently used are
+    dropped on both sides, never one the batch being sent uses."""
+    import threading
+    from collections import OrderedDict
+
+    import numpy as np
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm_jax import distributed
+
+    class Adapter:
+        def __init__(self, version: int = 1) -> None:
+            self.version = version
+
+    leader = distributed.Leader.__new__(distributed.Leader)
+    leader._adapters, leader._lock, sent = OrderedDict(), threading.Lock(), []
+    leader._send = lambda *message: sent.append(message)
+    monkeypatch.setattr(distributed, "ADAPTERS_HELD", 2)
+
+    def batch(*adapters):
+        one = np.array([1], dtype=np.int32)
+        return ForwardBatch([SequenceChunk(one, 0, one, adapter=a) for a in adapters], 16)
+
+    a, b, c = Adapter(), Adapter(), Adapter()
+    out = leader._sendable(batch(a, None, b, c))  # three in one step: all held, none dropped
+    assert [type(ch.adapter).__name__ if ch.adapter else None for ch in out.chunks] == [
+        "_AdapterRef", None, "_AdapterRef", "_AdapterRef",
+    ]  # fmt: skip
+    assert sent == [("adapters", {id(a): a, id(b): b, id(c): c}, [])]
+    sent.clear()
+    leader._sendable(batch(c))  # held already: nothing crosses; a, the least recent, is dropped
+    assert sent == [("adapters", {}, [id(a)])]
+    sent.clear()
+    c.version = 2  # changed in place: crosses again
+    leader._sendable(batch(c))
+    assert sent == [("adapters", {id(c): c}, [])]
+    sent.clear()
+    leader._sendable(batch(c))
+    assert sent == []

@@ -203,7 +203,9 @@ class Leader:
             self._adapters.move_to_end(key)
             chunks.append(dataclasses.replace(c, adapter=_AdapterRef(key)))
         dropped = []
-        while len(self._adapters) > ADAPTERS_HELD:
+        # This batch's adapters are the most recent: never among those dropped, however many.
+        used = {c.adapter.key for c in chunks if c.adapter is not None}
+        while len(self._adapters) > max(ADAPTERS_HELD, len(used)):
             key, _ = self._adapters.popitem(last=False)
             new.pop(key, None)
             dropped.append(key)
