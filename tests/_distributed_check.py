@@ -35,12 +35,16 @@ def adapter(model, seed: int):
     return LoraWeights(f"random-{seed}", params)
 
 
-def generate(path: str, options: LoadOptions, *, lora: bool = False) -> None:
+def generate(path: str, options: LoadOptions, *, lora: bool = False, device: bool = False) -> None:
     """The greedy tokens of PROMPTS; ``lora``: the first prompt with adapter 1, the second with
-    adapter 2, the third with none, in one batch (twice: the adapters cross the channel once)."""
+    adapter 2, the third with none, in one batch (twice: the adapters cross the channel once);
+    ``device``: seeded top-p sampling on the device instead (every process runs the sampler)."""
     model = load_model(path, backend="jax", options=options)
-    engine = LLMEngine(model, EngineConfig(num_blocks=64, max_num_seqs=4))
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, max_num_seqs=4, sampling="device" if device else "host"))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    if device:
+        params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    assert engine.device_sampling == device
     adapters = [adapter(model, 1), adapter(model, 2), None] if lora else [None] * len(PROMPTS)
     for _ in range(2 if lora else 1):
         requests = zip(PROMPTS, adapters, strict=True)
@@ -71,15 +75,15 @@ def rounds(path: str, options: LoadOptions) -> None:
 
 def main() -> None:
     role, path, coordinator = sys.argv[1], sys.argv[2], sys.argv[3]
-    if role in ("alone", "alone-lora"):
-        generate(path, LoadOptions(quantization="none"), lora=role == "alone-lora")
+    if role in ("alone", "alone-lora", "alone-device"):
+        generate(path, LoadOptions(quantization="none"), lora=role.endswith("lora"), device=role.endswith("device"))
         return
     from ruvllm_jax import distributed
 
     distributed.initialize(coordinator, num_processes=2, process_id=0 if role.startswith("leader") else 1)
     options = LoadOptions(quantization="none", extra={"tensor_parallel": 2})
-    if role in ("leader", "leader-lora"):
-        generate(path, options, lora=role == "leader-lora")
+    if role in ("leader", "leader-lora", "leader-device"):
+        generate(path, options, lora=role.endswith("lora"), device=role.endswith("device"))
     elif role == "leader-rounds":
         rounds(path, options)
     else:

@@ -318,3 +318,51 @@ def test_the_overlay_kept_step_by_step_equals_one_built_from_scratch(name):
     assert np.all(np.isneginf(add[np.isin(ids, [EOS, STOP])]))
     assert np.all(np.isfinite(add[~np.isin(ids, [EOS, STOP])]))
     assert np.all(np.diff(ids) > 0)
+
+
+TENSOR_PARALLEL_SCRIPT = r"""
+import json, sys
+import jax
+sys.path.insert(0, sys.argv[1])
+from test_device_sampling import _requests, _tokens
+from ruvllm.backend import LoadOptions
+from ruvllm.engine import EngineConfig, LLMEngine
+from ruvllm.runtime import load_model
+
+assert len(jax.devices()) == 2, jax.devices()
+model = load_model(sys.argv[2], backend="jax", options=LoadOptions(quantization="none", extra={"tensor_parallel": 2}))
+host = LLMEngine(model, EngineConfig(num_blocks=256, max_num_seqs=8, sampling="host"))
+device = LLMEngine(model, EngineConfig(num_blocks=256, max_num_seqs=8, sampling="device"))
+shardings = []
+forward = model.model.forward
+def spy(batch, cache):
+    out = forward(batch, cache)
+    if batch.sampling is not None:
+        shardings.append(str(model.model._logits_sharding))
+    return out
+want = _tokens(host, _requests(model.tokenizer))
+model.model.forward = spy
+got = _tokens(device, _requests(model.tokenizer))
+print("RESULT" + json.dumps({"equal": got == want, "device_steps": len(shardings), "sharding": shardings[:1]}))
+"""
+
+
+def test_device_sampling_on_a_sharded_mesh_matches_host(smollm2_path, tmp_path):
+    """Tensor parallelism over two host devices (vocabulary-sharded logits): the sampler compiled for
+    the logits' sharding gives the host sampler's tokens for every kind of request."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "RUVLLM_LOG": "ERROR"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL_SCRIPT, str(Path(__file__).parent), str(smollm2_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
+    assert res["equal"] and res["device_steps"] > 10
+    print(res["sharding"])

@@ -60,12 +60,13 @@ def tiny(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("which", ["tiny", "smollm2", "tiny-lora"])
+@pytest.mark.parametrize("which", ["tiny", "smollm2", "tiny-lora", "tiny-device"])
 def test_two_processes_give_the_tokens_of_one(which, tiny, smollm2_path):
     """``tiny-lora``: two LoRA adapters and the base model in one batch (the adapters cross the
-    channel to the follower once, then are referred to by key)."""
+    channel to the follower once, then are referred to by key). ``tiny-device``: seeded sampling on
+    the device, every process running the sampler on the vocabulary-sharded logits."""
     path = str(smollm2_path) if which == "smollm2" else tiny
-    suffix = "-lora" if which.endswith("lora") else ""
+    suffix = which[len("tiny") :] if which.startswith("tiny-") else ""
     alone = subprocess.run(
         [sys.executable, str(SCRIPT), f"alone{suffix}", path, "-"], capture_output=True, text=True, env=ENV, timeout=600
     )
@@ -83,7 +84,7 @@ def test_two_processes_give_the_tokens_of_one(which, tiny, smollm2_path):
     assert follower.returncode == 0 and "FOLLOWER DONE" in fout, fout[-3000:]
     assert "devices=2 local_devices=1" in fout  # the mesh spans both processes
     assert tokens_of(out) == tokens_of(alone.stdout)
-    if suffix:  # the adapters change what the first two prompts generate; the third has none
+    if suffix == "-lora":  # the adapters change what the first two prompts generate; the third has none
         plain = subprocess.run(
             [sys.executable, str(SCRIPT), "alone", path, "-"], capture_output=True, text=True, env=ENV, timeout=600
         )

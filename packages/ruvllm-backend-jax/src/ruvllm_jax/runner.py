@@ -259,6 +259,8 @@ class JaxModel:
     _compiled: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _copy_fns: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _samplers: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    #: The sharding of the steps' logits (from the last step compiled; None before the first).
+    _logits_sharding: Any = field(default=None, repr=False)
     _all_allowed: dict[int, Any] = field(default_factory=dict, repr=False)
     #: Device copies of the adapters (LoRA factors) recent steps used.
     adapters: AdapterCache = field(init=False, repr=False)
@@ -436,8 +438,8 @@ class JaxModel:
             adapters=True,
             hidden_states=True,
             all_logits=True,
-            # One device (a sharded step's logits are split across the mesh).
-            device_sampling=self.mesh.size == 1,
+            # On a sharded mesh too: the sampler is compiled for the logits' sharding.
+            device_sampling=True,
             # On a CPU the logits are in host memory already, and the NumPy sampler is faster.
             prefers_device_sampling=jax.devices()[0].platform != "cpu",
         )
@@ -471,8 +473,6 @@ class JaxModel:
         self._check(chunks, cache)
         vocab = self.spec.vocab_size
         ds = batch.sampling
-        if ds is not None and self.mesh.size > 1:  # (not the capabilities property: it is built per call)
-            raise BackendError("jax backend: device sampling runs on one device, not a sharded mesh")
         if ds is not None and len(ds.greedy) != len(chunks):
             raise BackendError(f"device sampling has {len(ds.greedy)} rows for {len(chunks)} chunks")
         out = ForwardOutput(np.zeros((0 if ds else len(chunks), vocab), np.float32))
@@ -483,8 +483,9 @@ class JaxModel:
             logits, hidden, cache.state = step(self.weights, cache.state, inputs, lora)
             if ds is not None:  # only the tokens (and asked-for logprobs) leave the device
                 sub = ds.rows(part)
-                fn = self._sampler_for(plan.logit_rows, *device_sampling.variant(sub))
-                sampled.append((part, device_sampling.to_host(fn(logits, self._sampling_inputs(sub, plan)), len(part))))
+                fn = self._sampler_for(plan.logit_rows, *device_sampling.variant(sub), logits.sharding)
+                result = fn(logits, self._sampling_inputs(sub, plan))
+                sampled.append((part, device_sampling.to_host(result, len(part), _to_host)))
                 if not rows.all_logits:
                     logits = None
             if logits is not None:
@@ -507,17 +508,23 @@ class JaxModel:
         if ds.allowed is None:  # no grammar: the all-set bits, uploaded once per row count
             everything = self._all_allowed.get(rows)
             if everything is None:
-                everything = self._all_allowed[rows] = jax.device_put(device_sampling.all_allowed(rows, vocab))
+                everything = device_sampling.all_allowed(rows, vocab)
+                if self.mesh.size == 1:  # (on a mesh, a host array is replicated to every process's devices)
+                    everything = jax.device_put(everything)
+                self._all_allowed[rows] = everything
         return device_sampling.pad_inputs(ds, rows, vocab, everything)
 
-    def _sampler_for(self, rows: int, width: int, sort: bool) -> Any:
-        """The compiled device-sampling function of one variant (see :mod:`ruvllm_jax.sampling`)."""
-        key = (rows, width, sort)
+    def _sampler_for(self, rows: int, width: int, sort: bool, sharding: Any = None) -> Any:
+        """The compiled device-sampling function of one variant (see :mod:`ruvllm_jax.sampling`), for
+        logits of ``sharding`` (that of the steps' logits; on one device, None)."""
+        if self.mesh.size == 1:
+            sharding = None
+        key = (rows, width, sort, sharding)
         fn = self._samplers.get(key)
         if fn is None:
             t0 = time.perf_counter()
             vocab = self.spec.vocab_size
-            logits = jax.ShapeDtypeStruct((rows, vocab), np.float32)
+            logits = jax.ShapeDtypeStruct((rows, vocab), np.float32, sharding=sharding)
             abstract = device_sampling.abstract_inputs(rows, vocab, width)
             fn = jax.jit(partial(device_sampling.sample_rows, sort=sort)).lower(logits, abstract).compile()
             self._samplers[key] = fn
@@ -583,7 +590,7 @@ class JaxModel:
         for rows in logit_rows:
             for width, sort in samplers:
                 t0 = time.perf_counter()
-                self._sampler_for(rows, width, sort)
+                self._sampler_for(rows, width, sort, self._logits_sharding)
                 name = f"sampling {rows} rows, overlay {width}{', sorted' if sort else ''}"
                 done.append((name, time.perf_counter() - t0))
                 if progress:
@@ -630,6 +637,7 @@ class JaxModel:
             fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
             step = fn.lower(self.weights, cache.state, inputs, lora).compile()
             self._compiled[key] = step
+            self._logits_sharding = step.output_shardings[0]  # what the samplers are compiled for
             seconds = round(time.perf_counter() - t0, 2)
             if self.precompiled:
                 # All-position logits, and adapters or hidden states nobody declared (or adapters

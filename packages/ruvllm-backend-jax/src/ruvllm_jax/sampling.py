@@ -11,7 +11,8 @@ fewer variants to compile before traffic, for work that is small next to the sor
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -150,9 +151,10 @@ def sample_rows(
     return token, chosen, top_ids.astype(jnp.int32), top_lp, finite
 
 
-def to_host(out: tuple[jax.Array, ...], n: int) -> SampledRows:
-    """The first ``n`` rows of :func:`sample_rows`' results, on the host."""
-    token, chosen, top_ids, top_lp, finite = jax.device_get(out)
+def to_host(out: tuple[jax.Array, ...], n: int, fetch: Callable[[jax.Array], Any] = jax.device_get) -> SampledRows:
+    """The first ``n`` rows of :func:`sample_rows`' results, on the host (``fetch``: how one array
+    comes to this host; across processes, a gather)."""
+    token, chosen, top_ids, top_lp, finite = (fetch(a) for a in out)
     return SampledRows(
         tokens=np.asarray(token[:n]),
         logprobs=np.asarray(chosen[:n]),
