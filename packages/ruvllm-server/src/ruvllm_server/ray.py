@@ -54,8 +54,6 @@ log = structlog.get_logger("ruvllm.server.ray")
 ROUTERS = ("prefix", "round_robin", "pow2")
 #: The response header naming the replica (``<replica id>@<host>:<pid>``) that answered.
 REPLICA_HEADER = "x-ruvllm-replica"
-#: Settings ``build_app`` takes for itself; every other key is a server setting.
-APP_KEYS = ("replicas", "min_replicas", "max_replicas", "router", "imbalanced_threshold", "ingress_replicas")
 
 
 @dataclass
