@@ -363,7 +363,18 @@ def test_openapi_schema(server) -> None:
 
 
 def test_health_and_ready(server) -> None:
-    assert httpx.get(server.url("/health")).json() == {"status": "ok"}
+    """``/health`` answers the RuvLLM MVP's figures, and they move as requests are served."""
+    before = httpx.get(server.url("/health")).json()
+    assert set(before) == {"status", "uptime_seconds", "total_requests", "cache_hit_rate", "memory_usage_mb"}
+    assert before["status"] == "ok" and before["memory_usage_mb"] > 50 and 0 <= before["cache_hit_rate"] <= 1
+    prompt = "Tell me about the history of the printing press in Europe, from Gutenberg onward. " * 4
+    for _ in range(2):  # the second finds the first's prompt blocks in the prefix cache
+        r = httpx.post(server.url("/v1/completions"), json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200
+    after = httpx.get(server.url("/health")).json()
+    assert after["total_requests"] == before["total_requests"] + 2
+    assert after["uptime_seconds"] > before["uptime_seconds"]
+    assert after["cache_hit_rate"] > 0
     ready = httpx.get(server.url("/ready"))
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 

@@ -97,18 +97,20 @@ def _follow(args: Any, host: Any) -> int:
     import os
     import sys
 
+    from ruvllm.checkpoint import open_checkpoint
     from ruvllm.errors import RuvllmError
-    from ruvllm.resolve import resolve
+    from ruvllm.resolve import file_form, select
     from ruvllm_jax import distributed
 
     try:
         if args.process_id < 1:
             raise BackendError("--process-id of a follower is 1 or more (process 0 runs `ruvllm serve`)")
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        options = LoadOptions(
-            quantization=args.quantization, dtype=args.dtype, extra={"tensor_parallel": args.tensor_parallel}
-        )
-        distributed.follow(str(resolve(args.model)), options)
+        path, form = select(args.model, args.quantization)  # the file process 0 picks, by the same rule
+        if form in ("q4k", "f16"):
+            form = file_form(open_checkpoint(path), form)
+        options = LoadOptions(quantization=form, dtype=args.dtype, extra={"tensor_parallel": args.tensor_parallel})
+        distributed.follow(str(path), options)
     except RuvllmError as exc:
         print(f"ruvllm follow: error: {exc}", file=sys.stderr, flush=True)
         code = 1

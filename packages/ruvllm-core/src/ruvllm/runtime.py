@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from ruvllm.checkpoint import Checkpoint, open_checkpoint
 from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
 from ruvllm.plugins import PluginHost, load_plugins
-from ruvllm.resolve import resolve
+from ruvllm.resolve import file_form, resolve, select
 
 if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
@@ -110,15 +110,28 @@ def load_model(
     options: LoadOptions | None = None,
     host: PluginHost | None = None,
     cache_dir: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Resolve ``ref``, open the checkpoint and have the chosen backend load it."""
+    """Resolve ``ref``, open the checkpoint and have the chosen backend load it.
+
+    ``quantization`` is what a user typed after ``--quantization``: the seed CLI's file names
+    (``q4k``, ``q8``, ``f16``, ``none``) pick which downloaded file of a Hub model loads, in its own
+    form; a load form (``auto``, ``w8a8``, ...) applies to the preferred file. Given, it replaces
+    ``options.quantization`` (see :func:`ruvllm.resolve.select`); without it a Hub model loads its
+    first downloaded of q4k, q8, f16, none with ``options`` as they are."""
     host = host or load_plugins()
     chosen = host.choose_backend(backend)
     options = options or LoadOptions()
     if options.dtype not in DTYPE_CHOICES:  # before anything loads
         raise BackendError(f"unknown dtype {options.dtype!r} (choose from {', '.join(DTYPE_CHOICES)})")
-    checkpoint = open_checkpoint(resolve(ref, cache=cache_dir))
+    if quantization is None:
+        path = resolve(ref, cache=cache_dir)
+    else:
+        path, quantization = select(ref, quantization, cache_dir)
+    checkpoint = open_checkpoint(path)
     _ = checkpoint.config  # validates the architecture before a backend spends time on weights
+    if quantization is not None:
+        options = replace(options, quantization=file_form(checkpoint, quantization))
     t0 = time.perf_counter()
     model = chosen.load(checkpoint, options)
     missing = [m for m in BACKEND_MODEL_METHODS if not callable(getattr(model, m, None))]

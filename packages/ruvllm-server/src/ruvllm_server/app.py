@@ -225,10 +225,11 @@ async def detokenize(request: Request, data: Annotated[DetokenizeRequest, Body()
 
 @get("/health", summary="Liveness (503 with the reason once the engine has stopped working)", tags=["operations"])
 async def health(request: Request) -> Response[Health]:
-    broken = _state(request).broken
-    if broken:
-        return Response(Health("failed", broken), status_code=503)
-    return Response(Health("ok"))
+    state = _state(request)
+    figures = state.health_report()
+    if state.broken:
+        return Response(Health("failed", **figures, detail=state.broken), status_code=503)
+    return Response(Health("ok", **figures))
 
 
 @get("/ready", summary="Readiness: the model is loaded and the engine runs", tags=["operations"])

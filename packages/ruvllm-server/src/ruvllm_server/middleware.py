@@ -81,6 +81,8 @@ class RequestContextMiddleware:
                 route = scope.get("path_template") or "unmatched"
                 method = scope.get("method", "")
                 self.state.metrics.http_requests.labels(route, method, str(status or 500)).inc()
+                if scope["path"].startswith("/v1/"):
+                    self.state.total_requests += 1
                 client = scope.get("client")
                 access_log.info(
                     "request",

@@ -10,6 +10,7 @@ from typing import Any
 
 from ruvllm import hookimpl
 from ruvllm.backend import DTYPE_CHOICES
+from ruvllm.hub import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
 
 def _add_serve_parser(subparsers: Any) -> None:
@@ -23,12 +24,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=["auto", "none", "q8", "q4", "w8a8", "w4a8"],
-        help="weight quantization at load",
-    )
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES), help=QUANTIZATION_HELP)
     p.add_argument(
         "--dtype",
         default=None,

@@ -359,7 +359,17 @@ class DetokenizeResponse(Struct):
 
 
 class Health(Struct, omit_defaults=True):
+    """``/health``: liveness, with the RuvLLM MVP's figures."""
+
     status: str
+    #: Seconds since the server started.
+    uptime_seconds: float
+    #: API requests (``/v1/...``) answered so far, any status.
+    total_requests: int
+    #: Prompt tokens found in the prefix cache / prompt tokens looked up (0 before any).
+    cache_hit_rate: float
+    #: This process's resident memory (RSS), MiB.
+    memory_usage_mb: float
     detail: str | None = None
 
 

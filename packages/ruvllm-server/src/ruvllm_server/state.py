@@ -44,12 +44,10 @@ def load_model(settings: ServerSettings) -> LoadedModel:
     if settings.coordinator is not None:  # process 0 of a group (backends that cannot refuse it by name)
         extra.update(coordinator=settings.coordinator, num_processes=settings.num_processes)
     return runtime_load(
-        settings.model, backend=settings.backend, options=LoadOptions(
-            quantization=settings.quantization,
-            dtype=settings.dtype,
-            extra=extra,
-            max_adapters=settings.max_loras,
-        ),
+        settings.model,
+        backend=settings.backend,
+        options=LoadOptions(dtype=settings.dtype, extra=extra, max_adapters=settings.max_loras),
+        quantization=settings.quantization,
     )
 
 
@@ -198,6 +196,9 @@ class ServerState:
         self.embedder: Embedder | None = None
         self.max_context = 0
         self.started = int(time.time())
+        self._started_monotonic = time.monotonic()
+        #: API requests (``/v1/...``) answered, any status (``/health``'s ``total_requests``).
+        self.total_requests = 0
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
@@ -356,6 +357,21 @@ class ServerState:
             self.model.expect_adapters("server.lora", None)
 
     # --- accessors ------------------------------------------------------------------------------
+
+    def health_report(self) -> dict[str, float | int]:
+        """The RuvLLM MVP's health figures: uptime, API requests answered, the prefix cache's hit rate
+        (prompt tokens found / looked up), and this process's resident memory."""
+        import psutil
+
+        stats = self.engine_stats()
+        queried = stats.prefix_cache_queried_tokens if stats is not None else 0
+        hits = stats.prefix_cache_hit_tokens if stats is not None else 0
+        return {
+            "uptime_seconds": round(time.monotonic() - self._started_monotonic, 3),
+            "total_requests": self.total_requests,
+            "cache_hit_rate": round(hits / queried, 4) if queried else 0.0,
+            "memory_usage_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+        }
 
     def engine_stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
