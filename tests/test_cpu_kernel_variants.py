@@ -8,14 +8,17 @@ x86-64); each variant this CPU can run is forced in turn (``native.use_isa``) an
 * the row-major wxa8 product, paged decode and prefill attention and the LoRA kernel within float
   rounding of the scalar loops (their vector paths sum in another order);
 
-over odd shapes, 1-19 activation rows, 4-bit and 8-bit codes (the full 0..255 range of 8-bit codes,
-where AVX2's vpmaddubsw would saturate without its sign trick). ``RUVLLM_CPU_ISA`` forces a variant in
+over odd shapes, 1-19 activation rows, 4-, 5- and 8-bit codes (the full 0..255 range of 8-bit codes,
+where AVX2's vpmaddubsw would saturate without its sign trick), with stored offsets (Q4_1) and in the
+symmetric form (Q4_0, Q5_0, Q8_0: no offsets stored, ``m = -2^(bits-1) d`` formed by the kernels, the
+same results bit for bit as with that offset stored). ``RUVLLM_CPU_ISA`` forces a variant in
 a fresh process; an unknown name or one the CPU cannot run is a one-line error. The kernels' thread
 count follows ``RUVLLM_THREADS``, else the process's CPU affinity.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import subprocess
@@ -43,29 +46,54 @@ def _supported(isa: str) -> None:
 
 
 def _wxa8(x: np.ndarray, w: QuantArray, isa: str) -> np.ndarray:
-    operands = [(jnp.asarray(w.quant), jnp.asarray(w.scale), jnp.asarray(w.offset))]
+    offset = None if w.offset is None else jnp.asarray(w.offset)
+    operands = [(jnp.asarray(w.quant), jnp.asarray(w.scale), offset)]
     with native.use_isa(isa):
         return np.asarray(native.wxa8_group(jnp.asarray(x), jnp.int32(0), operands, panel=bool(w.panel))[0])
 
 
 def _full_range_8bit(rng: np.random.Generator, out: int, cols: int) -> QuantArray:
-    """8-bit codes over all of 0..255 (Q8_0's -128..127 + 128), the case vpmaddubsw saturates on."""
+    """8-bit codes over all of 0..255 (Q8_0's -128..127 + 128), the case vpmaddubsw saturates on;
+    symmetric (zero point 128, no offset stored), as Q8_0 loads."""
     w = quantize_wxa8(rng.standard_normal((out, cols)).astype(np.float32), 8)
     codes = rng.integers(0, 256, (out, cols), dtype=np.uint8)
     codes[0, :32] = 255
-    return QuantArray(codes, w.scale, w.offset, bits=8, group_size=32, act_bits=8)
+    return QuantArray(codes, w.scale, None, bits=8, group_size=32, zero_point=128, act_bits=8)
+
+
+def _matrix(rng: np.random.Generator, bits: int, form: str, out: int, cols: int) -> QuantArray:
+    """A row-major wxa8 matrix: ``symmetric`` (Q4_0 / Q5_0 / Q8_0 as loaded: no offsets), ``stored``
+    (the same weights with ``m = -2^(bits-1) d`` stored as float16 offsets, the form symmetric blocks
+    had before) or ``offset`` (Q4_1's real per-group offsets, 4-bit only)."""
+    if form == "offset":
+        return quantize_wxa8(rng.standard_normal((out, cols)).astype(np.float32), 4)
+    if bits == 8:
+        w = _full_range_8bit(rng, out, cols)
+    else:
+        from gguf import GGMLQuantizationType, quants
+
+        from ruvllm_jax.gguf_blocks import wxa8_from_gguf_blocks
+
+        kind = {4: "Q4_0", 5: "Q5_0"}[bits]
+        data = quants.quantize(rng.standard_normal((out, cols)).astype(np.float32), GGMLQuantizationType[kind])
+        w = wxa8_from_gguf_blocks(kind, data, (out, cols))
+    assert w.offset is None and w.zero_point == 1 << (bits - 1)
+    if form == "stored":
+        m = (np.asarray(w.scale, np.float32) * -w.zero_point).astype(np.float16)
+        return dataclasses.replace(w, offset=m, zero_point=0)
+    return w
+
+
+FORMS = [(4, "offset"), (4, "symmetric"), (5, "symmetric"), (8, "symmetric"), (8, "stored")]
 
 
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
-@pytest.mark.parametrize("bits", [4, 8])
-def test_panel_kernel_equals_scalar_bit_for_bit(isa, bits):
+@pytest.mark.parametrize(("bits", "form"), FORMS)
+def test_panel_kernel_equals_scalar_bit_for_bit(isa, bits, form):
     _supported(isa)
     rng = np.random.default_rng(bits)
     for out, cols in ((16, 32), (48, 576), (32, 1536)):
-        if bits == 8:
-            w = to_panels(_full_range_8bit(rng, out, cols))
-        else:
-            w = to_panels(quantize_wxa8(rng.standard_normal((out, cols)).astype(np.float32), 4))
+        w = to_panels(_matrix(rng, bits, form, out, cols))
         assert w.panel == 16
         for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 19):
             x = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 30)
@@ -75,13 +103,35 @@ def test_panel_kernel_equals_scalar_bit_for_bit(isa, bits):
             np.testing.assert_array_equal(_wxa8(x, w, isa), want, err_msg=f"{isa} {bits}-bit {rows}x{out}x{cols}")
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_symmetric_form_equals_the_stored_offsets_bit_for_bit(bits):
+    """No offsets stored (the kernels form ``-2^(bits-1) d``) gives what the same blocks gave with
+    their offsets stored as float16, on every variant this CPU runs, panel and row-major, and the
+    XLA formulation agrees within float rounding."""
+    from ruvllm_jax.quant import linear
+
+    rng = np.random.default_rng(30 + bits)
+    sym = _matrix(rng, bits, "symmetric", 48, 576)
+    stored = dataclasses.replace(sym, offset=(np.asarray(sym.scale, np.float32) * -sym.zero_point).astype(np.float16),
+                                 zero_point=0)  # fmt: skip
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    for isa in native.supported_isas():
+        for panel in (False, True):
+            a, b = (to_panels(sym), to_panels(stored)) if panel else (sym, stored)
+            np.testing.assert_array_equal(_wxa8(x, a, isa), _wxa8(x, b, isa), err_msg=f"{isa} panel={panel}")
+    want = _wxa8(x, sym, "scalar")
+    got = np.asarray(linear(jnp.asarray(x), jax.tree_util.tree_map(jnp.asarray, sym)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert sym.nbytes < stored.nbytes  # the offsets are not held
+
+
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
-@pytest.mark.parametrize("bits", [4, 8])
-def test_row_major_kernel_matches_scalar(isa, bits):
+@pytest.mark.parametrize(("bits", "form"), FORMS)
+def test_row_major_kernel_matches_scalar(isa, bits, form):
     _supported(isa)
     rng = np.random.default_rng(10 + bits)
     for out, cols in ((7, 96), (33, 64), (50, 1536)):  # not multiples of 16 rows: row-major
-        w = _full_range_8bit(rng, out, cols) if bits == 8 else quantize_wxa8(rng.standard_normal((out, cols)), 4)
+        w = _matrix(rng, bits, form, out, cols)
         for rows in (1, 3, 4, 6, 19):
             x = rng.standard_normal((rows, cols)).astype(np.float32)
             want = _wxa8(x, w, "scalar")
@@ -204,7 +254,7 @@ def test_jitted_steps_see_the_forced_variant():
     """The FFI handlers read the selected table at every call: a compiled function needs no retrace."""
     rng = np.random.default_rng(0)
     w = to_panels(_full_range_8bit(rng, 32, 64))
-    operands = [(jnp.asarray(w.quant), jnp.asarray(w.scale), jnp.asarray(w.offset))]
+    operands = [(jnp.asarray(w.quant), jnp.asarray(w.scale), None)]
     f = jax.jit(lambda x: native.wxa8_group(x, jnp.int32(0), operands, panel=True)[0])
     x = jnp.asarray(rng.standard_normal((2, 64)).astype(np.float32))
     results = {}
@@ -317,7 +367,8 @@ def test_kquant_call_mixes_plain_and_kquant_matrices_and_indexes_layers():
     ks = [_random_kquant(rng, 32, cols, 4, False) for _ in range(2)]
     stacked = tuple(jnp.stack(parts) for parts in zip(*(_kquant_operands(k, 4) for k in ks), strict=True))
     plain = to_panels(quantize_wxa8(rng.standard_normal((16, cols)).astype(np.float32), 8))
-    plain_stacked = tuple(jnp.stack([jnp.asarray(getattr(plain, f))] * 2) for f in ("quant", "scale", "offset"))
+    assert plain.offset is None  # Q8_0-like: symmetric, its offset operand empty
+    plain_stacked = (*(jnp.stack([jnp.asarray(getattr(plain, f))] * 2) for f in ("quant", "scale")), None)
     x = rng.standard_normal((3, cols)).astype(np.float32)
     for layer in (0, 1):
         got = native.kxa8_group(jnp.asarray(x), jnp.int32(layer), [stacked, plain_stacked])

@@ -82,7 +82,7 @@ def test_the_seed_aliases_name_the_seed_models():
         assert HUB_ALIASES[name].hub_id == hub_id
     assert {"smollm2", "gemma3"} <= set(ALIASES) and not set(HUB_ALIASES) & set(ALIASES)
     for a in [*HUB_ALIASES.values(), *ALIASES.values()]:
-        org, name = a.hub_id.split("/")
+        org, name = (a.hub_id or "").split("/")
         assert org and name
     for a in HUB_ALIASES.values():
         assert repo_of(a, "none") == a.hub_id and repo_of(a, "q4k") == a.gguf_repo.rstrip("/")

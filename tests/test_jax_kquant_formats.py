@@ -103,20 +103,23 @@ def test_blocks_dequantize_to_ggufs_values(ggml_type, out, cols, kind):
 
 
 def test_memory_stays_close_to_the_files():
-    """Bytes per weight: the file's, plus 1/32 for Q4_K's and Q5_K's sub-scales held one per byte
-    and Q5_0's float16 offset (2 bytes per 32: it is ``-16 d``, the kernels read it as Q5_1's); Q6_K's
-    exactly (0.75 codes + 1/16 sub-scales + 1/128 ``d``). Q5_0: 0.625 (codes) + 0.125 (scale, offset)."""
+    """Bytes per weight: the file's, plus 1/32 for Q4_K's and Q5_K's sub-scales held one per byte;
+    Q6_K's exactly (0.75 codes + 1/16 sub-scales + 1/128 ``d``); the symmetric Q4_0, Q5_0 and Q8_0
+    exactly too (no offset is held: the kernels form ``-2^(bits-1) d``), Q5_0 0.625 (codes) + 0.0625
+    (scale)."""
     out, cols = 16, 1536
     got = {}
-    for t in (*KQUANTS, "Q5_0", "Q5_1"):
+    for t in (*KQUANTS, "Q4_0", "Q5_0", "Q5_1", "Q8_0"):
         data = _blocks(t, out, cols, seed=1)
         got[t] = (wxa8_from_gguf_blocks(t, data, (out, cols)).nbytes / (out * cols), data.nbytes / (out * cols))
     assert got == {
         "Q4_K": (0.578125, 0.5625),
         "Q5_K": (0.703125, 0.6875),
         "Q6_K": (0.8203125, 0.8203125),
-        "Q5_0": (0.75, 0.6875),
+        "Q4_0": (0.5625, 0.5625),
+        "Q5_0": (0.6875, 0.6875),
         "Q5_1": (0.75, 0.75),
+        "Q8_0": (1.0625, 1.0625),
     }
 
 
@@ -148,7 +151,9 @@ def _reference_groups(x: np.ndarray, w: QuantArray) -> np.ndarray:
     c = _codes(w).reshape(-1, k // 32, 32)
     p = np.einsum("rgk,ogk->rog", xq.reshape(rows, k // 32, 32), c).astype(np.float64)
     sx = dx * xq.reshape(rows, k // 32, 32).sum(-1)
-    return np.einsum("rog,og,rg->ro", p, np.asarray(w.scale, np.float64), dx) + sx @ np.asarray(w.offset, np.float64).T
+    d = np.asarray(w.scale, np.float64)
+    m = np.asarray(w.offset, np.float64) if w.offset is not None else -w.zero_point * d  # symmetric: Q8_0, Q5_0
+    return np.einsum("rog,og,rg->ro", p, d, dx) + sx @ m.T
 
 
 def _quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -430,7 +435,10 @@ def test_smollm2_q4_k_m_loads_in_w4a8_close_to_float32(smollm2_path):
     assert down.nbytes == 0.890625 * np.prod(down.shape)
     assert {types[f"blk.{i}.attn_v.weight"] for i in range(30)} == {"Q5_0", "Q8_0"}
     assert (lw.q_proj.bits, lw.q_proj.sub_group, lw.q_proj.panel, lw.v_proj.bits) == (5, 0, 16, 8)
-    assert lw.q_proj.nbytes == 0.75 * np.prod(lw.q_proj.shape)
+    # Q5_0 symmetric in every layer: 0.625 (codes) + 0.0625 (d), the file's size; attn_v mixes Q5_0
+    # and Q8_0 layers, stored 8-bit with their offsets (-16 d, -128 d) held.
+    assert lw.q_proj.nbytes == 0.6875 * np.prod(lw.q_proj.shape) and lw.q_proj.offset is None
+    assert lw.v_proj.offset is not None and lw.v_proj.zero_point == 0
     layers = [downs.index(t) for t in KQUANTS]
     _assert_layers_are_the_files(model, ckpt, layers, ("down_proj",))
     _assert_layers_are_the_files(model, ckpt, [0], ("q_proj", "v_proj"))

@@ -51,6 +51,11 @@ def test_kernels_are_built_at_install_and_load():
 # -- grouped weights x grouped int8 activations -------------------------------------------------------
 
 
+def _optional(a: object) -> jax.Array | None:
+    """An offset operand: the array, or None for a symmetric matrix (Q4_0, Q5_0, Q8_0 forms)."""
+    return None if a is None else jnp.asarray(a)
+
+
 def _reference_wxa8(x: np.ndarray, w: QuantArray) -> np.ndarray:
     """float64 of ``sum_g d dx (codes . xq) + m sx`` with the activation quantization written out."""
     rows, k = x.shape
@@ -63,7 +68,8 @@ def _reference_wxa8(x: np.ndarray, w: QuantArray) -> np.ndarray:
     codes = np.asarray(_unpack_nibbles(jnp.asarray(w.quant), 32)) if w.bits == 4 else np.asarray(w.quant)
     c = codes.reshape(codes.shape[0], g, 32).astype(np.int64)
     p = np.einsum("rgk,ogk->rog", xq, c).astype(np.float64)
-    d, m = np.asarray(w.scale, np.float64), np.asarray(w.offset, np.float64)
+    d = np.asarray(w.scale, np.float64)
+    m = np.asarray(w.offset, np.float64) if w.offset is not None else -w.zero_point * d  # symmetric forms
     sx = dx.astype(np.float64) * xq.sum(-1)
     return np.einsum("rog,og,rg->ro", p, d, dx.astype(np.float64)) + sx @ m.T
 
@@ -83,7 +89,7 @@ def test_wxa8_kernel_matches_float64_reference(bits, rows, out, cols):
     x[-1, 5] *= 50.0  # an outlier
     want = _reference_wxa8(x, w)
     scale = np.abs(want).max()
-    operands = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), jnp.asarray(stored.offset))]
+    operands = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), _optional(stored.offset))]
     call = jax.jit(lambda x: native.wxa8_group(x, jnp.int32(0), operands, panel=bool(stored.panel))[0])
     got = np.asarray(call(x), np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
@@ -122,7 +128,7 @@ def test_products_skip_padding_rows_after_the_live_ones(live):
     at = jnp.asarray([0, live], jnp.int32)
     for out, bits in ((40, 4), (48, 8)):
         stored = to_panels(quantize_wxa8(rng.standard_normal((out, 256)).astype(np.float32), bits))
-        ops = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), jnp.asarray(stored.offset))]
+        ops = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), _optional(stored.offset))]
         full = np.asarray(native.wxa8_group(x, jnp.int32(0), ops, panel=bool(stored.panel))[0])
         got = np.asarray(native.wxa8_group(x, at, ops, panel=bool(stored.panel))[0])
         np.testing.assert_array_equal(got[:live], full[:live])

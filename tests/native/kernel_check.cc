@@ -395,14 +395,16 @@ void check_group(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
           std::vector<float> x = activations(r, M, K);
           GroupActsBuf a;
           a.quantize(x.data(), M, K);
-          std::vector<float> want(M * N, NAN);
-          ref->group_rows(a.view(), {q.data(), d.data(), mn.data(), want.data(), N, bits, false}, 0, N);
-          for (auto& v : vs) {
-            if (!v.runs || v.ref) continue;
-            std::vector<float> got(M * N, NAN);
-            v.table()->group_rows(a.view(), {q.data(), d.data(), mn.data(), got.data(), N, bits, false}, 0, N / 2);
-            v.table()->group_rows(a.view(), {q.data(), d.data(), mn.data(), got.data(), N, bits, false}, N / 2, N);
-            record(v.out[kGroup], shape("row-major", M, N, K, bits), mismatch(got, want, 1e-5));
+          for (const uint16_t* m : {mn.data(), static_cast<const uint16_t*>(nullptr)}) {  // null: symmetric
+            std::vector<float> want(M * N, NAN);
+            ref->group_rows(a.view(), {q.data(), d.data(), m, want.data(), N, bits, false}, 0, N);
+            for (auto& v : vs) {
+              if (!v.runs || v.ref) continue;
+              std::vector<float> got(M * N, NAN);
+              v.table()->group_rows(a.view(), {q.data(), d.data(), m, got.data(), N, bits, false}, 0, N / 2);
+              v.table()->group_rows(a.view(), {q.data(), d.data(), m, got.data(), N, bits, false}, N / 2, N);
+              record(v.out[kGroup], shape(m ? "row-major" : "row-major-sym", M, N, K, bits), mismatch(got, want, 1e-5));
+            }
           }
         }
       }
@@ -421,14 +423,16 @@ void check_panel(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
           std::vector<float> x = activations(r, M, K);
           GroupActsBuf a;
           a.quantize(x.data(), M, K);
-          std::vector<float> want(M * N, NAN);
-          ref->panel_rows(a.view(), {q.data(), d.data(), mn.data(), want.data(), N, bits, true}, 0, P);
-          for (auto& v : vs) {
-            if (!v.runs || v.ref) continue;
-            std::vector<float> got(M * N, NAN);
-            v.table()->panel_rows(a.view(), {q.data(), d.data(), mn.data(), got.data(), N, bits, true}, 0, P / 2);
-            v.table()->panel_rows(a.view(), {q.data(), d.data(), mn.data(), got.data(), N, bits, true}, P / 2, P);
-            record(v.out[kPanel], shape("panel", M, N, K, bits), mismatch(got, want));
+          for (const uint16_t* m : {mn.data(), static_cast<const uint16_t*>(nullptr)}) {  // null: symmetric
+            std::vector<float> want(M * N, NAN);
+            ref->panel_rows(a.view(), {q.data(), d.data(), m, want.data(), N, bits, true}, 0, P);
+            for (auto& v : vs) {
+              if (!v.runs || v.ref) continue;
+              std::vector<float> got(M * N, NAN);
+              v.table()->panel_rows(a.view(), {q.data(), d.data(), m, got.data(), N, bits, true}, 0, P / 2);
+              v.table()->panel_rows(a.view(), {q.data(), d.data(), m, got.data(), N, bits, true}, P / 2, P);
+              record(v.out[kPanel], shape(m ? "panel" : "panel-sym", M, N, K, bits), mismatch(got, want));
+            }
           }
         }
       }

@@ -112,9 +112,9 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
     """GGUF blocks as a ``w4a8``-format :class:`QuantArray`, codes and scales bit for bit, so every
     weight dequantizes to the file's value:
 
-    * Q4_1 as it is (``d * code + m``), Q4_0 with ``m = -8 d``;
-    * Q8_0's 8-bit codes stored as ``q + 128`` (``m = -128 d``);
-    * Q5_0 / Q5_1 in the 5-bit form, their bytes reordered (``m = -16 d``, and the file's ``m``);
+    * Q4_1 as it is (``d * code + m``), Q4_0 with zero point 8 (no offset stored);
+    * Q8_0's 8-bit codes stored as ``q + 128``, zero point 128;
+    * Q5_0 / Q5_1 in the 5-bit form, their bytes reordered (zero point 16, and the file's ``m``);
     * Q4_K: ``scale`` / ``offset`` the float16 ``d`` / ``dmin`` per super-block of 256, ``sub_scale``
       / ``sub_offset`` the uint8 6-bit ``sc`` / ``mn`` per 32, ``W = d sc code - dmin mn``; the 4-bit
       codes repacked per group of 32 into the nibble order of Q4_0 (the file packs 64 values per 32
@@ -136,19 +136,16 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
         if ggml_type == "Q4_1":
             return QuantArray(q.quant, d, np.asarray(q.offset, np.float16), bits=4, group_size=32, act_bits=8)
         if ggml_type == "Q4_0":
-            m = (d.astype(np.float32) * -8).astype(np.float16)
-            return QuantArray(q.quant, d, m, bits=4, group_size=32, act_bits=8)
+            return QuantArray(q.quant, d, None, bits=4, group_size=32, zero_point=8, act_bits=8)
         codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
-        return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+        return QuantArray(codes, d, None, bits=8, group_size=32, zero_point=128, act_bits=8)
     blocks = _gguf_blocks(ggml_type, data, shape)
     nb = cols // _GGUF_BLOCK[ggml_type][0]
     if ggml_type in ("Q5_0", "Q5_1"):
         d = _f16(blocks, 0, ggml_type)
         if ggml_type == "Q5_0":
-            m, packed = (d.astype(np.float32) * -16).astype(np.float16), _q5_groups(blocks, 2)
-        else:
-            m, packed = _f16(blocks, 2, ggml_type), _q5_groups(blocks, 4)
-        return QuantArray(packed, d, m, bits=5, group_size=32, act_bits=8)
+            return QuantArray(_q5_groups(blocks, 2), d, None, bits=5, group_size=32, zero_point=16, act_bits=8)
+        return QuantArray(_q5_groups(blocks, 4), d, _f16(blocks, 2, ggml_type), bits=5, group_size=32, act_bits=8)
     if ggml_type == "Q6_K":
         d = _f16(blocks, 208, ggml_type)
         shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
@@ -220,14 +217,31 @@ def common_format(mats: list[QuantArray]) -> list[QuantArray]:
     :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes to the widest
     form any layer has (4 < 5 < 6 < 8 bits: narrower codes fit a wider form with zero high bits, so
     Q4_K / Q5_K with Q6_K are stored 6-bit; with 8-bit codes in some layers all are stored one per
-    byte). Other mixes (k-quants with 32-group forms) come back unchanged for the caller to refuse."""
+    byte). Symmetric layers (Q4_0, Q5_0, Q8_0: a zero point, no offset) mixed with others get their
+    offsets ``-zero_point d`` stored, as the asymmetric ones carry theirs. Other mixes (k-quants with
+    32-group forms) come back unchanged for the caller to refuse."""
     if not all(w.wxa8 and not w.panel for w in mats):
         return mats
     mats = [kernel_form(w) for w in mats]
     if len({storage_format(w) for w in mats}) == 1 or len({w.sub_group for w in mats}) > 1:
         return mats
     bits = max(w.bits for w in mats)
-    return [_with_bits(w, bits) for w in mats]
+    mats = [_with_bits(w, bits) for w in mats]
+    if len({storage_format(w) for w in mats}) > 1:
+        mats = [_with_offset(w) for w in mats]
+    return mats
+
+
+def _with_offset(w: QuantArray) -> QuantArray:
+    """A symmetric 32-group matrix with its offset ``-zero_point d`` stored (float16: exact, a power
+    of two times a float16, unless it overflows) and no zero point; others unchanged."""
+    if w.offset is not None or w.sub_group or not w.zero_point:
+        return w
+    with np.errstate(over="ignore"):
+        m = (np.asarray(w.scale, np.float32) * -w.zero_point).astype(np.float16)
+    if not np.all(np.isfinite(m)):
+        raise BackendError("a block scale this large has no exact stacked w4a8 form (load with quantization none)")
+    return dataclasses.replace(w, offset=m, zero_point=0)
 
 
 def _with_bits(w: QuantArray, bits: int) -> QuantArray:

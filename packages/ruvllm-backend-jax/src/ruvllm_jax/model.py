@@ -492,7 +492,9 @@ def _native_format(w: object) -> str | None:
         return None
     if w.sub_group:
         return "wxa8" if w.panel else None
-    return "w8a8" if w.offset is None else "wxa8"
+    if w.wxa8 and w.offset is None and w.zero_point != 1 << (w.bits - 1):
+        return None  # the kernels' symmetric form is code - 2^(bits-1)
+    return "wxa8" if w.wxa8 else "w8a8"
 
 
 def _native_projections(

@@ -56,7 +56,8 @@ KQ_BLOCK = 256
 class QuantArray:
     quant: jax.Array
     scale: jax.Array
-    #: Per-group additive term (GGUF Q4_1's minimum); None for symmetric formats.
+    #: Per-group additive term (GGUF Q4_1's minimum); None for symmetric formats (whose zero point
+    #: does the job: ``(code - zero_point) * scale``).
     offset: jax.Array | None = None
     #: Code width: 8 (one per byte), 4 (two per byte), 5 or 6 (``w4a8`` only; see the module docstring).
     bits: int = field(default=8, metadata=dict(static=True))
@@ -94,8 +95,9 @@ class QuantArray:
     @property
     def wxa8(self) -> bool:
         """Grouped weights for activations quantized per group of 32 (``w4a8``): the 32-group forms,
-        which always carry an offset, and the k-quants (Q6_K's has none)."""
-        return self.act_bits == 8 and (self.offset is not None or self.sub_group > 0)
+        with an offset (Q4_1, Q5_1) or a zero point (the symmetric Q4_0, Q5_0, Q8_0: no offset is
+        stored, the kernels form ``-zero_point * d``), and the k-quants."""
+        return self.act_bits == 8 and (self.offset is not None or self.zero_point > 0 or self.sub_group > 0)
 
     def dequantize(self, dtype: jnp.dtype) -> jax.Array:
         """The float matrix, ``[..., out, in]`` in ``dtype`` (inside a jitted step this is fused with
@@ -275,7 +277,9 @@ def _linear_wxa8(x: jax.Array, w: QuantArray) -> jax.Array:
     )
     d = w.scale.astype(jnp.float32)  # [out, groups]
     y = jnp.einsum("gro,og,rg->ro", p.astype(jnp.float32), d, dx, precision=lax.Precision.HIGHEST)
-    y = y + jnp.einsum("rg,og->ro", sx, w.offset.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    # A symmetric format's m = -zero_point * d (exact: a power of two times a float16).
+    m = w.offset.astype(jnp.float32) if w.offset is not None else -float(w.zero_point) * d
+    y = y + jnp.einsum("rg,og->ro", sx, m, precision=lax.Precision.HIGHEST)
     return y.reshape(*lead, out).astype(x.dtype)
 
 
@@ -442,7 +446,7 @@ def quantize_wxa8(w: np.ndarray, bits: int) -> QuantArray:
     q = quantize_int8(w, 32)
     d = np.asarray(q.scale, np.float16)
     codes = (np.asarray(q.quant, np.int16) + 128).astype(np.uint8)
-    return QuantArray(codes, d, (d.astype(np.float32) * -128).astype(np.float16), bits=8, group_size=32, act_bits=8)
+    return QuantArray(codes, d, None, bits=8, group_size=32, zero_point=128, act_bits=8)
 
 
 # -- the native kernels' panel layout ----------------------------------------------------------------

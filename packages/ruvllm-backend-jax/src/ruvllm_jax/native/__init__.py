@@ -267,19 +267,25 @@ def w8a8_group(
     return list(call(x.astype(jnp.float32), _layer_operand(layer), scale, *operands))
 
 
+def _no_offset() -> jax.Array:
+    """The offset operand of a symmetric matrix: empty (``m = -2^(bits-1) d``, cpu_kernels.h)."""
+    return jnp.zeros((0,), jnp.float16)
+
+
 def wxa8_group(
     x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, jax.Array, jax.Array]], *, panel: bool = False
 ) -> list[jax.Array]:
     """``x @ W_i.T`` for group-quantized weights ``(codes uint8 [L?, N, K/2 or K], scale float16
-    [L?, N, K/32], offset float16 [L?, N, K/32])`` at ``layer``, with ``x`` ``[rows, K]`` quantized to
-    int8 per group of 32 once for the whole group (see ``cpu_kernels.h``). With ``panel`` every
-    matrix is in the panel layout of :func:`ruvllm_jax.quant.to_panels`."""
+    [L?, N, K/32], offset float16 [L?, N, K/32] or None for a symmetric format)`` at ``layer``, with
+    ``x`` ``[rows, K]`` quantized to int8 per group of 32 once for the whole group (see
+    ``cpu_kernels.h``). With ``panel`` every matrix is in the panel layout of
+    :func:`ruvllm_jax.quant.to_panels`."""
     _lib()
     rows = x.shape[0]
     results = [jax.ShapeDtypeStruct((rows, q.shape[-2]), jnp.float32) for q, _, _ in weights]
     operands: list[jax.Array] = []
-    for q, d, m in weights:
-        operands += [q, d.astype(jnp.float16), m.astype(jnp.float16)]
+    for q, d, m in weights:  # m None: a symmetric format (the kernels form -zero_point * d)
+        operands += [q, d.astype(jnp.float16), _no_offset() if m is None else m.astype(jnp.float16)]
     call = jax.ffi.ffi_call(WXA8_PANEL_TARGET if panel else WXA8_TARGET, results)
     return list(call(x.astype(jnp.float32), _layer_operand(layer), *operands))
 
@@ -297,7 +303,8 @@ def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ..
         if len(w) == 3:
             w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int8))
         q, a, b, sc, mn = w
-        operands += [q, a.astype(jnp.float16), b.astype(jnp.float16), sc, mn]  # int8, or the kernel refuses them
+        b = _no_offset() if b is None else b.astype(jnp.float16)  # None: a symmetric plain matrix
+        operands += [q, a.astype(jnp.float16), b, sc, mn]  # int8, or the kernel refuses them
     call = jax.ffi.ffi_call(KXA8_PANEL_TARGET, results)
     return list(call(x.astype(jnp.float32), _layer_operand(layer), *operands))
 

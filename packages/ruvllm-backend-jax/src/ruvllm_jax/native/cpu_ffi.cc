@@ -454,15 +454,18 @@ ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32>
     if (ffi::Error e = code_layout(*q, K, l, "ruvllm_wxa8", c); e.failure()) return e;
     const int64_t N = c.N, L = c.L, row_bytes = c.row_bytes;
     const int bits = c.bits;
-    if (static_cast<int64_t>(d->element_count()) != L * N * G || static_cast<int64_t>(mn->element_count()) != L * N * G)
-      return ffi::Error::InvalidArgument("ruvllm_wxa8: one scale and offset per group of 32 expected");
+    // An empty offset operand: a symmetric format (cpu_kernels.h, GroupMatrix).
+    const bool symmetric = mn->element_count() == 0;
+    if (static_cast<int64_t>(d->element_count()) != L * N * G ||
+        (!symmetric && static_cast<int64_t>(mn->element_count()) != L * N * G))
+      return ffi::Error::InvalidArgument("ruvllm_wxa8: one scale (and offset) per group of 32 expected");
     if (static_cast<int64_t>((*y)->element_count()) != M * N)
       return ffi::Error::InvalidArgument("ruvllm_wxa8: output shape mismatch");
     if (panel && N % 16 != 0)
       return ffi::Error::InvalidArgument("ruvllm_wxa8: the panel layout needs a multiple of 16 output rows");
     mats.push_back(GroupMatrix{q->typed_data<uint8_t>() + l * N * row_bytes,
                                reinterpret_cast<const uint16_t*>(d->untyped_data()) + l * N * G,
-                               reinterpret_cast<const uint16_t*>(mn->untyped_data()) + l * N * G,
+                               symmetric ? nullptr : reinterpret_cast<const uint16_t*>(mn->untyped_data()) + l * N * G,
                                (*y)->typed_data<float>(), N, bits, panel});
   }
   const int64_t live = live_rows(layer, M);
@@ -524,10 +527,13 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
     const uint8_t* codes = q->typed_data<uint8_t>() + l * N * row_bytes;
     const uint16_t* ap = reinterpret_cast<const uint16_t*>(a->untyped_data());
     const uint16_t* bp = reinterpret_cast<const uint16_t*>(b->untyped_data());
-    if (sc->element_count() == 0) {
-      if (static_cast<int64_t>(a->element_count()) != L * N * G || static_cast<int64_t>(b->element_count()) != L * N * G)
-        return ffi::Error::InvalidArgument("ruvllm_kxa8: one scale and offset per group of 32 expected");
-      mats.push_back(GroupMatrix{codes, ap + l * N * G, bp + l * N * G, (*y)->typed_data<float>(), N, bits, true});
+    if (sc->element_count() == 0) {  // a plain group matrix; b empty: symmetric
+      const bool symmetric = b->element_count() == 0;
+      if (static_cast<int64_t>(a->element_count()) != L * N * G ||
+          (!symmetric && static_cast<int64_t>(b->element_count()) != L * N * G))
+        return ffi::Error::InvalidArgument("ruvllm_kxa8: one scale (and offset) per group of 32 expected");
+      mats.push_back(GroupMatrix{codes, ap + l * N * G, symmetric ? nullptr : bp + l * N * G,
+                                 (*y)->typed_data<float>(), N, bits, true});
       continue;
     }
     if (K % 256 != 0) return ffi::Error::InvalidArgument("ruvllm_kxa8: k-quants need a multiple of 256 inputs");

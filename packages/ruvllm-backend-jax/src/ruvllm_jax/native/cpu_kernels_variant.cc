@@ -76,6 +76,11 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
+// Group i's offset: stored, or (symmetric formats) -2^(bits - 1) d.
+inline float group_offset(const GroupMatrix& w, int64_t i) {
+  return w.mn != nullptr ? half_to_float(w.mn[i]) : ruvllm::symmetric_zero(w.bits) * half_to_float(w.d[i]);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Scalar loops: the reference every vector path is tested against, and the fallback for shapes a
 // vector path does not take.
@@ -136,7 +141,7 @@ void group_scalar(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t 
           p += ruvllm::code_at(w.q, w.bits, false, n, g, j, G) * static_cast<int32_t>(xq[j]);
         }
         acc += half_to_float(w.d[n * G + g]) * x.dx[m * x.Gp + g] * static_cast<float>(p) +
-               half_to_float(w.mn[n * G + g]) * x.sx[m * x.Gp + g];
+               group_offset(w, n * G + g) * x.sx[m * x.Gp + g];
       }
       w.y[m * w.N + n] = acc;
     }
@@ -156,7 +161,7 @@ void panel_scalar(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t 
         }
         const int64_t si = (n / 16) * 16 * G + g * 16 + n % 16;
         acc = fmaf(static_cast<float>(p), half_to_float(w.d[si]) * x.dx[m * x.Gp + g], acc);
-        acc = fmaf(half_to_float(w.mn[si]), x.sx[m * x.Gp + g], acc);
+        acc = fmaf(group_offset(w, si), x.sx[m * x.Gp + g], acc);
       }
       w.y[m * w.N + n] = acc;
     }
@@ -508,7 +513,8 @@ void group_block2(const GroupActs& x, const GroupMatrix& w, int64_t n, int64_t m
     __m512 sc[R][MB];
     for (int r = 0; r < R; ++r) {
       const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, w.d + (n + r) * G + c));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, w.mn + (n + r) * G + c));
+      const __m512 mv = w.mn != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, w.mn + (n + r) * G + c))
+                                          : _mm512_mul_ps(dv, _mm512_set1_ps(ruvllm::symmetric_zero(w.bits)));
       for (int m = 0; m < MB; ++m) {
         const __m512 dxv = _mm512_loadu_ps(x.dx + (m0 + m) * x.Gp + c);
         const __m512 sxv = _mm512_loadu_ps(x.sx + (m0 + m) * x.Gp + c);
@@ -607,7 +613,7 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;  // code bytes per row and group
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
-  const uint16_t* mp = w.mn + p * 16 * G;
+  const uint16_t* mp = w.mn != nullptr ? w.mn + p * 16 * G : nullptr;
   __m512 facc[MB];
   for (int m = 0; m < MB; ++m) facc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -619,7 +625,8 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
       for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * 16)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * 16)));
+    const __m512 mv = mp != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * 16)))
+                                    : _mm512_mul_ps(dv, _mm512_set1_ps(ruvllm::symmetric_zero(BITS)));
     // The activation rows interleaved: MB independent accumulation chains keep the dot-product
     // units busy (one chain of 8 dependent vpdpbusd would wait on their latency).
     __m512i acc[MB];
@@ -811,7 +818,7 @@ void panel_block_8(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t 
   constexpr int64_t GB = 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
-  const uint16_t* mp = w.mn + p * 16 * G;
+  const uint16_t* mp = w.mn != nullptr ? w.mn + p * 16 * G : nullptr;
   __m256 facc[MB][2];
   for (int m = 0; m < MB; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -837,7 +844,9 @@ void panel_block_8(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t 
 #endif
     for (int h = 0; h < 2; ++h) {
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + h * 8)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + h * 8)));
+      const __m256 mv = mp != nullptr
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + h * 8)))
+                            : _mm256_mul_ps(dv, _mm256_set1_ps(ruvllm::symmetric_zero(8)));
       for (int m = 0; m < MB; ++m) {
         const __m256 s = _mm256_mul_ps(dv, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
         facc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), s, facc[m][h]);
@@ -947,7 +956,7 @@ void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
   const uint8_t* base = w.q + p * 16 * G * GB;
   const uint16_t* dp = w.d + p * 16 * G;
-  const uint16_t* mp = w.mn + p * 16 * G;
+  const uint16_t* mp = w.mn != nullptr ? w.mn + p * 16 * G : nullptr;
   for (int r = 0; r < 2; ++r) {
     __m256 facc[MB];
     for (int m = 0; m < MB; ++m) facc[m] = _mm256_setzero_ps();
@@ -962,7 +971,9 @@ void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
           acc[m] = dots4_256<BITS>(c, reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32) + 4 * h, acc[m]);
       }
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + r * 8)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + r * 8)));
+      const __m256 mv = mp != nullptr
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + r * 8)))
+                            : _mm256_mul_ps(dv, _mm256_set1_ps(ruvllm::symmetric_zero(BITS)));
       for (int m = 0; m < MB; ++m) {
         const __m256 s = _mm256_mul_ps(dv, _mm256_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
         facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), s, facc[m]);
