@@ -6,6 +6,7 @@ and the raw figures as JSON and CSV.
     python benchmarks/bench_backends.py --json bench.json --csv bench.csv
     python benchmarks/bench_backends.py --only jax,jax-q8 --batches 1 8
     python benchmarks/bench_backends.py --only jax-w4a8,llama.cpp --isa all --model model.Q4_K_M.gguf
+    python benchmarks/bench_backends.py --model gemma3 --only jax-w4a8,llama.cpp --batches 1 32 --rounds 3
 
 ``--isa`` runs the native-kernel engines (jax-w4a8, jax-w8a8) once per ISA variant of the kernels,
 each in a child process with ``RUVLLM_CPU_ISA`` set (the variant is chosen once per process), as rows
@@ -410,6 +411,38 @@ def run_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace) -
     raise SystemExit(f"unknown engine {engine!r} (known: {', '.join(ENGINES)}, or jax-w4a8[ISA] ...)")
 
 
+def median_of_rounds(rounds: list[list[Result]]) -> list[Result]:
+    """Per engine, each figure's median over the rounds (one round: as it is); the notes list the
+    single-stream decode figure of every round."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = []
+    for first in rounds[0]:
+        runs = [r for got in rounds for r in got if r.engine == first.engine]
+
+        def med(values: list[float | None]) -> float | None:
+            values = [v for v in values if v is not None]
+            return statistics.median(values) if values else None
+
+        decode = [r.decode_tok_s for r in runs]
+        aggregate = {b: med([r.aggregate_tok_s.get(b) for r in runs]) for b in first.aggregate_tok_s}
+        out.append(
+            Result(
+                first.engine,
+                prefill_tok_s=med([r.prefill_tok_s for r in runs]),
+                decode_tok_s=med(decode),
+                aggregate_tok_s={b: v for b, v in aggregate.items() if v is not None},
+                isa=first.isa,
+                weights=first.weights,
+                build=first.build,
+                notes="; ".join(
+                    x for x in (first.notes, "decode per round " + ", ".join(f"{v:.1f}" for v in decode if v)) if x
+                ),
+            )
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="model reference or GGUF path (llama.cpp, transformers: GGUF)")
@@ -424,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the engine list this many times, alternating, and report each figure's median over the "
+        "rounds (a shared VM's memory bandwidth drifts over minutes: alternating puts every engine in the same "
+        "conditions)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--csv", type=Path, help="write the figures here, one row per engine")
@@ -447,14 +488,21 @@ def main(argv: list[str] | None = None) -> int:
     wanted = expand_isas([e.strip() for e in args.only.split(",") if e.strip()], args.isa)
     if odd := [e for e in wanted if split_isa(e)[1] is not None and split_isa(e)[0] not in NATIVE_ENGINES]:
         raise SystemExit(f"{', '.join(odd)}: only {', '.join(NATIVE_ENGINES)} take an ISA variant")
-    results: list[Result] = []
-    for engine in wanted:
-        if not args.in_child:  # the parent said it
-            print(f"... {engine}", file=sys.stderr, flush=True)
-        try:
-            results.extend(run_engine(engine, path, w, args))
-        except ImportError as exc:
-            print(f"    skipped {engine}: {exc}", file=sys.stderr)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be 1 or more")
+    rounds: list[list[Result]] = []
+    for n in range(args.rounds):
+        got: list[Result] = []
+        for engine in wanted:
+            if not args.in_child:  # the parent said it
+                print(f"... {engine}" + (f" (round {n + 1} of {args.rounds})" if args.rounds > 1 else ""),
+                      file=sys.stderr, flush=True)  # fmt: skip
+            try:
+                got.extend(run_engine(engine, path, w, args))
+            except ImportError as exc:
+                print(f"    skipped {engine}: {exc}", file=sys.stderr)
+        rounds.append(got)
+    results = median_of_rounds(rounds)
     meta = {
         "model": str(path),
         "model_weights": gguf_weights(path),
@@ -472,7 +520,10 @@ def main(argv: list[str] | None = None) -> int:
         if r.notes:
             print(f"  {r.engine}: {r.notes}")
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+        per_round = [[asdict(r) for r in got] for got in rounds] if args.rounds > 1 else None
+        args.json.write_text(
+            json.dumps({"meta": meta, "results": [asdict(r) for r in results], "rounds": per_round}, indent=2)
+        )
     if args.csv:
         write_csv(args.csv, results, args.batches, meta)
     return 0
