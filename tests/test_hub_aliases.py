@@ -178,6 +178,14 @@ def test_a_quantization_picks_the_file_that_loads(tmp_path):
         load_model("qwen-0.5b", backend="candle-compat", cache_dir=str(tmp_path), quantization="f16")
 
 
+def test_picking_a_file_of_one_file_is_refused(tmp_path):
+    gguf = write_tiny_llama_gguf(tmp_path / "one.gguf")
+    for ref in (str(gguf), "smollm2"):
+        with pytest.raises(ModelNotFoundError, match="is one model file: quantization 'q8' picks among the files"):
+            resolve(ref, cache=tmp_path, quantization="q8")
+    assert select(str(gguf), "q8", tmp_path) == (gguf, "q8")  # as a load form it applies
+
+
 def test_the_seeds_names_on_one_file_are_checked_against_it(tmp_path):
     from ruvllm.checkpoint import open_checkpoint
 

@@ -27,7 +27,7 @@ from ruvllm.model_config import ModelConfig
 QUANTIZED_KV_BITS = {"int8": 8, "int4": 4}
 #: Full blocks behind a sequence's tail block that stay float32 when ``recent_blocks`` is not given.
 DEFAULT_RECENT_BLOCKS = 2
-KV_CACHE_OPTIONS = ("dtype", "quantize_old", "recent_blocks", "quantization")
+KV_CACHE_OPTIONS = ("dtype", "quantize_old", "recent_blocks", "quantization", "local_blocks")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class ChunkPlan:
     write_slots: np.ndarray  # flat cache slots of positions start_pos .. end_pos
     read_slots: np.ndarray  # flat cache slots of positions 0 .. end_pos
     adapter: Any
+    #: First table index any of the chunk's queries reads (a sliding window's); entries before it
+    #: may name blocks the sequence released (block 0), which are never touched.
+    live_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,26 +73,43 @@ class SequenceKV:
     overlay: FloatOverlay | None = None
 
 
-class PagedKVCache:
-    """Per-layer keys and values, ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 each."""
+def _local_flags(config: ModelConfig, local_blocks: int) -> list[bool]:
+    """Per layer, whether it keeps its blocks in the windowed layers' own pool: the windowed layers
+    of a hybrid cache (``local_blocks`` > 0, a model interleaving windowed and global layers)."""
+    local = set(config.local_layers) if local_blocks else set()
+    if local_blocks and not local:
+        raise BackendError("local_blocks (a hybrid KV cache) needs a model that interleaves windowed and global layers")
+    return [i in local for i in range(config.num_layers)]
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int) -> None:
+
+class PagedKVCache:
+    """Per-layer keys and values, ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 each;
+    with ``local_blocks`` (a hybrid cache) the windowed layers have a pool of that many blocks of
+    their own, addressed by the chunks' ``local_block_table``."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, local_blocks: int = 0) -> None:
         _check_size(num_blocks, block_size)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.num_blocks = num_blocks
+        self.local_blocks = local_blocks
         self.block_size = block_size
         self.layout = (config.num_layers, config.num_kv_heads, config.head_dim)
-        self.k: list[np.ndarray] = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-        self.v: list[np.ndarray] = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+        self.is_local = _local_flags(config, local_blocks)
+        shape = (block_size, config.num_kv_heads, config.head_dim)
+        sizes = [local_blocks if loc else num_blocks for loc in self.is_local]
+        self.k: list[np.ndarray] = [np.zeros((n, *shape), np.float32) for n in sizes]
+        self.v: list[np.ndarray] = [np.zeros((n, *shape), np.float32) for n in sizes]
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
-    def copy_block(self, src: int, dst: int) -> None:
-        for layer_k, layer_v in zip(self.k, self.v, strict=True):
-            layer_k[dst] = layer_k[src]
-            layer_v[dst] = layer_v[src]
+    def copy_block(self, src: int, dst: int, local: bool = False) -> None:
+        """Copy a block in the layers of one pool: the global one, or (``local``) the windowed
+        layers' own of a hybrid cache (without one, every layer is in the global pool)."""
+        for layer_k, layer_v, is_local in zip(self.k, self.v, self.is_local, strict=True):
+            if is_local == local:
+                layer_k[dst] = layer_k[src]
+                layer_v[dst] = layer_v[src]
 
     def store_and_read(self, layer: int, plan: ChunkPlan, k_new: np.ndarray, v_new: np.ndarray) -> SequenceKV:
         k_slots = self.k[layer].reshape(-1, *self.layout[1:])
@@ -196,7 +216,16 @@ class TwoTierKVCache:
     the others then read it quantized slightly earlier than they would alone.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, bits: int, recent_blocks: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        *,
+        bits: int,
+        recent_blocks: int,
+        local_blocks: int = 0,
+    ) -> None:
         _check_size(num_blocks, block_size)
         if bits not in QUANTIZED_KV_BITS.values():
             raise BackendError(f"the two-tier KV cache quantizes to 8 or 4 bits, not {bits}")
@@ -210,10 +239,12 @@ class TwoTierKVCache:
         self.recent_blocks = recent_blocks
         self.layout = (config.num_layers, config.num_kv_heads, config.head_dim)
         self._block_shape = (block_size, config.num_kv_heads, config.head_dim)
-        n = config.num_layers
-        self._k: list[list[np.ndarray | None]] = [[None] * num_blocks for _ in range(n)]
-        self._v: list[list[np.ndarray | None]] = [[None] * num_blocks for _ in range(n)]
-        self._q: list[list[QuantizedBlock | None]] = [[None] * num_blocks for _ in range(n)]
+        self.local_blocks = local_blocks
+        self.is_local = _local_flags(config, local_blocks)
+        sizes = [local_blocks if loc else num_blocks for loc in self.is_local]
+        self._k: list[list[np.ndarray | None]] = [[None] * n for n in sizes]
+        self._v: list[list[np.ndarray | None]] = [[None] * n for n in sizes]
+        self._q: list[list[QuantizedBlock | None]] = [[None] * n for n in sizes]
 
     # -- memory ---------------------------------------------------------------------------------
     @property
@@ -253,8 +284,10 @@ class TwoTierKVCache:
         return sum(q is not None for q in self._q[0])
 
     # -- the engine's operations ----------------------------------------------------------------
-    def copy_block(self, src: int, dst: int) -> None:
-        for ks, vs, qs in zip(self._k, self._v, self._q, strict=True):
+    def copy_block(self, src: int, dst: int, local: bool = False) -> None:
+        for ks, vs, qs, is_local in zip(self._k, self._v, self._q, self.is_local, strict=True):
+            if is_local != local:
+                continue
             k, v = ks[src], vs[src]
             ks[dst] = None if k is None else k.copy()
             vs[dst] = None if v is None else v.copy()
@@ -275,7 +308,7 @@ class TwoTierKVCache:
         first_old = max(0, start // bs - self.recent_blocks)
         last_old = max(0, (end - 1) // bs - self.recent_blocks)
         still_float: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for i in range(last_old):
+        for i in range(plan.live_from, last_old):  # (entries before live_from: released, never read)
             b = int(blocks[i])
             k, v = ks[b], vs[b]
             if k is None or v is None:
@@ -351,7 +384,9 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, options
     ``quantize_old``: ``"int8"`` or ``"int4"`` selects the two-tier cache; absent, the plain float32
     cache (``quantization``, the spelling every backend takes, means the same; ``"none"``: float32).
     ``recent_blocks`` (two-tier only, default 2): full blocks behind a sequence's tail block
-    kept in float32. ``dtype`` may only be ``"float32"`` (or ``"auto"``, the same).
+    kept in float32. ``dtype`` may only be ``"float32"`` (or ``"auto"``, the same). ``local_blocks``
+    (a model interleaving windowed and global layers): the windowed layers' own pool of that many
+    blocks (the hybrid KV cache, ``Capabilities.hybrid_kv``).
     """
     if "quantization" in options:  # the backend-neutral spelling (``--kv-cache-quantization``)
         options = dict(options)
@@ -372,17 +407,22 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, options
             f"candle-compat keeps its KV cache in float32 (got dtype {dtype!r}); "
             "quantize_old='int8' or 'int4' quantizes old blocks"
         )
+    local = options.get("local_blocks", 0)
+    if isinstance(local, bool) or not isinstance(local, int) or local < 0:
+        raise BackendError(f"local_blocks must be a whole number of blocks >= 0, got {local!r}")
     if "quantize_old" not in options:
         if "recent_blocks" in options:
             raise BackendError("recent_blocks only applies to the two-tier cache: give quantize_old='int8' or 'int4'")
-        return PagedKVCache(config, num_blocks, block_size)
+        return PagedKVCache(config, num_blocks, block_size, local_blocks=local)
     fmt = options["quantize_old"]
     if fmt not in QUANTIZED_KV_BITS:
         raise BackendError(f"quantize_old must be 'int8' or 'int4', got {fmt!r}")
     recent = options.get("recent_blocks", DEFAULT_RECENT_BLOCKS)
     if isinstance(recent, bool) or not isinstance(recent, int) or recent < 0:
         raise BackendError(f"recent_blocks must be a whole number of blocks >= 0, got {recent!r}")
-    return TwoTierKVCache(config, num_blocks, block_size, bits=QUANTIZED_KV_BITS[fmt], recent_blocks=recent)
+    return TwoTierKVCache(
+        config, num_blocks, block_size, bits=QUANTIZED_KV_BITS[fmt], recent_blocks=recent, local_blocks=local
+    )
 
 
 def _check_size(num_blocks: int, block_size: int) -> None:

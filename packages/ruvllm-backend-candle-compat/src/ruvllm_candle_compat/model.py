@@ -88,7 +88,12 @@ class CandleCompatModel:
     :class:`ruvllm.backend.BackendModel`)."""
 
     capabilities = Capabilities(
-        dtypes=("float32",), quantizations=("none", "auto"), adapters=True, hidden_states=True, all_logits=True
+        dtypes=("float32",),
+        quantizations=("none", "auto"),
+        adapters=True,
+        hidden_states=True,
+        all_logits=True,
+        hybrid_kv=True,
     )
     #: As applied: ``auto`` is float32, this backend's only form.
     options = LoadOptions()
@@ -264,17 +269,25 @@ class CandleCompatModel:
         return out.reshape(kv_heads, group, n, hd).transpose(2, 0, 1, 3).reshape(n, -1)
 
     # -- the forward step -----------------------------------------------------------------------
-    def _plan(self, batch: ForwardBatch, cache: KVCache) -> list[ChunkPlan]:
+    def _plan(self, batch: ForwardBatch, cache: KVCache, local: bool = False) -> list[ChunkPlan]:
+        """Each chunk's slots in the global pool, or (``local``) in the windowed layers' pool of a
+        hybrid cache, through ``local_block_table``."""
         cfg, bs = self.config, cache.block_size
         if batch.block_size != bs:
             raise BackendError(f"batch block_size {batch.block_size} does not match the cache's {bs}")
-        for src, dst in batch.block_copies:
-            if not (0 <= src < cache.num_blocks and 0 <= dst < cache.num_blocks):
-                raise RequestError(f"block copy {src} -> {dst} names a block outside 0..{cache.num_blocks - 1}")
+        pool = cache.local_blocks if local else cache.num_blocks
+        for src, dst in batch.local_block_copies if local else batch.block_copies:
+            if not (0 <= src < pool and 0 <= dst < pool):
+                raise RequestError(f"block copy {src} -> {dst} names a block outside 0..{pool - 1}")
+        # Where every layer of this pool is windowed, a chunk never reads blocks before its first
+        # query's window (the engine may have released them: they read as block 0).
+        window = cfg.hybrid_window if local else cfg.uniform_window
         plans, row = [], 0
         for idx, chunk in enumerate(batch.chunks):
             n, start, end = len(chunk.token_ids), chunk.start_pos, chunk.end_pos
-            table = np.asarray(chunk.block_table, dtype=np.int64)
+            if local and chunk.local_block_table is None:
+                raise RequestError(f"chunk {idx} has no local_block_table for the hybrid cache's windowed layers")
+            table = np.asarray(chunk.local_block_table if local else chunk.block_table, dtype=np.int64)
             if n == 0:
                 raise RequestError(f"chunk {idx} has no tokens")
             if start < 0:
@@ -289,8 +302,8 @@ class CandleCompatModel:
                     f"of {bs} ({len(table) * bs} slots)"
                 )
             used = table[: -(-end // bs)]
-            if used.min() < 0 or used.max() >= cache.num_blocks:
-                raise RequestError(f"chunk {idx} names a block outside 0..{cache.num_blocks - 1}")
+            if used.min() < 0 or used.max() >= pool:
+                raise RequestError(f"chunk {idx} names a block outside 0..{pool - 1}")
             ids = np.asarray(chunk.token_ids)
             if ids.min() < 0 or ids.max() >= cfg.vocab_size:
                 raise RequestError(f"chunk {idx} has a token id outside 0..{cfg.vocab_size - 1}")
@@ -300,7 +313,10 @@ class CandleCompatModel:
                 )
             pos = np.arange(end)
             slots = used[pos // bs] * bs + pos % bs
-            plans.append(ChunkPlan(slice(row, row + n), start, end, used, slots[start:], slots, chunk.adapter))
+            live_from = max(0, start - window + 1) // bs if window else 0
+            plans.append(
+                ChunkPlan(slice(row, row + n), start, end, used, slots[start:], slots, chunk.adapter, live_from)
+            )
             row += n
         return plans
 
@@ -348,8 +364,13 @@ class CandleCompatModel:
             raise BackendError("the KV cache was allocated for a model of another shape")
         cfg = self.config
         plans = self._plan(batch, cache)  # validates everything before the cache is touched
+        local_plans = self._plan(batch, cache, local=True) if cache.local_blocks else plans
         for src, dst in batch.block_copies:
             cache.copy_block(src, dst)
+        for src, dst in batch.local_block_copies:
+            if not cache.local_blocks:
+                raise RequestError("local_block_copies given to a cache without a windowed layers' pool")
+            cache.copy_block(src, dst, local=True)
         if not batch.chunks:
             return ForwardOutput(logits=np.zeros((0, cfg.vocab_size), np.float32))
         with_adapters = [p for p in plans if p.adapter is not None]
@@ -384,7 +405,7 @@ class CandleCompatModel:
                 q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             v = qkv[:, q_dim + kv_dim :].reshape(kv_shape)
-            for plan in plans:
+            for plan in local_plans if cache.is_local[li] else plans:
                 seq_kv = cache.store_and_read(li, plan, k[plan.rows], v[plan.rows])
                 attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos, layer.window)
             o = linear(attn, layer.o)

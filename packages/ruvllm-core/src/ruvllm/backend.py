@@ -92,6 +92,11 @@ class SequenceChunk:
     hidden_states: bool = False
     #: A :class:`LoraAdapter` a plugin attached to this sequence (SONA's MicroLoRA), or None.
     adapter: Any = None
+    #: Hybrid KV cache (``Capabilities.hybrid_kv``, a model interleaving windowed and global layers):
+    #: the sequence's table in the windowed layers' own block pool (entries before the window point
+    #: at block 0 and are never read); ``block_table`` then serves the global layers only. None:
+    #: every layer reads ``block_table``.
+    local_block_table: np.ndarray | None = None
 
     @property
     def end_pos(self) -> int:
@@ -230,6 +235,8 @@ class ForwardBatch:
     #: Whole-block copies ``(src, dst)`` the backend applies to every layer's keys and values, in
     #: order, before running the step (copy-on-write of blocks that sequences shared).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    #: The same for the windowed layers' pool of a hybrid KV cache.
+    local_block_copies: list[tuple[int, int]] = field(default_factory=list)
     #: Sample on the device (only for backends with ``Capabilities.device_sampling``): the output's
     #: ``sampled`` holds the tokens and its ``logits`` may be empty.
     sampling: DeviceSampling | None = None
@@ -269,6 +276,11 @@ class Capabilities:
     #: The engine's ``sampling="auto"`` picks device sampling (where the logits' trip to the host
     #: costs more than sampling there: GPUs).
     prefers_device_sampling: bool = False
+    #: Keeps the windowed layers of a model that interleaves windowed and global layers in a block
+    #: pool of their own (kv_cache option ``local_blocks``: its size), read through
+    #: ``SequenceChunk.local_block_table``; blocks out of the window are then freed for those layers.
+    #: False: the engine gives every layer every block.
+    hybrid_kv: bool = False
 
 
 #: The methods every :class:`BackendModel` has (checked when a backend loads one).

@@ -18,7 +18,11 @@ reference count, so sequences can share them:
   never read again: it is released as the sequence grows (its table entry becomes :data:`NO_BLOCK`),
   so a sequence holds about ``window / block_size + 1`` blocks whatever its length. A released block
   that is cached stays cached for prefix hits (a later prompt with the same start takes it again).
-  Models that mix windowed and global layers keep every block (their global layers read them all).
+  Models that interleave windowed and global layers (Gemma 3: five local to one global) keep two
+  groups of blocks, as vLLM's hybrid KV cache manager does (:class:`HybridBlockManager`): one pool
+  for the global layers, which keep every block, and one for the windowed layers, whose blocks are
+  released as above; each sequence has a table in each. A backend that stores the groups apart
+  (``Capabilities.hybrid_kv``) reads the windowed layers through the second table.
 """
 
 from __future__ import annotations
@@ -187,6 +191,43 @@ class BlockManager:
         become the start of the table and ``num_computed`` must equal ``prefix.num_tokens``.
         Returns False, changing nothing, when there are not enough free blocks.
         """
+        need_new, to_copy, taken_from_pool = self._plan(seq_id, num_computed, num_new, prefix)
+        if need_new + len(to_copy) + taken_from_pool > self.num_free_blocks:
+            return False
+        entry = self._seqs.get(seq_id)
+        table = entry.table if entry is not None else []
+        if entry is None:
+            entry = self._seqs[seq_id] = _SequenceBlocks()
+            table = entry.table
+        if prefix is not None and prefix.block_ids:
+            for b in prefix.block_ids:
+                if b != NO_BLOCK:  # (a windowed group's hit: blocks before the window are not needed)
+                    self._take(b)
+                    self._hits[b] += 1
+            table.extend(prefix.block_ids)
+            entry.hashes = list(prefix.hashes)
+        for i in to_copy:
+            src = table[i]
+            dst = self._pop_free()
+            self._pending_copies.append((src, dst))
+            table[i] = dst
+            self._release(src)
+        for _ in range(need_new):
+            table.append(self._pop_free())
+        self._release_out_of_window(entry, num_computed)  # a prefix hit may reach past the window
+        return True
+
+    def blocks_to_take(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: PrefixHit | None = None) -> int:
+        """Blocks :meth:`allocate_slots` with these arguments would take from the free ones (it
+        succeeds when this is at most :attr:`num_free_blocks`)."""
+        need_new, to_copy, taken_from_pool = self._plan(seq_id, num_computed, num_new, prefix)
+        return need_new + len(to_copy) + taken_from_pool
+
+    def _plan(
+        self, seq_id: Hashable, num_computed: int, num_new: int, prefix: PrefixHit | None
+    ) -> tuple[int, list[int], int]:
+        """(new blocks, table indices to copy on write, cached blocks taken out of the pool) of an
+        allocation; releases the sequence's blocks that fell out of its window first."""
         entry = self._seqs.get(seq_id)
         if entry is not None:
             self._release_out_of_window(entry, num_computed)
@@ -200,29 +241,12 @@ class BlockManager:
         need_new = max(0, self.blocks_needed(num_computed + num_new) - have)
         first, last = num_computed // self.block_size, self.blocks_needed(num_computed + num_new)
         to_copy = [i for i in range(first, min(last, len(table))) if self._must_copy(table[i])]
-        taken_from_pool = sum(1 for b in (prefix.block_ids if prefix else ()) if self._ref[b] == 0)
-        if need_new + len(to_copy) + taken_from_pool > self.num_free_blocks:
-            return False
+        taken_from_pool = sum(1 for b in (prefix.block_ids if prefix else ()) if b != NO_BLOCK and self._ref[b] == 0)
+        return need_new, to_copy, taken_from_pool
 
-        if entry is None:
-            entry = self._seqs[seq_id] = _SequenceBlocks()
-            table = entry.table
-        if prefix is not None and prefix.block_ids:
-            for b in prefix.block_ids:
-                self._take(b)
-                self._hits[b] += 1
-            table.extend(prefix.block_ids)
-            entry.hashes = list(prefix.hashes)
-        for i in to_copy:
-            src = table[i]
-            dst = self._pop_free()
-            self._pending_copies.append((src, dst))
-            table[i] = dst
-            self._release(src)
-        for _ in range(need_new):
-            table.append(self._pop_free())
-        self._release_out_of_window(entry, num_computed)  # a prefix hit may reach past the window
-        return True
+    def cached_block(self, block_hash_: bytes) -> int | None:
+        """The block cached under a hash, if any."""
+        return self._cached.get(block_hash_) if self.enable_prefix_caching else None
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the sequence's full blocks whose keys/values are now all computed, so later
@@ -351,3 +375,131 @@ class BlockManager:
         if h is not None and self._cached.get(h) == block:
             del self._cached[h]
         self._hash[block] = None
+
+
+@dataclass
+class HybridPrefixHit:
+    """A prefix hit in both groups of a :class:`HybridBlockManager`: every block for the global
+    layers, the window's blocks for the windowed ones (:data:`NO_BLOCK` before it)."""
+
+    full: PrefixHit
+    local: PrefixHit
+
+    @property
+    def num_tokens(self) -> int:
+        return self.full.num_tokens
+
+
+class HybridBlockManager:
+    """Two block groups for a model whose layers are partly windowed: ``full`` (``num_blocks``, the
+    global layers: every block kept) and ``local`` (``local_blocks``, the windowed layers: blocks out
+    of the window released), with the :class:`BlockManager` interface the scheduler uses. An
+    allocation happens in both or in neither; a prefix hit counts where both groups hold what the
+    hit needs (all its blocks for the global layers, the last window's for the windowed ones)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        local_blocks: int,
+        block_size: int,
+        sliding_window: int,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction: str = "lru",
+    ) -> None:
+        if sliding_window < 1:
+            raise BlockManagerError(f"a hybrid block manager needs a sliding window, got {sliding_window}")
+        kw = dict(enable_prefix_caching=enable_prefix_caching, eviction=eviction)
+        self.full = BlockManager(num_blocks, block_size, **kw)
+        self.local = BlockManager(local_blocks, block_size, sliding_window=sliding_window, **kw)
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.enable_prefix_caching = enable_prefix_caching
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks + self.local.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks of the scarcer group, relative to what a sequence needs of it: the global
+        group's count unless the windowed group has fewer."""
+        return min(self.full.num_free_blocks, self.local.num_free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.full.num_used_blocks + self.local.num_used_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.full.num_cached_blocks
+
+    @property
+    def evictions(self) -> int:
+        return self.full.evictions + self.local.evictions
+
+    def has(self, seq_id: Hashable) -> bool:
+        return self.full.has(seq_id)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self.full.block_table(seq_id)
+
+    def local_block_table(self, seq_id: Hashable) -> list[int]:
+        return self.local.block_table(seq_id)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.full.blocks_needed(num_tokens)
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int]:
+        """(global, windowed) blocks one sequence holds at most."""
+        return self.full.peak_blocks(num_tokens, chunk_tokens), self.local.peak_blocks(num_tokens, chunk_tokens)
+
+    def get_cached_prefix(self, token_ids: Sequence[int]) -> HybridPrefixHit:
+        full = self.full.get_cached_prefix(token_ids)
+        bs = self.block_size
+        for k in range(len(full.block_ids), 0, -1):
+            lo = self.local.first_live_block(k * bs)
+            window = [self.local.cached_block(h) for h in full.hashes[lo:k]]
+            if all(b is not None for b in window):
+                local = PrefixHit([NO_BLOCK] * lo + window, list(full.hashes[:k]), bs)  # type: ignore[operator]
+                return HybridPrefixHit(PrefixHit(full.block_ids[:k], full.hashes[:k], bs), local)
+        return HybridPrefixHit(PrefixHit([], [], bs), PrefixHit([], [], bs))
+
+    # -- allocation ---------------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, seq_id: Hashable, num_computed: int, num_new: int, prefix: HybridPrefixHit | None = None
+    ) -> bool:
+        fp, lp = (prefix.full, prefix.local) if prefix is not None else (None, None)
+        if self.full.blocks_to_take(seq_id, num_computed, num_new, fp) > self.full.num_free_blocks:
+            return False
+        if self.local.blocks_to_take(seq_id, num_computed, num_new, lp) > self.local.num_free_blocks:
+            return False
+        ok = self.full.allocate_slots(seq_id, num_computed, num_new, fp)
+        ok = self.local.allocate_slots(seq_id, num_computed, num_new, lp) and ok
+        assert ok, "both groups had the blocks"
+        return True
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        self.full.commit(seq_id, token_ids, num_computed)
+        self.local.commit(seq_id, token_ids, num_computed)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        self.full.fork(parent_id, child_id)
+        self.local.fork(parent_id, child_id)
+
+    def free(self, seq_id: Hashable) -> None:
+        self.full.free(seq_id)
+        self.local.free(seq_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        return self.full.take_copies()
+
+    def take_local_copies(self) -> list[tuple[int, int]]:
+        return self.local.take_copies()
+
+    def reset_prefix_cache(self) -> None:
+        self.full.reset_prefix_cache()
+        self.local.reset_prefix_cache()

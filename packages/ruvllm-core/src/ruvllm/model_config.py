@@ -198,6 +198,19 @@ class ModelConfig:
         return ws.pop() if len(ws) == 1 else 0
 
     @property
+    def hybrid_window(self) -> int:
+        """The window of a model that interleaves layers of one sliding window with global ones
+        (Gemma 3's 5 local : 1 global), whose windowed layers can keep their own, window-bounded
+        blocks; else 0."""
+        ws = set(self.layer_windows)
+        return max(ws) if len(ws) == 2 and 0 in ws else 0
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        """Indices of the windowed layers of a :attr:`hybrid_window` model."""
+        return tuple(i for i, w in enumerate(self.layer_windows) if w) if self.hybrid_window else ()
+
+    @property
     def num_parameters(self) -> int:
         """Parameter count implied by the shapes (embeddings counted once when tied)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers

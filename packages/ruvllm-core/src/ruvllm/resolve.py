@@ -224,6 +224,11 @@ def resolve(
 
     if quantization is not None:
         check_quantization(quantization)
+        if not has_variants(ref):
+            raise ModelNotFoundError(
+                f"{ref!r} is one model file: quantization {quantization!r} picks among the files of a Hub model "
+                "(an alias such as qwen, or a repo id)"
+            )
     if ref in ALIASES:
         return alias_path(ALIASES[ref], cache)
     if ref in HUB_ALIASES:

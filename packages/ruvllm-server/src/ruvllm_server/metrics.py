@@ -62,6 +62,8 @@ class _StateCollector(Collector):
         if stats is None:
             return
         usage = stats.blocks_used / stats.blocks_total if stats.blocks_total else 0.0
+        if stats.local_blocks_total:  # a hybrid cache: the fuller of its two pools bounds admission
+            usage = max(usage, stats.local_blocks_used / stats.local_blocks_total)
         for prefix in ("ruvllm_", "vllm:"):
             yield GaugeMetricFamily(
                 f"{prefix}num_requests_running", "Requests being served by the engine", value=stats.running_requests
@@ -89,6 +91,17 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full; older vLLM name)", value=usage)
         yield GaugeMetricFamily("ruvllm_kv_blocks_used", "KV cache blocks in use", value=stats.blocks_used)
         yield GaugeMetricFamily("ruvllm_kv_blocks_total", "KV cache blocks allocated", value=stats.blocks_total)
+        if stats.local_blocks_total:
+            yield GaugeMetricFamily(
+                "ruvllm_kv_local_blocks_used",
+                "KV blocks in use in the windowed layers' own pool (hybrid cache)",
+                value=stats.local_blocks_used,
+            )
+            yield GaugeMetricFamily(
+                "ruvllm_kv_local_blocks_total",
+                "KV blocks of the windowed layers' own pool (hybrid cache)",
+                value=stats.local_blocks_total,
+            )
         yield CounterMetricFamily(
             "ruvllm_preemptions", "Sequences preempted for lack of KV blocks", value=stats.preemptions
         )

@@ -305,7 +305,8 @@ class ServerState:
             max_context=self.max_context,
             kv_blocks=stats.blocks_total,
             kv_block_bytes=engine.engine.block_bytes,
-            kv_cache_mib=round(stats.blocks_total * engine.engine.block_bytes / 2**20, 1),
+            kv_local_blocks=stats.local_blocks_total or None,
+            kv_cache_mib=round(engine.engine.kv_cache_bytes / 2**20, 1),
             kv_cache_budget_mib=round(config.kv_cache_memory_bytes / 2**20, 1),
         )
 

@@ -112,3 +112,24 @@ def default_num_blocks(
     per_block = block_bytes if block_bytes else kv_block_bytes(config, engine.block_size)
     affordable = engine.kv_cache_memory_bytes // per_block
     return max(1, min(wanted, affordable))
+
+
+def default_hybrid_blocks(
+    config: ModelConfig, engine: EngineConfig, max_model_len: int, block_bytes: int
+) -> tuple[int, int]:
+    """(global, windowed) blocks of a hybrid KV cache (:attr:`ModelConfig.hybrid_window`) when
+    ``EngineConfig.num_blocks`` is None: ``max_num_seqs`` sequences of ``max_model_len`` tokens in
+    the global layers' pool and of their window plus one step in the windowed layers' pool, scaled
+    down together to fit ``kv_cache_memory_bytes``. ``block_bytes`` covers every layer; a block of a
+    pool costs its layers' share. With ``num_blocks`` given, both pools get that many."""
+    if engine.num_blocks:
+        return engine.num_blocks, engine.num_blocks
+    layers = config.num_layers
+    local = len(config.local_layers)
+    per_layer = block_bytes / layers
+    full_seq = -(-max_model_len // engine.block_size)
+    local_seq = min(full_seq, -(-(config.hybrid_window - 1 + engine.max_num_batched_tokens) // engine.block_size) + 1)
+    want_full, want_local = engine.max_num_seqs * full_seq, engine.max_num_seqs * local_seq
+    wanted_bytes = per_layer * ((layers - local) * want_full + local * want_local)
+    scale = min(1.0, engine.kv_cache_memory_bytes / wanted_bytes)
+    return max(1, int(want_full * scale)), max(1, int(want_local * scale))

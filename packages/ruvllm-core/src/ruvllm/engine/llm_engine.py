@@ -13,8 +13,8 @@ import numpy as np
 import structlog
 
 from ruvllm.backend import DeviceSampling, ForwardBatch, SequenceChunk, StepLimits
-from ruvllm.block_manager import BlockManager
-from ruvllm.engine.config import EngineConfig, EngineConfigError, default_num_blocks
+from ruvllm.block_manager import BlockManager, HybridBlockManager
+from ruvllm.engine.config import EngineConfig, EngineConfigError, default_hybrid_blocks, default_num_blocks
 from ruvllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ruvllm.engine.sequence import RequestState, Sequence
 from ruvllm.engine.step_budget import StepBudget
@@ -65,21 +65,45 @@ class LLMEngine:
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_bytes = model.kv_block_bytes(config.block_size, **config.kv_cache_options)
-        self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len, self.block_bytes)
-        self.block_manager = BlockManager(
-            self.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            eviction=config.eviction,
-            sliding_window=mc.uniform_window,
-        )
+        #: A hybrid KV cache (windowed layers in a pool of their own, see HybridBlockManager) where
+        #: the model interleaves windowed and global layers and the backend keeps such pools.
+        self.hybrid = bool(mc.hybrid_window) and caps.hybrid_kv
+        self.local_blocks = 0
+        cache_options = dict(config.kv_cache_options)
+        if self.hybrid:
+            self.num_blocks, self.local_blocks = default_hybrid_blocks(mc, config, self.max_model_len, self.block_bytes)
+            self.block_manager: BlockManager | HybridBlockManager = HybridBlockManager(
+                self.num_blocks,
+                self.local_blocks,
+                config.block_size,
+                mc.hybrid_window,
+                enable_prefix_caching=config.enable_prefix_caching,
+                eviction=config.eviction,
+            )
+            cache_options["local_blocks"] = self.local_blocks
+            per_layer = self.block_bytes / mc.num_layers
+            local_layers = len(mc.local_layers)
+            #: Bytes the KV cache holds.
+            self.kv_cache_bytes = int(
+                per_layer * ((mc.num_layers - local_layers) * self.num_blocks + local_layers * self.local_blocks)
+            )
+        else:
+            self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len, self.block_bytes)
+            self.block_manager = BlockManager(
+                self.num_blocks,
+                config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                eviction=config.eviction,
+                sliding_window=mc.uniform_window,
+            )
+            self.kv_cache_bytes = self.num_blocks * self.block_bytes
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.policy,
         )
-        self.cache = model.allocate_cache(self.num_blocks, config.block_size, **config.kv_cache_options)
+        self.cache = model.allocate_cache(self.num_blocks, config.block_size, **cache_options)
         #: Prompt tokens per step under ``max_step_ms`` (None: only ``max_num_batched_tokens`` bounds them).
         self.step_budget = (
             StepBudget(config.max_step_ms, config.max_num_batched_tokens, config.max_step_ratio)
@@ -167,11 +191,13 @@ class LLMEngine:
                 f"context of {self.max_model_len} tokens"
             )
         need = self.block_manager.peak_blocks(len(prompt) + sampling.max_tokens, self.config.max_num_batched_tokens)
-        if need > self.num_blocks:
-            raise RequestError(
-                f"the request needs {need} KV blocks but the cache has {self.num_blocks}; "
-                "lower max_tokens or give the engine more KV blocks"
-            )
+        needs = need if isinstance(need, tuple) else (need,)
+        for want, have, what in zip(needs, (self.num_blocks, self.local_blocks), ("", " windowed-layer"), strict=False):
+            if want > have:
+                raise RequestError(
+                    f"the request needs {want}{what} KV blocks but the cache has {have}; "
+                    "lower max_tokens or give the engine more KV blocks"
+                )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop ``request_id`` now and free its blocks. Returns its final output (finish reason
@@ -214,8 +240,10 @@ class LLMEngine:
             waiting_adapters=names(waiting_states.values()),
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            blocks_used=self.block_manager.num_used_blocks,
+            blocks_used=self._full_group().num_used_blocks,
             blocks_total=self.num_blocks,
+            local_blocks_used=self.block_manager.local.num_used_blocks if self.hybrid else 0,
+            local_blocks_total=self.local_blocks,
             preemptions=self.scheduler.preemptions,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
@@ -499,21 +527,36 @@ class LLMEngine:
                     self._fail(rid, RuntimeError(self.broken))
         return out
 
+    def _full_group(self) -> BlockManager:
+        bm = self.block_manager
+        return bm.full if isinstance(bm, HybridBlockManager) else bm
+
     def _batch(self, sched: SchedulerOutput) -> ForwardBatch:
         bm = self.block_manager
+        hybrid = isinstance(bm, HybridBlockManager)
+
+        def table(ids: list[int]) -> np.ndarray:
+            # Blocks released out of a sliding window read as block 0: never unmasked.
+            return np.maximum(np.asarray(ids, dtype=np.int32), 0)
+
         chunks = [
             SequenceChunk(
                 token_ids=np.asarray(c.token_ids, dtype=np.int32),
                 start_pos=c.start,
-                # Blocks released out of a sliding window read as block 0: never unmasked.
-                block_table=np.maximum(np.asarray(bm.block_table(c.seq.seq_id), dtype=np.int32), 0),
+                block_table=table(bm.block_table(c.seq.seq_id)),
                 adapter=c.seq.state.adapter,
                 all_logits=self._wants_prompt_logprobs(c),
                 hidden_states=self._wants_route(c),
+                local_block_table=table(bm.local_block_table(c.seq.seq_id)) if hybrid else None,
             )
             for c in sched.chunks
         ]
-        return ForwardBatch(chunks=chunks, block_size=bm.block_size, block_copies=sched.block_copies)
+        return ForwardBatch(
+            chunks=chunks,
+            block_size=bm.block_size,
+            block_copies=sched.block_copies,
+            local_block_copies=sched.local_block_copies,
+        )
 
     @staticmethod
     def _wants_route(c: ScheduledChunk) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from ruvllm.block_manager import BlockManager
+from ruvllm.block_manager import BlockManager, HybridBlockManager
 from ruvllm.engine.config import SCHEDULING_POLICIES, EngineConfigError
 from ruvllm.engine.sequence import Sequence
 
@@ -43,6 +43,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    #: The windowed layers' pool's copies (a hybrid KV cache).
+    local_block_copies: list[tuple[int, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -54,7 +56,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: BlockManager | HybridBlockManager,
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -165,6 +167,8 @@ class Scheduler:
                 prompt_left -= num_new
 
         out.block_copies = bm.take_copies()
+        if isinstance(bm, HybridBlockManager):
+            out.local_block_copies = bm.take_local_copies()
         return out
 
     def update_after_forward(self, out: SchedulerOutput) -> None:

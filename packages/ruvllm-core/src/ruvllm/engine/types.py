@@ -93,3 +93,6 @@ class EngineStats:
     #: Names of the adapters of running / waiting requests (adapters without a name are not listed).
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    #: A hybrid KV cache's windowed-layer pool (``blocks_*`` count the global layers' pool); 0 without.
+    local_blocks_used: int = 0
+    local_blocks_total: int = 0

@@ -1,0 +1,139 @@
+"""The hybrid KV cache for models that interleave windowed and global layers (issue 12; Gemma 3's
+5 local : 1 global): the global layers keep every block in one pool, the windowed layers keep their
+window's blocks in a pool of their own (vLLM's hybrid KV cache manager is the reference design), so
+the memory count reflects which layers keep everything.
+
+``HybridBlockManager`` on its own (allocation in both groups or neither, releases, prefix hits that
+need the window's blocks), then the engine on a random Gemma-3 checkpoint written through
+transformers (7 layers: 0-4 and 6 windowed, window 6, blocks of 4) on the backend that keeps the two
+pools: chunked prefill, prefix caching and decode far past the window give transformers' greedy
+tokens, the windowed pool holds about a window per sequence, and the cache holds what was counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _family_checkpoints import hf_all_logits, write_family_checkpoint
+
+from ruvllm.block_manager import NO_BLOCK, HybridBlockManager
+
+
+def _refcounts_exact(bm: HybridBlockManager) -> None:
+    for group in (bm.full, bm.local):
+        held = [0] * group.num_blocks
+        for entry in group._seqs.values():
+            for b in entry.table:
+                if b != NO_BLOCK:
+                    held[b] += 1
+        assert held == group._ref
+
+
+def test_the_windowed_group_releases_what_the_global_group_keeps():
+    bm = HybridBlockManager(num_blocks=20, local_blocks=8, block_size=4, sliding_window=6)
+    ids = list(range(100, 140))
+    computed = 0
+    for n in (8, 8, 8, 1, 1, 1, 1):  # chunked prefill, then decode
+        assert bm.allocate_slots("a", computed, n)
+        computed += n
+        bm.commit("a", ids, computed)
+    full, local = bm.block_table("a"), bm.local_block_table("a")
+    assert NO_BLOCK not in full and len(full) == bm.blocks_needed(computed)
+    live = [b for b in local if b != NO_BLOCK]
+    assert local[: bm.local.first_live_block(computed - 1)] == [NO_BLOCK] * bm.local.first_live_block(computed - 1)
+    assert len(live) <= bm.local.peak_blocks(computed, 8)
+    assert bm.peak_blocks(40, 8) == (10, bm.local.peak_blocks(40, 8))
+    _refcounts_exact(bm)
+    bm.free("a")
+    assert bm.full.num_used_blocks == bm.local.num_used_blocks == 0
+
+
+def test_an_allocation_happens_in_both_groups_or_in_neither():
+    bm = HybridBlockManager(num_blocks=20, local_blocks=3, block_size=4, sliding_window=6)
+    assert not bm.allocate_slots("a", 0, 16)  # 4 blocks: the windowed pool has 3
+    assert not bm.has("a") and bm.full.num_free_blocks == 20 and bm.local.num_free_blocks == 3
+    assert bm.allocate_slots("a", 0, 8)
+    assert not bm.allocate_slots("b", 0, 8)  # the windowed pool is the short one now
+    assert not bm.has("b") and bm.full.num_used_blocks == 2
+
+
+def test_a_prefix_hit_needs_the_windows_blocks_in_the_windowed_group():
+    bm = HybridBlockManager(num_blocks=32, local_blocks=32, block_size=4, sliding_window=6)
+    ids = list(range(1, 30))
+    assert bm.allocate_slots("a", 0, 28)
+    bm.commit("a", ids, 28)
+    bm.free("a")
+    hit = bm.get_cached_prefix(ids)
+    assert hit.num_tokens == 28  # (the last token is always left to compute: 29 tokens, 7 full blocks)
+    lo = bm.local.first_live_block(28)
+    assert hit.local.block_ids[:lo] == [NO_BLOCK] * lo and NO_BLOCK not in hit.local.block_ids[lo:]
+    assert bm.allocate_slots("b", 28, 1, hit)
+    assert bm.block_table("b")[:7] == hit.full.block_ids
+    _refcounts_exact(bm)
+    bm.free("b")
+    # The windowed group loses the window's blocks of that prefix: the hit shrinks to where it has them.
+    bm.local.reset_prefix_cache()
+    assert bm.get_cached_prefix(ids).num_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return write_family_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+def test_engine_on_gemma3_matches_transformers_with_two_pools(gemma3_dir, smollm2_checkpoint):
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+    from ruvllm.sampling import SamplingParams
+
+    llm = load_model(str(gemma3_dir), backend="candle-compat", host=load_plugins("candle-compat"))
+    cfg = llm.config
+    assert cfg.hybrid_window == 6 and cfg.local_layers == (0, 1, 2, 3, 4, 6)
+    engine = LLMEngine(
+        llm,
+        EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory_bytes=2**16),
+        tokenizer=smollm2_checkpoint.tokenizer(),  # the tiny model has none; ids < 101 decode fine
+    )
+    assert engine.hybrid and engine.cache.local_blocks == engine.local_blocks
+    assert engine.cache.nbytes == engine.kv_cache_bytes <= 2**16  # what was allocated is what was counted
+    # The global layers' pool holds whole sequences; the windowed layers' a window and a step each.
+    assert engine.local_blocks < engine.num_blocks
+    layer_bytes = engine.block_bytes // cfg.num_layers
+    assert engine.num_blocks > 4 * (2**16 // engine.block_bytes)  # 4x the context one pool of every layer gives
+    assert engine.kv_cache_bytes == layer_bytes * (engine.num_blocks + 6 * engine.local_blocks)
+
+    bm = engine.block_manager
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 101, size=23).tolist()
+    other = prompt[:16] + rng.integers(3, 101, size=7).tolist()
+    sampling = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for p in (prompt, other):
+        engine.add_request(GenerationRequest(list(p), sampling))
+    tokens: dict[str, list[int]] = {}
+    local_peak = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(t for d in out.deltas for t in d.token_ids)
+        local_peak = max(local_peak, bm.local.num_used_blocks)
+        _refcounts_exact(bm)
+    assert local_peak <= 2 * bm.local.peak_blocks(23 + 30, 8) < 2 * bm.blocks_needed(23 + 30)
+    assert engine.scheduler.prefix_cache_hit_tokens >= 16
+    for p, ours in zip((prompt, other), tokens.values(), strict=True):
+        want = hf_all_logits(gemma3_dir, p + ours)[len(p) - 1 : -1].argmax(-1).tolist()
+        assert ours == want
+    stats = engine.stats()
+    assert stats.local_blocks_total == engine.local_blocks and stats.blocks_total == engine.num_blocks
+
+
+def test_a_backend_without_two_pools_keeps_every_block(gemma3_dir, smollm2_checkpoint):
+    """The JAX backend keeps one pool: the engine gives every layer every block there (an honest
+    count, no saving), as before."""
+    from ruvllm.engine import EngineConfig, LLMEngine
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    llm = load_model(str(gemma3_dir), backend="jax", host=load_plugins("jax"))
+    assert not llm.capabilities.hybrid_kv
+    engine = LLMEngine(llm, EngineConfig(num_blocks=32, block_size=4), tokenizer=smollm2_checkpoint.tokenizer())
+    assert not engine.hybrid and engine.local_blocks == 0 and engine.kv_cache_bytes == 32 * engine.block_bytes
