@@ -7,6 +7,11 @@ and the raw figures as JSON and CSV.
     python benchmarks/bench_backends.py --only jax,jax-q8 --batches 1 8
     python benchmarks/bench_backends.py --only jax-w4a8,llama.cpp --isa all --model model.Q4_K_M.gguf
     python benchmarks/bench_backends.py --model gemma3 --only jax-w4a8,llama.cpp --batches 1 32 --rounds 3
+    python benchmarks/bench_backends.py --model gemma3 --only jax-w4a8,jax-w4a8-hybrid --rounds 3
+
+A jax engine's ``-hybrid`` suffix (not in the default list: only models interleaving windowed and
+global layers have it) keeps the windowed layers' K/V in a pool of their own, as the engine's hybrid
+KV cache does; next to the same engine without it, that is what reading two pools costs a step.
 
 ``--isa`` runs the native-kernel engines (jax-w4a8, jax-w8a8) once per ISA variant of the kernels,
 each in a child process with ``RUVLLM_CPU_ISA`` set (the variant is chosen once per process), as rows
@@ -78,7 +83,12 @@ def median_seconds(fn: Callable[[], float], iterations: int) -> float:
 # -- ruvllm backends (through the plugin hooks, like the engine) -----------------------------------------
 
 
-def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload, native: bool = True) -> Result:
+def bench_ruvllm(
+    path: Path, backend: str, quantization: str, w: Workload, native: bool = True, hybrid: bool = False
+) -> Result:
+    """``hybrid``: the windowed layers of a model interleaving them with global ones keep their K/V in
+    a pool of their own (the engine's hybrid KV cache), here as large as the global one and with the
+    same tables: what it costs a step to read two pools."""
     from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
     from ruvllm.runtime import load_model
 
@@ -86,8 +96,15 @@ def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload, nativ
     model = load_model(str(path), backend=backend, options=LoadOptions(quantization=quantization, extra=extra))
     bs = 16
     per_seq = -(-(max(len(w.prefill), max(map(len, w.prompts)) + w.decode_steps) + 1) // bs)
-    cache = model.allocate_cache(per_seq * max(w.batches) + 1, bs)
+    blocks = per_seq * max(w.batches) + 1
+    if hybrid and not model.config.hybrid_window:
+        raise SystemExit(f"{path}: a hybrid KV cache needs a model that interleaves windowed and global layers")
+    cache = model.allocate_cache(blocks, bs, **({"local_blocks": blocks} if hybrid else {}))
     tables = [np.arange(per_seq, dtype=np.int32) + i * per_seq for i in range(max(w.batches))]
+    _chunk = SequenceChunk
+
+    def SequenceChunk(ids: np.ndarray, start: int, table: np.ndarray) -> _chunk:
+        return _chunk(ids, start, table, local_block_table=table if hybrid else None)
 
     def prefill() -> float:
         chunk = SequenceChunk(np.asarray(w.prefill, np.int32), 0, tables[0])
@@ -113,7 +130,7 @@ def bench_ruvllm(path: Path, backend: str, quantization: str, w: Workload, nativ
         return statistics.median(times)
 
     name = backend if quantization == "none" else f"{backend}-{quantization}"
-    r = Result(name if native else f"{name}-xla")
+    r = Result(name + ("" if native else "-xla") + ("-hybrid" if hybrid else ""))
     if backend == "jax":
         r.isa = native_isa() if model.model.native else "xla"
         r.weights = _jax_weights(model.model.weights)
@@ -392,11 +409,14 @@ def run_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace) -
     if isa is not None and not args.in_child:
         return _in_child(engine, args, {"RUVLLM_CPU_ISA": isa})
     if base.startswith("jax"):
-        # jax, jax-q8, jax-w8a8, ...; a trailing -xla turns the native CPU kernels off.
+        # jax, jax-q8, jax-w8a8, ...; a trailing -xla turns the native CPU kernels off, -hybrid keeps the
+        # windowed layers' K/V in a pool of their own (-xla-hybrid both).
         parts = base.split("-")
+        hybrid = parts[-1] == "hybrid"
+        parts = parts[:-1] if hybrid else parts
         xla = parts[-1] == "xla"
         quant = parts[1] if len(parts) > 1 and parts[1] != "xla" else "none"
-        r = bench_ruvllm(path, "jax", quant, w, native=not xla)
+        r = bench_ruvllm(path, "jax", quant, w, native=not xla, hybrid=hybrid)
         if isa is not None:
             if r.isa not in (isa, "xla"):  # "xla": this quantization does not use the kernels' variant
                 raise SystemExit(f"{engine}: RUVLLM_CPU_ISA={isa} but the kernels ran {r.isa}")

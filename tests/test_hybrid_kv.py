@@ -81,59 +81,150 @@ def gemma3_dir(tmp_path_factory):
     return write_family_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3")
 
 
-def test_engine_on_gemma3_matches_transformers_with_two_pools(gemma3_dir, smollm2_checkpoint):
+def _run_engine(llm, smollm2_checkpoint, kv_options=None, memory=2**16, precompile=False):
+    """The tiny Gemma-3 on ``llm`` through the engine: two prompts sharing a 16-token prefix, chunked
+    prefill of 8 and 30 decoded tokens each, far past the window. Returns the engine, each request's
+    tokens with their logprobs, and the windowed pool's peak use."""
     from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
-    from ruvllm.plugins import load_plugins
-    from ruvllm.runtime import load_model
     from ruvllm.sampling import SamplingParams
 
-    llm = load_model(str(gemma3_dir), backend="candle-compat", host=load_plugins("candle-compat"))
     cfg = llm.config
     assert cfg.hybrid_window == 6 and cfg.local_layers == (0, 1, 2, 3, 4, 6)
     engine = LLMEngine(
         llm,
-        EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory_bytes=2**16),
+        EngineConfig(
+            block_size=4,
+            max_num_batched_tokens=8,
+            max_num_seqs=2,
+            kv_cache_memory_bytes=memory,
+            kv_cache_options=kv_options or {},
+        ),
         tokenizer=smollm2_checkpoint.tokenizer(),  # the tiny model has none; ids < 101 decode fine
     )
+    if precompile:  # then the run compiles nothing: the hybrid steps are in the precompiled set
+        engine.precompile()
+        compiled = (set(llm.model._compiled), set(llm.model._copy_fns))
+    bm = engine.block_manager
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 101, size=23).tolist()
+    other = prompt[:16] + rng.integers(3, 101, size=7).tolist()
+    sampling = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=0)
+    for p in (prompt, other):
+        engine.add_request(GenerationRequest(list(p), sampling))
+    got: dict[str, tuple[list[int], list[float]]] = {}
+    local_peak = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            toks, lps = got.setdefault(out.request_id, ([], []))
+            for d in out.deltas:
+                toks.extend(d.token_ids)
+                lps.extend(lp.logprob for lp in d.logprobs or ())
+        if engine.hybrid:
+            local_peak = max(local_peak, bm.local.num_used_blocks)
+            _refcounts_exact(bm)
+    assert engine.scheduler.prefix_cache_hit_tokens >= 16
+    assert engine.scheduler.preemptions == 0
+    if precompile:
+        assert (set(llm.model._compiled), set(llm.model._copy_fns)) == compiled
+    assert engine.block_manager.num_used_blocks == 0 if not engine.hybrid else bm.full.num_used_blocks == 0
+    return engine, (prompt, other), list(got.values()), local_peak
+
+
+def _check_pools(engine, cfg) -> None:
     assert engine.hybrid and engine.cache.local_blocks == engine.local_blocks
     assert engine.cache.nbytes == engine.kv_cache_bytes <= 2**16  # what was allocated is what was counted
     # The global layers' pool holds whole sequences; the windowed layers' a window and a step each.
     assert engine.local_blocks < engine.num_blocks
     layer_bytes = engine.block_bytes // cfg.num_layers
-    assert engine.num_blocks > 4 * (2**16 // engine.block_bytes)  # 4x the context one pool of every layer gives
+    # 4x the context one pool of every layer gives, or (int8 KV) every sequence's whole context.
+    assert engine.num_blocks > 4 * (2**16 // engine.block_bytes) or engine.num_blocks == 2 * 256 // 4
     assert engine.kv_cache_bytes == layer_bytes * (engine.num_blocks + 6 * engine.local_blocks)
-
-    bm = engine.block_manager
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(3, 101, size=23).tolist()
-    other = prompt[:16] + rng.integers(3, 101, size=7).tolist()
-    sampling = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    for p in (prompt, other):
-        engine.add_request(GenerationRequest(list(p), sampling))
-    tokens: dict[str, list[int]] = {}
-    local_peak = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(t for d in out.deltas for t in d.token_ids)
-        local_peak = max(local_peak, bm.local.num_used_blocks)
-        _refcounts_exact(bm)
-    assert local_peak <= 2 * bm.local.peak_blocks(23 + 30, 8) < 2 * bm.blocks_needed(23 + 30)
-    assert engine.scheduler.prefix_cache_hit_tokens >= 16
-    for p, ours in zip((prompt, other), tokens.values(), strict=True):
-        want = hf_all_logits(gemma3_dir, p + ours)[len(p) - 1 : -1].argmax(-1).tolist()
-        assert ours == want
     stats = engine.stats()
     assert stats.local_blocks_total == engine.local_blocks and stats.blocks_total == engine.num_blocks
 
 
-def test_a_backend_without_two_pools_keeps_every_block(gemma3_dir, smollm2_checkpoint):
-    """The JAX backend keeps one pool: the engine gives every layer every block there (an honest
-    count, no saving), as before."""
-    from ruvllm.engine import EngineConfig, LLMEngine
+@pytest.mark.parametrize(
+    ("backend", "extra"),
+    [("candle-compat", {}), ("jax", {}), ("jax", {"attention": "pallas_interpret"})],
+    ids=["candle-compat", "jax", "jax-pallas-interpret"],
+)
+def test_engine_on_gemma3_matches_transformers_with_two_pools(gemma3_dir, smollm2_checkpoint, backend, extra):
+    from ruvllm.backend import LoadOptions
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    llm = load_model(str(gemma3_dir), backend=backend, host=load_plugins(backend), options=LoadOptions(extra=extra))
+    engine, prompts, got, local_peak = _run_engine(llm, smollm2_checkpoint, precompile=backend == "jax")
+    _check_pools(engine, llm.config)
+    bm = engine.block_manager
+    assert local_peak <= 2 * bm.local.peak_blocks(23 + 30, 8) < 2 * bm.blocks_needed(23 + 30)
+    for p, (ours, _) in zip(prompts, got, strict=True):
+        want = hf_all_logits(gemma3_dir, p + ours)[len(p) - 1 : -1].argmax(-1).tolist()
+        assert ours == want
+
+
+@pytest.mark.parametrize(
+    ("quantization", "kv_options"),
+    [("w8a8", {}), ("none", {"quantization": "int8"})],
+    ids=["native-kernels", "int8-kv"],
+)
+def test_jax_two_pools_give_what_one_pool_gives(gemma3_dir, smollm2_checkpoint, monkeypatch, quantization, kv_options):
+    """Where the arithmetic is not transformers' (the native kernels on quantized weights, an int8 KV
+    cache), the two pools give exactly what one pool of every layer gives: the same keys and values,
+    only stored elsewhere. Same tokens, same logprobs to the bit."""
+    import dataclasses
+
+    from ruvllm.backend import LoadOptions
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+    from ruvllm_jax import native
+    from ruvllm_jax.runner import JaxModel
+
+    if quantization == "w8a8" and not native.has_vector_path():
+        pytest.skip("the native kernels run w8a8 only on a vector path")
+    llm = load_model(
+        str(gemma3_dir), backend="jax", host=load_plugins("jax"), options=LoadOptions(quantization=quantization)
+    )
+    assert llm.model.native == (quantization == "w8a8")
+    hybrid, _, two, _ = _run_engine(llm, smollm2_checkpoint, kv_options)
+    _check_pools(hybrid, llm.config)
+    caps = JaxModel.capabilities.fget
+    one_pool = property(lambda self: dataclasses.replace(caps(self), hybrid_kv=False))
+    monkeypatch.setattr(JaxModel, "capabilities", one_pool)
+    # (One pool needs 4x the memory to hold both sequences whole, as the hybrid cache does: no preemption.)
+    single, _, one, _ = _run_engine(llm, smollm2_checkpoint, kv_options, memory=2**18)
+    assert not single.hybrid and single.cache.local_blocks == 0
+    assert single.scheduler.prefix_cache_hit_tokens == hybrid.scheduler.prefix_cache_hit_tokens
+    assert two == one and all(len(lps) == 30 for _, lps in two)
+
+
+def test_jax_hybrid_cache_refuses_what_it_cannot_hold(gemma3_dir, tmp_path):
+    import dataclasses
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.errors import BackendError, RequestError
     from ruvllm.plugins import load_plugins
     from ruvllm.runtime import load_model
 
     llm = load_model(str(gemma3_dir), backend="jax", host=load_plugins("jax"))
-    assert not llm.capabilities.hybrid_kv
-    engine = LLMEngine(llm, EngineConfig(num_blocks=32, block_size=4), tokenizer=smollm2_checkpoint.tokenizer())
-    assert not engine.hybrid and engine.local_blocks == 0 and engine.kv_cache_bytes == 32 * engine.block_bytes
+    model = llm.model
+    cache = model.allocate_cache(8, 4, {"local_blocks": 3})
+    assert cache.state.k.shape[0] == 1 and cache.state.local.k.shape[:2] == (6, 3)
+    chunk = SequenceChunk(np.arange(3, 8, dtype=np.int32), 0, np.array([0, 1], np.int32))
+    with pytest.raises(RequestError, match="local_block_table"):
+        model.forward(ForwardBatch([chunk], block_size=4), cache)
+    far = dataclasses.replace(chunk, local_block_table=np.array([0, 5], np.int32))
+    with pytest.raises(RequestError, match=r"outside 0\.\.2"):
+        model.forward(ForwardBatch([far], block_size=4), cache)
+    # Copy-on-write in both pools, in one compiled copy.
+    written = dataclasses.replace(chunk, local_block_table=np.array([2, 1], np.int32))
+    model.forward(ForwardBatch([written], block_size=4), cache)
+    model.forward(ForwardBatch([], block_size=4, block_copies=[(0, 5)], local_block_copies=[(2, 0)]), cache)
+    g, loc = np.asarray(cache.state.k), np.asarray(cache.state.local.k)
+    assert np.abs(g[:, 0]).sum() > 0 and np.array_equal(g[:, 5], g[:, 0])
+    assert np.abs(loc[:, 2]).sum() > 0 and np.array_equal(loc[:, 0], loc[:, 2])
+    with pytest.raises(RequestError, match="local_block_copies"):
+        model.forward(ForwardBatch([], block_size=4, local_block_copies=[(0, 1)]), model.allocate_cache(8, 4))
+    llama = load_model(str(write_family_checkpoint(tmp_path, "llama3")), backend="jax", host=load_plugins("jax"))
+    with pytest.raises(BackendError, match="interleaves windowed and global layers"):
+        llama.model.allocate_cache(8, 4, {"local_blocks": 3})

@@ -74,6 +74,9 @@ class ModelSpec:
     ropes: tuple[tuple[tuple[float, ...], float], ...]
     final_logit_softcap: float | None
     dtype: str = "float32"
+    #: The windowed layers of a model that interleaves them with global ones
+    #: (:attr:`ModelConfig.local_layers`): a hybrid cache keeps their K/V in a pool of their own.
+    local_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: str = "float32") -> ModelSpec:
@@ -108,6 +111,7 @@ class ModelSpec:
             ropes=ropes,
             final_logit_softcap=cfg.final_logit_softcap,
             dtype=dtype,
+            local_layers=tuple(cfg.local_layers),
         )
 
     @property
@@ -117,6 +121,13 @@ class ModelSpec:
     def layer_constants(self) -> tuple[jax.Array, jax.Array]:
         """Scanned with the layers: each layer's window and RoPE index (int32 ``[layers]``)."""
         return jnp.asarray(self.layer_windows, jnp.int32), jnp.asarray(self.layer_ropes, jnp.int32)
+
+    def pool_constants(self) -> tuple[jax.Array, jax.Array]:
+        """Scanned with the layers of a step on a hybrid cache: whether each layer is windowed (its
+        K/V in the windowed pool) and its index in its pool (int32 ``[layers]``)."""
+        local = [layer in self.local_layers for layer in range(self.num_layers)]
+        index = [sum(1 for j in range(layer) if local[j] == local[layer]) for layer in range(self.num_layers)]
+        return jnp.asarray(local, jnp.bool_), jnp.asarray(index, jnp.int32)
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
         """``(out, in)`` of projection ``proj`` (one of :data:`PROJECTIONS`)."""
@@ -174,6 +185,11 @@ class KVState:
     """Paged K and V of all layers: ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so layer
     ``l``'s cache is ``k[l]`` of shape ``[num_blocks, block_size, kv_heads, head_dim]``.
 
+    A hybrid cache (a model interleaving windowed and global layers, see
+    :class:`ruvllm.block_manager.HybridBlockManager`) holds the global layers here, in layer order,
+    and the windowed layers in ``local``, a pool of its own with its own block count, addressed by
+    the step's local block tables.
+
     An int8 cache holds codes in ``k``/``v`` and float32 scales in ``k_scale``/``v_scale``
     ``[layers, num_blocks, block_size, kv_heads, head_dim // KV_SCALE_GROUP]``: one per group of
     :data:`KV_SCALE_GROUP` consecutive values of a token's head, ``max|x| / 127`` over the group."""
@@ -182,6 +198,7 @@ class KVState:
     v: jax.Array
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    local: KVState | None = None
 
     @property
     def quantized(self) -> bool:
@@ -296,6 +313,10 @@ class StepInputs:
     prefill_context: jax.Array  # [Sp]
     logit_rows: jax.Array  # [G] flat indices whose logits are returned
     lora_slot: jax.Array | None = None  # [T] adapter slot of each token, -1 for none (steps with adapters)
+    #: A hybrid cache's windowed pool: each token's block there, and the sequences' tables in it.
+    local_write_block: jax.Array | None = None  # [T]
+    decode_local_tables: jax.Array | None = None  # [Sd, Bd]
+    prefill_local_tables: jax.Array | None = None  # [Sp, Bp]
     #: Real tokens and real logit rows: they come first, padding after (the native kernels skip it).
     live_tokens: jax.Array | None = None  # [] int32
     live_logits: jax.Array | None = None  # [] int32
@@ -567,9 +588,18 @@ def forward_step(
     stacked = weights.layers
     scanned = dataclasses.replace(stacked, **{f: None for f in _NATIVE_FIELDS}) if use_native else stacked
 
+    # A hybrid cache: each layer writes to and reads from its own pool, at its index there. The write
+    # to the other pool points past its last block, so the scatter drops it.
+    pools = spec.pool_constants() if cache.local is not None else None
+    local_inp = None
+    if pools is not None:
+        local_inp = dataclasses.replace(
+            inp, decode_tables=inp.decode_local_tables, prefill_tables=inp.prefill_local_tables
+        )
+
     def layer_step(carry, xs):
-        x, kv, layer = carry
-        lw, ll, (window, rope) = xs
+        x, kv, kvl, layer = carry
+        lw, ll, (window, rope), pool = xs
         window = window if spec.windowed else 0  # Python 0: no window arithmetic at all
 
         def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
@@ -589,18 +619,29 @@ def forward_step(
             return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, mask)).astype(y.dtype)
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            nonlocal kv
-            kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v)
-            return _attend(q, kv, layer, window, inp, plan, spec.attention_scale)
+            nonlocal kv, kvl
+            scale = spec.attention_scale
+            if pool is None:
+                kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v)
+                return _attend(q, kv, layer, window, inp, plan, scale)
+            local, idx = pool
+            kv = write_kv(kv, idx, jnp.where(local, kv.k.shape[1], inp.write_block), inp.write_offset, k, v)
+            kvl = write_kv(kvl, idx, jnp.where(local, inp.local_write_block, kvl.k.shape[1]), inp.write_offset, k, v)
+            return lax.cond(
+                local,
+                lambda: _attend(q, kvl, idx, window, local_inp, plan, scale),
+                lambda: _attend(q, kv, idx, window, inp, plan, scale),
+            )
 
         x, _ = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend, adapt=adapt)
-        return (x, kv, layer + 1), None
+        return (x, kv, kvl, layer + 1), None
 
-    (x, kv, _), _ = lax.scan(
+    (x, kv, kvl, _), _ = lax.scan(
         layer_step,
-        (x, cache, jnp.zeros((), jnp.int32)),
-        (scanned, lora_layers, spec.layer_constants()),
+        (x, dataclasses.replace(cache, local=None), cache.local, jnp.zeros((), jnp.int32)),
+        (scanned, lora_layers, spec.layer_constants(), pools),
     )
+    kv = dataclasses.replace(kv, local=kvl)
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     if plan.native and _native_format(head) is not None:

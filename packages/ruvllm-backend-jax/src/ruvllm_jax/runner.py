@@ -38,6 +38,7 @@ from ruvllm.backend import (
     SequenceChunk,
     StepLimits,
 )
+from ruvllm.block_manager import NO_BLOCK
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm.sampling import overlay_widths
@@ -217,8 +218,9 @@ def _shape_chunks(shape: Any, table: np.ndarray, hidden: bool, every: bool = Fal
     """Chunks of one step of ``shape`` (decoding sequences, then prompt chunks), the last asking for
     hidden states when ``hidden`` and for every position's logits when ``every``: what precompiling
     (or lowering) that shape runs."""
-    chunks = [SequenceChunk(np.zeros(1, np.int32), 0, table) for _ in range(shape.decode_seqs)]
-    chunks += [SequenceChunk(np.zeros(shape.prefill_len, np.int32), 0, table)] * shape.prefill_seqs
+    one = SequenceChunk(np.zeros(1, np.int32), 0, table, local_block_table=table)
+    chunks = [one] * shape.decode_seqs
+    chunks += [dataclasses.replace(one, token_ids=np.zeros(shape.prefill_len, np.int32))] * shape.prefill_seqs
     chunks[-1] = dataclasses.replace(chunks[-1], hidden_states=hidden, all_logits=every)
     return chunks
 
@@ -243,6 +245,8 @@ class JaxKVCache:
     state: KVState
     num_blocks: int
     block_size: int
+    #: Blocks of the windowed layers' pool of a hybrid cache (0: one pool for every layer).
+    local_blocks: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -442,22 +446,43 @@ class JaxModel:
             device_sampling=True,
             # On a CPU the logits are in host memory already, and the NumPy sampler is faster.
             prefers_device_sampling=jax.devices()[0].platform != "cpu",
+            hybrid_kv=True,
         )
 
     def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> JaxKVCache:
         return self.allocate_cache(num_blocks, block_size, options)
 
     def allocate_cache(self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None) -> JaxKVCache:
+        """``options`` as :meth:`kv_block_bytes` takes them, plus ``local_blocks``: a hybrid cache whose
+        windowed layers keep their K/V in a pool of that many blocks (the engine's
+        :class:`ruvllm.block_manager.HybridBlockManager` addresses it through the chunks'
+        ``local_block_table``)."""
+        options = dict(options or {})
+        local_blocks = options.pop("local_blocks", 0)
         quantized, dtype = self._kv_layout(options)
         if num_blocks < 1 or block_size < 1:
             raise BackendError(f"KV cache needs at least one block of one token (got {num_blocks} x {block_size})")
+        local_layers = len(self.spec.local_layers)
+        if not isinstance(local_blocks, int) or local_blocks < 0:
+            raise BackendError(f"jax backend: local_blocks must be a non-negative integer, got {local_blocks!r}")
+        if local_blocks and not local_layers:
+            raise BackendError(
+                "jax backend: local_blocks (a hybrid KV cache) needs a model that interleaves windowed and global "
+                "layers"
+            )
         if self.attention == "pallas" and not _pow2(block_size):
             raise BackendError(
                 f"jax backend: the Pallas attention kernels need a power-of-two block size (got {block_size}); "
                 "give another block size or attention='reference'"
             )
-        state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], quantized=quantized)
-        return JaxKVCache(state, num_blocks, block_size)
+        kw = dict(quantized=quantized)
+        if not local_blocks:
+            state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], **kw)
+            return JaxKVCache(state, num_blocks, block_size)
+        globals_ = self.spec.num_layers - local_layers
+        state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], layers=globals_, **kw)
+        local = empty_cache(self.spec, self.mesh, local_blocks, block_size, DTYPES[dtype], layers=local_layers, **kw)
+        return JaxKVCache(dataclasses.replace(state, local=local), num_blocks, block_size, local_blocks)
 
     # -- one step --------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: JaxKVCache) -> ForwardOutput:
@@ -465,8 +490,10 @@ class JaxModel:
             raise BackendError(f"jax backend: the cache is a {type(cache).__name__}, not one this backend allocated")
         if batch.block_size != cache.block_size:
             raise BackendError(f"batch block size {batch.block_size} differs from the cache's {cache.block_size}")
-        if batch.block_copies:
-            self._copy_blocks(cache, batch.block_copies)
+        if batch.local_block_copies and not cache.local_blocks:
+            raise RequestError("local_block_copies given to a cache without a windowed layers' pool")
+        if batch.block_copies or batch.local_block_copies:
+            self._copy_blocks(cache, batch.block_copies, batch.local_block_copies)
         chunks = batch.chunks
         if not chunks:
             return ForwardOutput(np.zeros((0, self.spec.vocab_size), np.float32))
@@ -630,7 +657,7 @@ class JaxModel:
         return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None):
-        key = (plan, cache.num_blocks, cache.block_size, cache.state.quantized, cache.state.k.dtype)
+        key = (plan, *_cache_key(cache))
         step = self._compiled.get(key)
         if step is None:
             t0 = time.perf_counter()
@@ -660,6 +687,21 @@ class JaxModel:
             table = np.asarray(c.block_table[:need])
             if table.size and (table.min() < 0 or table.max() >= nb):
                 raise RequestError(f"chunk {i}: block table refers to blocks outside 0..{nb - 1}")
+            if cache.local_blocks:
+                if c.local_block_table is None or len(c.local_block_table) < need:
+                    raise RequestError(
+                        f"chunk {i}: a hybrid cache needs a local_block_table up to position {c.end_pos}"
+                    )
+                local = np.asarray(c.local_block_table[:need])
+                live = local[local != NO_BLOCK]
+                if live.size and (live.min() < 0 or live.max() >= cache.local_blocks):
+                    raise RequestError(
+                        f"chunk {i}: local block table refers to blocks outside 0..{cache.local_blocks - 1}"
+                    )
+                # The chunk writes its tokens' keys there, and its first query reads its window.
+                lo = max(0, c.start_pos - max(self.spec.layer_windows) + 1) // bs
+                if (local[lo:] == NO_BLOCK).any():
+                    raise RequestError(f"chunk {i}: local block table has no block in the window it reads")
             ids = np.asarray(c.token_ids)
             if ids.min() < 0 or ids.max() >= vocab:
                 raise RequestError(f"chunk {i}: token ids must be in 0..{vocab - 1}")
@@ -697,23 +739,28 @@ class JaxModel:
         positions = np.zeros(t, np.int32)
         write_block = np.full(t, nb, np.int32)
         write_offset = np.zeros(t, np.int32)
+        hybrid = cache.local_blocks > 0
+        local_write = np.full(t, cache.local_blocks, np.int32) if hybrid else None
         for c, s0, n in zip(chunks, starts, lens, strict=True):
             pos = c.start_pos + np.arange(n)
             tokens[s0 : s0 + n] = c.token_ids
             positions[s0 : s0 + n] = pos
             write_block[s0 : s0 + n] = np.asarray(c.block_table)[pos // bs]
             write_offset[s0 : s0 + n] = pos % bs
+            if hybrid:
+                local_write[s0 : s0 + n] = np.asarray(c.local_block_table)[pos // bs]
 
         # One table width for every step: the longest sequence served (attention loops over the
         # key chunks the contexts reach, so the width costs nothing).
         width = max(-(-self.table_tokens // bs), bucket(max(-(-c.end_pos // bs) for c in chunks)))
 
-        def tables(idx: list[int], rows: int) -> np.ndarray:
+        def tables(idx: list[int], rows: int, local: bool = False) -> np.ndarray:
             out = np.zeros((rows, width), np.int32)
             for row, i in enumerate(idx):
                 need = -(-chunks[i].end_pos // bs)
-                out[row, :need] = chunks[i].block_table[:need]
-            return out
+                out[row, :need] = (chunks[i].local_block_table if local else chunks[i].block_table)[:need]
+            # Blocks released behind a window: any real block, never read (attention starts at the window).
+            return np.where(out == NO_BLOCK, 0, out) if local else out
 
         decode_token = np.full(sd, t, np.int32)
         decode_context = np.zeros(sd, np.int32)
@@ -771,30 +818,46 @@ class JaxModel:
             lora_slot=lora_slot,
             live_tokens=np.int32(sum(lens)),
             live_logits=np.int32(len(logit_rows)),
+            local_write_block=local_write,
+            decode_local_tables=tables(decode, sd, local=True) if hybrid else None,
+            prefill_local_tables=tables(prefill, sp, local=True) if hybrid else None,
         )
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))
         return inputs, plan, rows, lora
 
     # -- copy-on-write ---------------------------------------------------------------------------------
-    def _copy_blocks(self, cache: JaxKVCache, copies: list[tuple[int, int]]) -> None:
-        pairs = np.asarray(copies, np.int64).reshape(-1, 2)
-        if pairs.size and (pairs.min() < 0 or pairs.max() >= cache.num_blocks):
-            raise RequestError(f"block copy refers to blocks outside 0..{cache.num_blocks - 1}")
-        n = bucket(len(pairs))
-        src = np.zeros(n, np.int32)
-        dst = np.full(n, cache.num_blocks, np.int32)  # padding copies land out of range and are dropped
-        src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
-        cache.state = self._copy_fn(n, cache)(cache.state, src, dst)
+    def _copy_blocks(
+        self, cache: JaxKVCache, copies: list[tuple[int, int]], local_copies: list[tuple[int, int]] = ()
+    ) -> None:
+        """Copy-on-write: one compiled copy for both pools of a hybrid cache, padded to one size."""
+        pools = [(copies, cache.num_blocks)] + ([(local_copies, cache.local_blocks)] if cache.local_blocks else [])
+        n = bucket(max(len(c) for c, _ in pools))
+        idx = []
+        for pairs, blocks in pools:
+            pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+            if pairs.size and (pairs.min() < 0 or pairs.max() >= blocks):
+                raise RequestError(f"block copy refers to blocks outside 0..{blocks - 1}")
+            src = np.zeros(n, np.int32)
+            dst = np.full(n, blocks, np.int32)  # padding copies land out of range and are dropped
+            src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
+            idx += [src, dst]
+        cache.state = self._copy_fn(n, cache)(cache.state, *idx)
 
     def _copy_fn(self, n: int, cache: JaxKVCache) -> Any:
-        key = (n, cache.num_blocks, cache.block_size, cache.state.quantized, cache.state.k.dtype)
+        key = (n, *_cache_key(cache))
         fn = self._copy_fns.get(key)
         if fn is None:
             idx = jax.ShapeDtypeStruct((n,), np.int32)
-            fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, idx, idx).compile()
+            pairs = (idx, idx) * (2 if cache.local_blocks else 1)
+            fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, *pairs).compile()
             self._copy_fns[key] = fn
         return fn
+
+
+def _cache_key(cache: JaxKVCache) -> tuple:
+    """What a compiled step or copy depends on in the cache."""
+    return cache.num_blocks, cache.local_blocks, cache.block_size, cache.state.quantized, cache.state.k.dtype
 
 
 def _to_host(a: jax.Array) -> np.ndarray:
@@ -834,8 +897,18 @@ class _Rows:
     hidden: dict[int, slice] = field(default_factory=dict)
 
 
-def _copy_blocks(state: KVState, src: jax.Array, dst: jax.Array) -> KVState:
-    def copy(a: jax.Array | None) -> jax.Array | None:
+def _copy_blocks(
+    state: KVState,
+    src: jax.Array,
+    dst: jax.Array,
+    local_src: jax.Array | None = None,
+    local_dst: jax.Array | None = None,
+) -> KVState:
+    def copy(a: jax.Array | None, src: jax.Array, dst: jax.Array) -> jax.Array | None:
         return None if a is None else a.at[:, dst].set(a[:, src], mode="drop")
 
-    return KVState(copy(state.k), copy(state.v), copy(state.k_scale), copy(state.v_scale))
+    def pool(s: KVState, src: jax.Array, dst: jax.Array) -> KVState:
+        return KVState(*(copy(a, src, dst) for a in (s.k, s.v, s.k_scale, s.v_scale)))
+
+    local = None if state.local is None else pool(state.local, local_src, local_dst)
+    return dataclasses.replace(pool(state, src, dst), local=local)

@@ -155,10 +155,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def empty_cache(
-    spec: ModelSpec, mesh: Mesh, num_blocks: int, block_size: int, dtype, *, quantized: bool = False
+    spec: ModelSpec,
+    mesh: Mesh,
+    num_blocks: int,
+    block_size: int,
+    dtype,
+    *,
+    quantized: bool = False,
+    layers: int | None = None,
 ) -> KVState:
-    """A zeroed cache; ``quantized``: int8 codes plus float32 scales per (token, kv head)."""
-    shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    """A zeroed cache of ``layers`` layers (the model's by default); ``quantized``: int8 codes plus
+    float32 scales per (token, kv head)."""
+    shape = (spec.num_layers if layers is None else layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     kv_dtype = jax.numpy.int8 if quantized else dtype
     zeros = jax.jit(lambda: jax.numpy.zeros(shape, kv_dtype), out_shardings=cache_sharding(spec, mesh))
     if not quantized:
