@@ -130,7 +130,10 @@ def _run_engine(llm, smollm2_checkpoint, kv_options=None, memory=2**16, precompi
     return engine, (prompt, other), list(got.values()), local_peak
 
 
-def _check_pools(engine, cfg) -> None:
+def _check_pools(engine, llm, kv_options=None) -> None:
+    cfg = llm.config
+    # (A two-tier int8 cache holds float slots besides its blocks: a fixed part of the budget.)
+    reserved, _ = llm.kv_reserve(4, 2, **(kv_options or {}))
     assert engine.hybrid and engine.cache.local_blocks == engine.local_blocks
     assert engine.cache.nbytes == engine.kv_cache_bytes <= 2**16  # what was allocated is what was counted
     # The global layers' pool holds whole sequences; the windowed layers' a window and a step each.
@@ -138,7 +141,7 @@ def _check_pools(engine, cfg) -> None:
     layer_bytes = engine.block_bytes // cfg.num_layers
     # 4x the context one pool of every layer gives, or (int8 KV) every sequence's whole context.
     assert engine.num_blocks > 4 * (2**16 // engine.block_bytes) or engine.num_blocks == 2 * 256 // 4
-    assert engine.kv_cache_bytes == layer_bytes * (engine.num_blocks + 6 * engine.local_blocks)
+    assert engine.kv_cache_bytes == reserved + layer_bytes * (engine.num_blocks + 6 * engine.local_blocks)
     stats = engine.stats()
     assert stats.local_blocks_total == engine.local_blocks and stats.blocks_total == engine.num_blocks
 
@@ -155,7 +158,7 @@ def test_engine_on_gemma3_matches_transformers_with_two_pools(gemma3_dir, smollm
 
     llm = load_model(str(gemma3_dir), backend=backend, host=load_plugins(backend), options=LoadOptions(extra=extra))
     engine, prompts, got, local_peak = _run_engine(llm, smollm2_checkpoint, precompile=backend == "jax")
-    _check_pools(engine, llm.config)
+    _check_pools(engine, llm)
     bm = engine.block_manager
     assert local_peak <= 2 * bm.local.peak_blocks(23 + 30, 8) < 2 * bm.blocks_needed(23 + 30)
     for p, (ours, _) in zip(prompts, got, strict=True):
@@ -165,8 +168,8 @@ def test_engine_on_gemma3_matches_transformers_with_two_pools(gemma3_dir, smollm
 
 @pytest.mark.parametrize(
     ("quantization", "kv_options"),
-    [("w8a8", {}), ("none", {"quantization": "int8"})],
-    ids=["native-kernels", "int8-kv"],
+    [("w8a8", {}), ("none", {"quantization": "int8"}), ("none", {"quantization": "int8", "recent_blocks": 0})],
+    ids=["native-kernels", "int8-kv-two-tiers", "int8-kv-one-tier"],
 )
 def test_jax_two_pools_give_what_one_pool_gives(gemma3_dir, smollm2_checkpoint, monkeypatch, quantization, kv_options):
     """Where the arithmetic is not transformers' (the native kernels on quantized weights, an int8 KV
@@ -187,7 +190,7 @@ def test_jax_two_pools_give_what_one_pool_gives(gemma3_dir, smollm2_checkpoint, 
     )
     assert llm.model.native == (quantization == "w8a8")
     hybrid, _, two, _ = _run_engine(llm, smollm2_checkpoint, kv_options)
-    _check_pools(hybrid, llm.config)
+    _check_pools(hybrid, llm, kv_options)
     caps = JaxModel.capabilities.fget
     one_pool = property(lambda self: dataclasses.replace(caps(self), hybrid_kv=False))
     monkeypatch.setattr(JaxModel, "capabilities", one_pool)

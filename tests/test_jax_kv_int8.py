@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
-from ruvllm.engine.config import default_num_blocks
+from ruvllm.engine.config import EngineConfigError, default_num_blocks
 from ruvllm.errors import BackendError
 from ruvllm.sampling import SamplingParams
 from ruvllm_jax.attention import reference_paged_attention
@@ -133,14 +133,44 @@ def test_forks_and_prefix_hits_read_the_same_int8_blocks_as_a_request_alone(tiny
 
 
 def test_int8_blocks_are_smaller_and_the_budget_holds_more_of_them(tiny):
+    from dataclasses import replace
+
     jm = tiny.model
     f32, i8 = jm.kv_block_bytes(16), jm.kv_block_bytes(16, {"quantization": "int8"})
     hd = jm.spec.head_dim
     assert f32 / i8 == pytest.approx(4 * hd / (hd + 4 * kv_scale_groups(hd)))  # 3.2x here; 3.2x at SmolLM2's 64
-    config = EngineConfig(max_num_seqs=256, kv_cache_memory_bytes=64 * f32, kv_cache_options={"quantization": "int8"})
+    one_tier = {"quantization": "int8", "recent_blocks": 0}
+    config = EngineConfig(max_num_seqs=256, kv_cache_memory_bytes=64 * f32, kv_cache_options=one_tier)
     engine = LLMEngine(tiny, config)
     assert engine.num_blocks == default_num_blocks(tiny.config, config, engine.max_model_len, i8) == 64 * f32 // i8
     assert engine.cache.state.k.dtype == jnp.int8 and engine.cache.state.k_scale is not None
+    assert engine.cache.state.hot_k is None and engine.cache.nbytes == engine.kv_cache_bytes
+    # Two tiers (int8's default): float slots for each sequence's 2 recent blocks and its tail block
+    # come off the budget first; the rest is int8 blocks.
+    two = EngineConfig(max_num_seqs=4, kv_cache_memory_bytes=64 * f32, kv_cache_options={"quantization": "int8"})
+    engine = LLMEngine(tiny, two)
+    assert engine.cache.state.hot_k.shape[1] == 4 * (2 + 1) and engine.cache.hot.slots == 12
+    rest = replace(two, kv_cache_memory_bytes=(64 - 12) * f32)
+    assert engine.num_blocks == default_num_blocks(tiny.config, rest, engine.max_model_len, i8)
+    assert engine.cache.nbytes == engine.kv_cache_bytes == 12 * f32 + engine.num_blocks * i8
+    with pytest.raises(EngineConfigError, match="fixed part"):
+        LLMEngine(tiny, replace(two, max_num_seqs=64))
+
+
+def test_two_tiers_read_the_recent_blocks_at_full_precision(tiny):
+    """Recent blocks come from their float slots: with every block recent the two-tier cache gives the
+    float cache's logits (the slots hold exactly what was written), and with the default 2 recent
+    blocks the logits are closer to the float cache's than with every block read from int8 codes."""
+    prompt = [(5 * i + 3) % 90 + 1 for i in range(120)]
+    want = _logits(tiny, {}, prompt, 120)
+    everything = {"quantization": "int8", "recent_blocks": 8, "hot_blocks": 16}
+    for chunk in (7, 1):
+        np.testing.assert_allclose(_logits(tiny, everything, prompt, chunk), want, atol=2e-5)
+    one = np.abs(_logits(tiny, {"quantization": "int8", "recent_blocks": 0}, prompt, 1) - want)
+    two = np.abs(_logits(tiny, {"quantization": "int8"}, prompt, 1) - want)
+    assert two.max() < 0.05 and two.mean() < 0.8 * one.mean()
+    # The first 3 blocks' positions read only recent blocks: exact there, as the float cache.
+    np.testing.assert_allclose(two[: 3 * 16], 0, atol=2e-5)
 
 
 @pytest.mark.parametrize(
@@ -177,3 +207,74 @@ def test_the_server_serves_from_a_quantized_kv_cache(tmp_path, backend):
             assert cache.state.k.dtype == jnp.int8
         else:
             assert type(cache).__name__ == "TwoTierKVCache"
+
+
+def test_attention_reads_slotted_blocks_from_their_float_copies():
+    """The reference attention over an int8 cache with float slots = float64 attention over keys and
+    values where each table entry with a slot reads the slot's floats and every other its codes."""
+    from test_jax_pallas_kernels import numpy_attention
+
+    rng = np.random.default_rng(4)
+    layers, blocks, bs, kvh, hd, heads, slots = 2, 12, 4, 2, 32, 4, 5
+    k = rng.standard_normal((layers, blocks, bs, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((layers, blocks, bs, kvh, hd)).astype(np.float32)
+    kc, ks = (np.asarray(a) for a in quantize_kv(jnp.asarray(k)))
+    vc, vs = (np.asarray(a) for a in quantize_kv(jnp.asarray(v)))
+    hot_k = rng.standard_normal((layers, slots, bs, kvh, hd)).astype(np.float32)
+    hot_v = rng.standard_normal((layers, slots, bs, kvh, hd)).astype(np.float32)
+    tables = np.array([[3, 7, 1, 0], [5, 2, 9, 11], [4, 6, 8, 10]], np.int32)
+    hot_tables = np.array([[-1, -1, 2, 0], [-1, 4, 1, -1], [-1, -1, -1, -1]], np.int32)
+    contexts = np.array([15, 13, 9], np.int32)
+    k_mix, v_mix = _dequantize(kc, ks), _dequantize(vc, vs)
+    for s_, row in enumerate(hot_tables):  # the reference reads each sequence's own blocks
+        for j, slot in enumerate(row):
+            if slot >= 0:
+                k_mix[:, tables[s_, j]] = hot_k[:, slot]
+                v_mix[:, tables[s_, j]] = hot_v[:, slot]
+    for q_len in (1, 5):
+        q = rng.standard_normal((3, q_len, heads, hd)).astype(np.float32)
+        q_pos = (contexts - q_len)[:, None] + np.arange(q_len, dtype=np.int32)[None]
+        got = reference_paged_attention(
+            q,
+            kc,
+            vc,
+            jnp.int32(1),
+            tables,
+            q_pos,
+            contexts,
+            k_scale=jnp.asarray(ks),
+            v_scale=jnp.asarray(vs),
+            hot=(jnp.asarray(hot_k), jnp.asarray(hot_v), jnp.asarray(hot_tables)),
+        )
+        want = numpy_attention(q, k_mix, v_mix, 1, tables, q_pos, contexts)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+
+
+def test_float_slots_follow_fresh_recent_blocks():
+    from ruvllm_jax.two_tier import HotSlots
+
+    hot = HotSlots(slots=4, recent=1, block_size=4)
+    table = [10, 11, 12, 13, 14]
+    # A 9-token prompt: blocks 1 and 2 are recent (tail and one behind); block 0 is written cold.
+    assert hot.plan([(table, 0, 9)]) == {11: 0, 12: 1}
+    # Decoding on: block 2 fills, block 3 is fresh at position 12 and block 1 ages out.
+    for pos in range(9, 13):
+        slots = hot.plan([(table, pos, pos + 1)])
+    assert slots == {12: 1, 13: 0}
+    # Another sequence sharing block 12 (a prefix hit) keeps it recent; its own fresh block 20 takes
+    # a free slot.
+    other = [10, 11, 12, 20]
+    slots = hot.plan([(table, 13, 14), (other, 12, 13)])
+    assert slots == {12: 1, 13: 0, 20: 2}
+    # A recent block written before without a slot (block 0 of the prompt, written cold) gets none.
+    assert 10 not in hot.plan([([10, 60], 4, 5)])
+    # Copy-on-write: a slotted source gives the destination a slot to copy into; an unslotted
+    # source takes the destination's away.
+    pair = hot.copy(13, 30)
+    assert pair is not None and pair[0] == slots[13] and hot.assigned[30] == pair[1]
+    assert hot.copy(99, 30) is None and 30 not in hot.assigned
+    # Full: a fresh block takes the least recently needed slot, never one this pass needs.
+    for b in (40, 41, 42, 43):
+        hot.plan([([b], 0, 1)])
+    assert len(hot.assigned) == 4 and set(hot.assigned) == {40, 41, 42, 43}
+    assert set(hot.plan([([50, 51], 0, 8), ([43], 1, 2)])) == {42, 43, 50, 51}

@@ -56,6 +56,7 @@ def reference_paged_attention(
     scale: float | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     s, nq, nh, hd = q.shape
     scale = score_scale(scale, hd)
@@ -65,7 +66,9 @@ def reference_paged_attention(
     per_chunk = max(1, KEY_CHUNK_TOKENS // bs)
     scales = (k_scale, v_scale)
     if tables.shape[1] <= per_chunk:  # one chunk: no loop
-        return _attend_keys(q, k_cache, v_cache, scales, layer, tables, 0, q_pos, lo, context, scale)[0]
+        return _attend_keys(q, k_cache, v_cache, scales, layer, tables, 0, q_pos, lo, context, scale, hot)[0]
+    if hot is not None:
+        hot = (*hot[:2], jnp.pad(hot[2], ((0, 0), (0, -tables.shape[1] % per_chunk)), constant_values=-1))
     tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % per_chunk)))
     chunk = per_chunk * bs
     live = context > 0
@@ -83,8 +86,9 @@ def reference_paged_attention(
     def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         m, total, acc = carry
         tb = lax.dynamic_slice_in_dim(tables, i * per_chunk, per_chunk, axis=1)
+        hb = None if hot is None else (*hot[:2], lax.dynamic_slice_in_dim(hot[2], i * per_chunk, per_chunk, axis=1))
         _, (m_c, sum_c, acc_c) = _attend_keys(
-            q, k_cache, v_cache, scales, layer, tb, i * chunk, q_pos, lo, context, scale
+            q, k_cache, v_cache, scales, layer, tb, i * chunk, q_pos, lo, context, scale, hb
         )
         m_new = jnp.maximum(m, m_c)
         a, b = jnp.exp(m - m_new), jnp.exp(m_c - m_new)
@@ -107,10 +111,12 @@ def _attend_keys(
     lo: jax.Array,
     context: jax.Array,
     scale: float,
+    hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """Attention of ``q`` over the keys of ``tables`` (positions from ``offset``): the normalised
     output ``[S, Q, H, D]`` and the pieces an online softmax combines across chunks (row maximum,
-    sum of exponentials and unnormalised output, ``[S, KV, G, Q(, D)]``)."""
+    sum of exponentials and unnormalised output, ``[S, KV, G, Q(, D)]``). ``hot``: a two-tier cache's
+    float copies and each table entry's slot there (-1: none), read in place of the int8 codes."""
     s, nq, nh, hd = q.shape
     _, _, bs, nkv, _ = k_cache.shape
     group = nh // nkv
@@ -121,6 +127,12 @@ def _attend_keys(
 
         k = dequantize_kv(k, scales[0][layer, tables])
         v = dequantize_kv(v, scales[1][layer, tables])
+    if hot is not None:  # recent blocks of a two-tier cache: their float copies
+        hot_k, hot_v, slots = hot
+        use = (slots >= 0)[:, :, None, None, None]
+        slots = jnp.maximum(slots, 0)
+        k = jnp.where(use, hot_k[layer, slots].astype(k.dtype), k)
+        v = jnp.where(use, hot_v[layer, slots].astype(v.dtype), v)
     k = k.reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)  # [S, KV, L, D]
     v = v.reshape(s, keys, nkv, hd).transpose(0, 2, 1, 3)
     # The group's queries stacked as rows of one batched matmul per (sequence, kv head): XLA:CPU
@@ -158,13 +170,25 @@ def paged_attention(
     impl: str = "reference",
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Dispatch: ``reference``, or the Pallas kernels (``pallas`` compiled for CUDA,
     ``pallas_interpret`` interpreted anywhere): decode kernel for one query per sequence, flash
     prefill kernel otherwise."""
     if impl == "reference":
         return reference_paged_attention(
-            q, k_cache, v_cache, layer, tables, q_pos, context, window, scale=scale, k_scale=k_scale, v_scale=v_scale
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            tables,
+            q_pos,
+            context,
+            window,
+            scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            hot=hot,
         )
     if k_scale is not None:
         raise ValueError("the Pallas kernels read a float cache; an int8 KV cache needs attention='reference'")

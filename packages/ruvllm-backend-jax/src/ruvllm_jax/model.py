@@ -199,10 +199,19 @@ class KVState:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     local: KVState | None = None
+    #: A two-tier cache: float copies of recent blocks ``[layers, hot_blocks, block_size, kv_heads,
+    #: head_dim]`` next to every block's int8 codes. The runner (:class:`ruvllm_jax.runner.HotSlots`)
+    #: gives a recent block a slot here; attention reads a block through its slot when it has one.
+    hot_k: jax.Array | None = None
+    hot_v: jax.Array | None = None
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
+
+    @property
+    def two_tier(self) -> bool:
+        return self.hot_k is not None
 
 
 #: Values of a token's head that share one int8 scale. A scale per whole head lets the few large
@@ -235,24 +244,41 @@ def dequantize_kv(codes: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def write_kv(
-    cache: KVState, layer: jax.Array, block: jax.Array, offset: jax.Array, k: jax.Array, v: jax.Array
+    cache: KVState,
+    layer: jax.Array,
+    block: jax.Array,
+    offset: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    hot_slot: jax.Array | None = None,
 ) -> KVState:
     """``cache`` with tokens' keys and values ``[T, kv_heads, head_dim]`` written at (block, offset) of
-    ``layer`` (padding tokens point past the last block and are dropped)."""
+    ``layer`` (padding tokens point past the last block and are dropped); a two-tier cache also writes
+    them as they are at (``hot_slot``, offset) of its float copies (past the last slot: none)."""
     idx = (layer, block, offset)
     if not cache.quantized:
-        return KVState(
-            cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop"),
-            cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop"),
+        return dataclasses.replace(
+            cache,
+            k=cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop"),
         )
     kc, ks = quantize_kv(k)
     vc, vs = quantize_kv(v)
-    return KVState(
-        cache.k.at[idx].set(kc, mode="drop"),
-        cache.v.at[idx].set(vc, mode="drop"),
-        cache.k_scale.at[idx].set(ks, mode="drop"),
-        cache.v_scale.at[idx].set(vs, mode="drop"),
+    out = dataclasses.replace(
+        cache,
+        k=cache.k.at[idx].set(kc, mode="drop"),
+        v=cache.v.at[idx].set(vc, mode="drop"),
+        k_scale=cache.k_scale.at[idx].set(ks, mode="drop"),
+        v_scale=cache.v_scale.at[idx].set(vs, mode="drop"),
     )
+    if cache.two_tier:
+        hidx = (layer, hot_slot, offset)
+        out = dataclasses.replace(
+            out,
+            hot_k=cache.hot_k.at[hidx].set(k.astype(cache.hot_k.dtype), mode="drop"),
+            hot_v=cache.hot_v.at[hidx].set(v.astype(cache.hot_v.dtype), mode="drop"),
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -317,6 +343,14 @@ class StepInputs:
     local_write_block: jax.Array | None = None  # [T]
     decode_local_tables: jax.Array | None = None  # [Sd, Bd]
     prefill_local_tables: jax.Array | None = None  # [Sp, Bp]
+    #: A two-tier cache: each token's float slot (hot_blocks: none), and per table entry the slot that
+    #: holds the block in float (-1: read its int8 codes); ``local_*`` for a hybrid cache's second pool.
+    hot_write: jax.Array | None = None  # [T]
+    decode_hot_tables: jax.Array | None = None  # [Sd, Bd]
+    prefill_hot_tables: jax.Array | None = None  # [Sp, Bp]
+    local_hot_write: jax.Array | None = None
+    decode_local_hot_tables: jax.Array | None = None
+    prefill_local_hot_tables: jax.Array | None = None
     #: Real tokens and real logit rows: they come first, padding after (the native kernels skip it).
     live_tokens: jax.Array | None = None  # [] int32
     live_logits: jax.Array | None = None  # [] int32
@@ -364,6 +398,11 @@ def embed_tokens(embed: Weight, tokens: jax.Array, spec: ModelSpec, dtype) -> ja
     return x
 
 
+def _hot(kv: KVState, tables: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """A two-tier cache's float copies and the slot of each table entry, for the attention."""
+    return (kv.hot_k, kv.hot_v, tables) if kv.two_tier else None
+
+
 def _attend(
     q: jax.Array, kv: KVState, layer: jax.Array, window: jax.Array | int, inp: StepInputs, plan: StepPlan, scale: float
 ) -> jax.Array:
@@ -393,6 +432,7 @@ def _attend(
                 impl=plan.attention,
                 k_scale=kv.k_scale,
                 v_scale=kv.v_scale,
+                hot=_hot(kv, inp.decode_hot_tables),
             )
         out = out.at[inp.decode_token].set(od[:, 0].astype(q.dtype), mode="drop")
     if plan.prefill_seqs:
@@ -428,6 +468,7 @@ def _attend(
                 impl=plan.attention,
                 k_scale=kv.k_scale,
                 v_scale=kv.v_scale,
+                hot=_hot(kv, inp.prefill_hot_tables),
             )
         out = out.at[inp.prefill_token.reshape(-1)].set(op.reshape(-1, h, d), mode="drop")
     return out
@@ -594,7 +635,11 @@ def forward_step(
     local_inp = None
     if pools is not None:
         local_inp = dataclasses.replace(
-            inp, decode_tables=inp.decode_local_tables, prefill_tables=inp.prefill_local_tables
+            inp,
+            decode_tables=inp.decode_local_tables,
+            prefill_tables=inp.prefill_local_tables,
+            decode_hot_tables=inp.decode_local_hot_tables,
+            prefill_hot_tables=inp.prefill_local_hot_tables,
         )
 
     def layer_step(carry, xs):
@@ -622,11 +667,17 @@ def forward_step(
             nonlocal kv, kvl
             scale = spec.attention_scale
             if pool is None:
-                kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v)
+                kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v, inp.hot_write)
                 return _attend(q, kv, layer, window, inp, plan, scale)
             local, idx = pool
-            kv = write_kv(kv, idx, jnp.where(local, kv.k.shape[1], inp.write_block), inp.write_offset, k, v)
-            kvl = write_kv(kvl, idx, jnp.where(local, inp.local_write_block, kvl.k.shape[1]), inp.write_offset, k, v)
+            hot, local_hot = None, None
+            if kv.two_tier:
+                hot = jnp.where(local, kv.hot_k.shape[1], inp.hot_write)
+                local_hot = jnp.where(local, inp.local_hot_write, kvl.hot_k.shape[1])
+            kv = write_kv(kv, idx, jnp.where(local, kv.k.shape[1], inp.write_block), inp.write_offset, k, v, hot)
+            kvl = write_kv(
+                kvl, idx, jnp.where(local, inp.local_write_block, kvl.k.shape[1]), inp.write_offset, k, v, local_hot
+            )
             return lax.cond(
                 local,
                 lambda: _attend(q, kvl, idx, window, local_inp, plan, scale),

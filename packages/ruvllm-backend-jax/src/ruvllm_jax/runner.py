@@ -63,6 +63,7 @@ from ruvllm_jax.model import (
 )
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import empty_cache, make_mesh, replicated, shard_weights
+from ruvllm_jax.two_tier import HotSlots, hot_inputs
 
 log = structlog.get_logger("ruvllm_jax")
 
@@ -237,6 +238,23 @@ def on_cuda() -> bool:
     return dev.platform == "gpu" and "cuda" in str(getattr(dev.client, "platform_version", "")).lower()
 
 
+#: Full blocks behind a sequence's tail block that an int8 cache keeps in float too (the two tiers).
+DEFAULT_RECENT_BLOCKS = 2
+#: Sequences a two-tier cache's float slots are sized for when no engine says how many.
+DEFAULT_TWO_TIER_SEQS = 64
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a cache's options ask for (see :meth:`JaxModel._kv_layout`)."""
+
+    quantized: bool
+    dtype: str
+    #: Two-tier int8 cache: full blocks behind the tail one read from float slots (0: one tier).
+    recent: int = 0
+    hot_blocks: int | None = None
+
+
 @dataclass
 class JaxKVCache:
     """The paged KV cache of one model. ``state`` is replaced after every step: the step donates the
@@ -247,6 +265,9 @@ class JaxKVCache:
     block_size: int
     #: Blocks of the windowed layers' pool of a hybrid cache (0: one pool for every layer).
     local_blocks: int = 0
+    #: A two-tier cache's float slots of each pool (see :mod:`ruvllm_jax.two_tier`).
+    hot: HotSlots | None = None
+    local_hot: HotSlots | None = None
 
     @property
     def nbytes(self) -> int:
@@ -399,23 +420,46 @@ class JaxModel:
     def kv_block_bytes(self, block_size: int, options: dict[str, Any] | None = None) -> int:
         """Keys and values of every layer for ``block_size`` tokens as the cache stores them: its
         dtype (the model's unless the options name another), or int8 codes plus float32 group
-        scales (:class:`ruvllm_jax.model.KVState`)."""
+        scales (:class:`ruvllm_jax.model.KVState`). A two-tier cache's float slots are a fixed
+        reserve on top (:meth:`kv_reserve`)."""
         s = self.spec
-        quantized, dtype = self._kv_layout(options)
-        per_head = s.head_dim * np.dtype(DTYPES[dtype]).itemsize
-        if quantized:
+        layout = self._kv_layout(options)
+        per_head = s.head_dim * np.dtype(DTYPES[layout.dtype]).itemsize
+        if layout.quantized:
             per_head = s.head_dim + 4 * kv_scale_groups(s.head_dim)
         return 2 * s.num_layers * s.num_kv_heads * block_size * per_head
 
-    def _kv_layout(self, options: dict[str, Any] | None) -> tuple[bool, str]:
-        """What the KV cache ``options`` ask for: int8 codes (``quantization``: ``none`` or ``int8``)
-        and the float dtype (``dtype``: ``auto``, the model's, or one of :data:`DTYPES`)."""
+    def kv_reserve(
+        self, block_size: int, options: dict[str, Any] | None, max_num_seqs: int
+    ) -> tuple[int, dict[str, Any]]:
+        """Bytes a cache of these ``options`` holds besides its blocks, for an engine of
+        ``max_num_seqs`` sequences, and the options that size it: a two-tier cache's float slots,
+        ``max_num_seqs * (recent_blocks + 1)`` of them (each sequence's recent blocks and the one it
+        fills), at the model dtype's bytes per block. (Fewer sequences fit when they are long; slots
+        they do not use go to the fresh blocks of others, and a block that finds none is read from
+        its codes.)"""
+        layout = self._kv_layout(options)
+        if not layout.recent:
+            return 0, {}
+        slots = layout.hot_blocks or max_num_seqs * (layout.recent + 1)
+        float_block = self.kv_block_bytes(block_size, {"dtype": layout.dtype})
+        return slots * float_block, {"hot_blocks": slots}
+
+    def _kv_layout(self, options: dict[str, Any] | None) -> KVLayout:
+        """What the KV cache ``options`` ask for: int8 codes (``quantization``: ``none`` or ``int8``),
+        the float dtype (``dtype``: ``auto``, the model's, or one of :data:`DTYPES`), and for int8
+        the two tiers: ``recent_blocks`` (default 2; 0: every block int8 only) full blocks behind
+        each sequence's tail block read from float slots, ``hot_blocks`` of them (default: sized by
+        :meth:`kv_reserve`'s engine, else for 64 sequences)."""
         options = dict(options or {})
         quant = options.pop("quantization", "none")
         dtype = options.pop("dtype", "auto")
+        recent = options.pop("recent_blocks", None)
+        hot_blocks = options.pop("hot_blocks", None)
         if options:
             raise BackendError(
-                f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))} (it takes quantization, dtype)"
+                f"jax backend: unknown KV cache option(s) {', '.join(sorted(options))} "
+                "(it takes quantization, dtype, recent_blocks, hot_blocks)"
             )
         if quant not in ("none", "int8"):
             raise BackendError(f"jax backend: KV cache quantization must be 'none' or 'int8', got {quant!r}")
@@ -432,7 +476,18 @@ class JaxModel:
             raise BackendError(
                 f"jax backend: a {dtype} KV cache under {self.spec.dtype} compute needs attention='reference'"
             )
-        return quant == "int8", dtype
+        if quant != "int8" and (recent is not None or hot_blocks is not None):
+            raise BackendError("jax backend: recent_blocks and hot_blocks are for an int8 KV cache (two tiers)")
+        recent = DEFAULT_RECENT_BLOCKS if recent is None and quant == "int8" else recent or 0
+        if isinstance(recent, bool) or not isinstance(recent, int) or recent < 0:
+            raise BackendError(f"jax backend: recent_blocks must be a whole number >= 0, got {recent!r}")
+        if hot_blocks is not None and (
+            isinstance(hot_blocks, bool) or not isinstance(hot_blocks, int) or hot_blocks < 1
+        ):
+            raise BackendError(f"jax backend: hot_blocks must be a whole number >= 1, got {hot_blocks!r}")
+        if hot_blocks is not None and not recent:
+            raise BackendError("jax backend: hot_blocks needs recent_blocks > 0 (a two-tier cache)")
+        return KVLayout(quant == "int8", dtype, recent, hot_blocks)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -459,7 +514,8 @@ class JaxModel:
         ``local_block_table``)."""
         options = dict(options or {})
         local_blocks = options.pop("local_blocks", 0)
-        quantized, dtype = self._kv_layout(options)
+        layout = self._kv_layout(options)
+        quantized, dtype = layout.quantized, layout.dtype
         if num_blocks < 1 or block_size < 1:
             raise BackendError(f"KV cache needs at least one block of one token (got {num_blocks} x {block_size})")
         local_layers = len(self.spec.local_layers)
@@ -475,14 +531,21 @@ class JaxModel:
                 f"jax backend: the Pallas attention kernels need a power-of-two block size (got {block_size}); "
                 "give another block size or attention='reference'"
             )
-        kw = dict(quantized=quantized)
+        hot = (layout.hot_blocks or DEFAULT_TWO_TIER_SEQS * (layout.recent + 1)) if layout.recent else 0
+        kw = dict(quantized=quantized, hot_blocks=hot)
+
+        def slots() -> HotSlots | None:
+            return HotSlots(hot, layout.recent, block_size) if hot else None
+
         if not local_blocks:
             state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], **kw)
-            return JaxKVCache(state, num_blocks, block_size)
+            return JaxKVCache(state, num_blocks, block_size, hot=slots())
         globals_ = self.spec.num_layers - local_layers
         state = empty_cache(self.spec, self.mesh, num_blocks, block_size, DTYPES[dtype], layers=globals_, **kw)
         local = empty_cache(self.spec, self.mesh, local_blocks, block_size, DTYPES[dtype], layers=local_layers, **kw)
-        return JaxKVCache(dataclasses.replace(state, local=local), num_blocks, block_size, local_blocks)
+        return JaxKVCache(
+            dataclasses.replace(state, local=local), num_blocks, block_size, local_blocks, slots(), slots()
+        )
 
     # -- one step --------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: JaxKVCache) -> ForwardOutput:
@@ -607,7 +670,7 @@ class JaxModel:
             for hidden, fixed, every in variants:
                 chunks = _shape_chunks(shape, table, hidden, every)
                 t0 = time.perf_counter()
-                inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed)
+                inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed, plan_only=True)
                 self._step_for(plan, cache, inputs, lora)
                 kinds = (" hidden", hidden), (" adapters", fixed), (" all logits", every)
                 name = f"{shape}{''.join(k for k, on in kinds if on)}"
@@ -647,7 +710,7 @@ class JaxModel:
         done = []
         for shape in step_shapes(limits.max_num_seqs, limits.max_num_batched_tokens):
             for hidden in (False, True):
-                inputs, plan, _, lora = self._prepare(_shape_chunks(shape, table, hidden), cache)
+                inputs, plan, _, lora = self._prepare(_shape_chunks(shape, table, hidden), cache, plan_only=True)
                 if attention is not None:
                     plan = dataclasses.replace(plan, attention=attention)
                 fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
@@ -707,10 +770,15 @@ class JaxModel:
                 raise RequestError(f"chunk {i}: token ids must be in 0..{vocab - 1}")
 
     def _prepare(
-        self, chunks: list[SequenceChunk], cache: JaxKVCache, force_lora: LoraPlan | None = None
+        self,
+        chunks: list[SequenceChunk],
+        cache: JaxKVCache,
+        force_lora: LoraPlan | None = None,
+        plan_only: bool = False,
     ) -> tuple[StepInputs, StepPlan, _Rows, LoraFactors | None]:
         """Inputs of one forward pass over ``chunks`` (one part of :func:`partition`): decoding
-        tokens first, then each prompt chunk's, then padding up to the shape's token count."""
+        tokens first, then each prompt chunk's, then padding up to the shape's token count.
+        ``plan_only``: for compiling (a two-tier cache's slots are left as they are)."""
         bs, nb = cache.block_size, cache.num_blocks
         lens = [len(c.token_ids) for c in chunks]
         decode = [i for i, n in enumerate(lens) if n == 1]
@@ -822,6 +890,29 @@ class JaxModel:
             decode_local_tables=tables(decode, sd, local=True) if hybrid else None,
             prefill_local_tables=tables(prefill, sp, local=True) if hybrid else None,
         )
+        if cache.hot is not None:  # two tiers: which blocks each token writes and each row reads in float
+            pools = [("", cache.hot, [c.block_table for c in chunks])]
+            if hybrid:
+                pools.append(("local_", cache.local_hot, [c.local_block_table for c in chunks]))
+            hot = {}
+            for prefix, slots, pool_tables in pools:
+                write, (dec, pre) = hot_inputs(
+                    slots,
+                    pool_tables,
+                    [c.start_pos for c in chunks],
+                    [c.end_pos for c in chunks],
+                    [int(x) for x in starts],
+                    [(decode, sd), (prefill, sp)],
+                    t,
+                    width,
+                    plan_only,
+                )
+                hot |= {
+                    f"{prefix}hot_write": write,
+                    f"decode_{prefix}hot_tables": dec,
+                    f"prefill_{prefix}hot_tables": pre,
+                }
+            inputs = dataclasses.replace(inputs, **hot)
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))
         return inputs, plan, rows, lora
@@ -830,34 +921,45 @@ class JaxModel:
     def _copy_blocks(
         self, cache: JaxKVCache, copies: list[tuple[int, int]], local_copies: list[tuple[int, int]] = ()
     ) -> None:
-        """Copy-on-write: one compiled copy for both pools of a hybrid cache, padded to one size."""
-        pools = [(copies, cache.num_blocks)] + ([(local_copies, cache.local_blocks)] if cache.local_blocks else [])
-        n = bucket(max(len(c) for c, _ in pools))
-        idx = []
-        for pairs, blocks in pools:
+        """Copy-on-write: one compiled copy for every pool (a hybrid cache's two, a two-tier cache's
+        float slots), padded to one size."""
+        pools = {"main": (copies, cache.num_blocks)}
+        if cache.local_blocks:
+            pools["local"] = (local_copies, cache.local_blocks)
+        for name, (pairs, blocks) in list(pools.items()):
             pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
             if pairs.size and (pairs.min() < 0 or pairs.max() >= blocks):
                 raise RequestError(f"block copy refers to blocks outside 0..{blocks - 1}")
+            slots = cache.hot if name == "main" else cache.local_hot
+            if slots is not None:
+                hot = [slots.copy(int(a), int(b)) for a, b in pairs]
+                pools[f"{name}_hot"] = ([h for h in hot if h is not None], slots.slots)
+        n = bucket(max(len(pairs) for pairs, _ in pools.values()))
+        idx = {}
+        for name, (pairs, blocks) in pools.items():
+            pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
             src = np.zeros(n, np.int32)
             dst = np.full(n, blocks, np.int32)  # padding copies land out of range and are dropped
             src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
-            idx += [src, dst]
-        cache.state = self._copy_fn(n, cache)(cache.state, *idx)
+            idx[name] = (src, dst)
+        cache.state = self._copy_fn(n, cache)(cache.state, idx)
 
     def _copy_fn(self, n: int, cache: JaxKVCache) -> Any:
         key = (n, *_cache_key(cache))
         fn = self._copy_fns.get(key)
         if fn is None:
-            idx = jax.ShapeDtypeStruct((n,), np.int32)
-            pairs = (idx, idx) * (2 if cache.local_blocks else 1)
-            fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, *pairs).compile()
+            pair = (jax.ShapeDtypeStruct((n,), np.int32),) * 2
+            names = ["main"] + (["local"] if cache.local_blocks else [])
+            names += [f"{p}_hot" for p in names] if cache.hot is not None else []
+            fn = jax.jit(_copy_blocks, donate_argnums=(0,)).lower(cache.state, dict.fromkeys(names, pair)).compile()
             self._copy_fns[key] = fn
         return fn
 
 
 def _cache_key(cache: JaxKVCache) -> tuple:
     """What a compiled step or copy depends on in the cache."""
-    return cache.num_blocks, cache.local_blocks, cache.block_size, cache.state.quantized, cache.state.k.dtype
+    hot = cache.hot.slots if cache.hot is not None else 0
+    return cache.num_blocks, cache.local_blocks, hot, cache.block_size, cache.state.quantized, cache.state.k.dtype
 
 
 def _to_host(a: jax.Array) -> np.ndarray:
@@ -897,18 +999,28 @@ class _Rows:
     hidden: dict[int, slice] = field(default_factory=dict)
 
 
-def _copy_blocks(
-    state: KVState,
-    src: jax.Array,
-    dst: jax.Array,
-    local_src: jax.Array | None = None,
-    local_dst: jax.Array | None = None,
-) -> KVState:
-    def copy(a: jax.Array | None, src: jax.Array, dst: jax.Array) -> jax.Array | None:
-        return None if a is None else a.at[:, dst].set(a[:, src], mode="drop")
+def _copy_blocks(state: KVState, pairs: dict[str, tuple[jax.Array, jax.Array]]) -> KVState:
+    """``state`` with whole blocks copied (src -> dst, padding dst past the end is dropped) in each
+    pool ``pairs`` names: ``main``, ``local`` (a hybrid cache's windowed layers), ``main_hot`` and
+    ``local_hot`` (a two-tier cache's float slots)."""
 
-    def pool(s: KVState, src: jax.Array, dst: jax.Array) -> KVState:
-        return KVState(*(copy(a, src, dst) for a in (s.k, s.v, s.k_scale, s.v_scale)))
+    def copy(a: jax.Array | None, idx: tuple[jax.Array, jax.Array] | None) -> jax.Array | None:
+        if a is None or idx is None:
+            return a
+        src, dst = idx
+        return a.at[:, dst].set(a[:, src], mode="drop")
 
-    local = None if state.local is None else pool(state.local, local_src, local_dst)
-    return dataclasses.replace(pool(state, src, dst), local=local)
+    def pool(s: KVState, name: str) -> KVState:
+        blocks, hot = pairs.get(name), pairs.get(f"{name}_hot")
+        return dataclasses.replace(
+            s,
+            k=copy(s.k, blocks),
+            v=copy(s.v, blocks),
+            k_scale=copy(s.k_scale, blocks),
+            v_scale=copy(s.v_scale, blocks),
+            hot_k=copy(s.hot_k, hot),
+            hot_v=copy(s.hot_v, hot),
+        )
+
+    local = None if state.local is None else pool(state.local, "local")
+    return dataclasses.replace(pool(state, "main"), local=local)

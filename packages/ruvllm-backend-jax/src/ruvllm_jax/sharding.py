@@ -163,14 +163,23 @@ def empty_cache(
     *,
     quantized: bool = False,
     layers: int | None = None,
+    hot_blocks: int = 0,
 ) -> KVState:
     """A zeroed cache of ``layers`` layers (the model's by default); ``quantized``: int8 codes plus
-    float32 scales per (token, kv head)."""
+    float32 scales per (token, kv head), and with ``hot_blocks`` that many float slots (two tiers)."""
     shape = (spec.num_layers if layers is None else layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    kv_dtype = jax.numpy.int8 if quantized else dtype
-    zeros = jax.jit(lambda: jax.numpy.zeros(shape, kv_dtype), out_shardings=cache_sharding(spec, mesh))
+
+    def zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+        return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=cache_sharding(spec, mesh))()
+
     if not quantized:
-        return KVState(zeros(), zeros())
+        return KVState(zeros(shape, dtype), zeros(shape, dtype))
     scale_shape = (*shape[:-1], kv_scale_groups(spec.head_dim))
-    scales = jax.jit(lambda: jax.numpy.zeros(scale_shape, jax.numpy.float32), out_shardings=cache_sharding(spec, mesh))
-    return KVState(zeros(), zeros(), scales(), scales())
+    f32 = jax.numpy.float32
+    state = KVState(
+        zeros(shape, jax.numpy.int8), zeros(shape, jax.numpy.int8), zeros(scale_shape, f32), zeros(scale_shape, f32)
+    )
+    if hot_blocks:
+        hot = (shape[0], hot_blocks, *shape[2:])
+        state = dataclasses.replace(state, hot_k=zeros(hot, dtype), hot_v=zeros(hot, dtype))
+    return state

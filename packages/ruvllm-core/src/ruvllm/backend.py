@@ -304,7 +304,10 @@ class BackendModel(Protocol):
 
     def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
         """Bytes one block of the cache :meth:`kv_cache` allocates with ``options`` takes (the engine
-        sizes the cache from it)."""
+        sizes the cache from it). A cache that also holds a fixed part (the JAX backend's two-tier
+        float slots) may say so with an optional ``kv_reserve(block_size, options, max_num_seqs) ->
+        (bytes, extra_options)``: the engine takes the bytes off its budget before counting blocks and
+        passes the extra options to :meth:`kv_cache`."""
         ...
 
     def precompile(

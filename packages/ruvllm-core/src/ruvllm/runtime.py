@@ -86,6 +86,16 @@ class LoadedModel:
         """Bytes per KV block as the backend stores it."""
         return int(self.model.kv_block_bytes(block_size, options))
 
+    def kv_reserve(self, block_size: int, max_num_seqs: int, **options: Any) -> tuple[int, dict[str, Any]]:
+        """Bytes a cache of these options holds besides its blocks for an engine of ``max_num_seqs``
+        sequences (a two-tier cache's float slots), and the cache options that size it: the
+        backend model's optional ``kv_reserve(block_size, options, max_num_seqs)``; (0, {}) without."""
+        reserve = getattr(self.model, "kv_reserve", None)
+        if reserve is None:
+            return 0, {}
+        nbytes, extra = reserve(block_size, options, max_num_seqs)
+        return int(nbytes), dict(extra)
+
     def precompile(
         self, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None] | None = None
     ) -> list[tuple[str, float]]:

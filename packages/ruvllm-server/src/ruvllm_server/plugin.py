@@ -64,8 +64,8 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-quantization",
         default=None,
-        help="store the KV cache quantized: int8 (jax: every block, int8 codes with a scale per token and head; "
-        "candle-compat: blocks behind the 2 most recent, also int4); default none (full precision)",
+        help="store the KV cache quantized: int8 (every block as int8 codes, the 2 most recent blocks of each "
+        "sequence also at full precision; candle-compat also int4); default none (full precision)",
     )
     p.add_argument(
         "--gpu-memory-utilization",

@@ -70,8 +70,20 @@ class LLMEngine:
         self.hybrid = bool(mc.hybrid_window) and caps.hybrid_kv
         self.local_blocks = 0
         cache_options = dict(config.kv_cache_options)
+        # What the cache holds besides its blocks (a two-tier cache's float slots) comes off the budget.
+        reserved, extra = model.kv_reserve(config.block_size, config.max_num_seqs, **config.kv_cache_options)
+        cache_options.update(extra)
+        sizing = config
+        if reserved:
+            if config.num_blocks is None and reserved >= config.kv_cache_memory_bytes:
+                raise EngineConfigError(
+                    f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} does not cover the KV cache's "
+                    f"fixed part ({reserved} bytes for {config.max_num_seqs} sequences: {extra}); "
+                    "give more memory or fewer sequences"
+                )
+            sizing = replace(config, kv_cache_memory_bytes=config.kv_cache_memory_bytes - reserved)
         if self.hybrid:
-            self.num_blocks, self.local_blocks = default_hybrid_blocks(mc, config, self.max_model_len, self.block_bytes)
+            self.num_blocks, self.local_blocks = default_hybrid_blocks(mc, sizing, self.max_model_len, self.block_bytes)
             self.block_manager: BlockManager | HybridBlockManager = HybridBlockManager(
                 self.num_blocks,
                 self.local_blocks,
@@ -84,11 +96,11 @@ class LLMEngine:
             per_layer = self.block_bytes / mc.num_layers
             local_layers = len(mc.local_layers)
             #: Bytes the KV cache holds.
-            self.kv_cache_bytes = int(
+            self.kv_cache_bytes = reserved + int(
                 per_layer * ((mc.num_layers - local_layers) * self.num_blocks + local_layers * self.local_blocks)
             )
         else:
-            self.num_blocks = config.num_blocks or default_num_blocks(mc, config, self.max_model_len, self.block_bytes)
+            self.num_blocks = config.num_blocks or default_num_blocks(mc, sizing, self.max_model_len, self.block_bytes)
             self.block_manager = BlockManager(
                 self.num_blocks,
                 config.block_size,
@@ -96,7 +108,7 @@ class LLMEngine:
                 eviction=config.eviction,
                 sliding_window=mc.uniform_window,
             )
-            self.kv_cache_bytes = self.num_blocks * self.block_bytes
+            self.kv_cache_bytes = reserved + self.num_blocks * self.block_bytes
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
