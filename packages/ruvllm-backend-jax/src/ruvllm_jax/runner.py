@@ -926,10 +926,11 @@ class JaxModel:
         pools = {"main": (copies, cache.num_blocks)}
         if cache.local_blocks:
             pools["local"] = (local_copies, cache.local_blocks)
-        for name, (pairs, blocks) in list(pools.items()):
+        for pairs, blocks in pools.values():  # all checked before any slot moves
             pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
             if pairs.size and (pairs.min() < 0 or pairs.max() >= blocks):
                 raise RequestError(f"block copy refers to blocks outside 0..{blocks - 1}")
+        for name, (pairs, _) in list(pools.items()):
             slots = cache.hot if name == "main" else cache.local_hot
             if slots is not None:
                 hot = [slots.copy(int(a), int(b)) for a, b in pairs]
