@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from provenance import cpu_summary, gguf_weights, llama_cpp_build, llama_cpp_summary, native_isa, native_isas
@@ -101,28 +102,25 @@ def bench_ruvllm(
         raise SystemExit(f"{path}: a hybrid KV cache needs a model that interleaves windowed and global layers")
     cache = model.allocate_cache(blocks, bs, **({"local_blocks": blocks} if hybrid else {}))
     tables = [np.arange(per_seq, dtype=np.int32) + i * per_seq for i in range(max(w.batches))]
-    _chunk = SequenceChunk
 
-    def SequenceChunk(ids: np.ndarray, start: int, table: np.ndarray) -> _chunk:
-        return _chunk(ids, start, table, local_block_table=table if hybrid else None)
+    def chunk(ids: Any, start: int, table: np.ndarray) -> SequenceChunk:
+        return SequenceChunk(np.asarray(ids, np.int32), start, table, local_block_table=table if hybrid else None)
 
     def prefill() -> float:
-        chunk = SequenceChunk(np.asarray(w.prefill, np.int32), 0, tables[0])
+        one = chunk(w.prefill, 0, tables[0])
         t0 = time.perf_counter()
-        model.forward(ForwardBatch([chunk], bs), cache)
+        model.forward(ForwardBatch([one], bs), cache)
         return time.perf_counter() - t0
 
     def decode(batch: int) -> float:
         """Prefill ``batch`` prompts (untimed), then the median time of one decode step of all."""
         prompts = w.prompts[:batch]
-        chunks = [SequenceChunk(np.asarray(p, np.int32), 0, tables[i]) for i, p in enumerate(prompts)]
+        chunks = [chunk(p, 0, tables[i]) for i, p in enumerate(prompts)]
         out = model.forward(ForwardBatch(chunks, bs), cache)
         last = out.logits.argmax(-1)
         times = []
         for step in range(w.decode_steps):
-            chunks = [
-                SequenceChunk(np.asarray([last[i]], np.int32), len(p) + step, tables[i]) for i, p in enumerate(prompts)
-            ]
+            chunks = [chunk([last[i]], len(p) + step, tables[i]) for i, p in enumerate(prompts)]
             t0 = time.perf_counter()
             out = model.forward(ForwardBatch(chunks, bs), cache)
             times.append(time.perf_counter() - t0)

@@ -200,7 +200,7 @@ class KVState:
     v_scale: jax.Array | None = None
     local: KVState | None = None
     #: A two-tier cache: float copies of recent blocks ``[layers, hot_blocks, block_size, kv_heads,
-    #: head_dim]`` next to every block's int8 codes. The runner (:class:`ruvllm_jax.runner.HotSlots`)
+    #: head_dim]`` next to every block's int8 codes. The runner (:class:`ruvllm_jax.two_tier.HotSlots`)
     #: gives a recent block a slot here; attention reads a block through its slot when it has one.
     hot_k: jax.Array | None = None
     hot_v: jax.Array | None = None
