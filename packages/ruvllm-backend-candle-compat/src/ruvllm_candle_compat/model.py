@@ -91,6 +91,7 @@ class CandleCompatModel:
         dtypes=("float32",),
         quantizations=("none", "auto"),
         adapters=True,
+        adapter_mix=True,
         hidden_states=True,
         all_logits=True,
         hybrid_kv=True,

@@ -9,6 +9,7 @@ reference to each adapter it keeps, so a recycled ``id()`` can never match a sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -195,8 +196,14 @@ class AdapterCache:
 
 
 def fits(plan: LoraPlan, bound: LoraPlan) -> bool:
-    """``plan``'s adapters run in ``bound``'s shape (no more slots, no larger rank, no other projection)."""
+    """``plan``'s adapters run in ``bound``'s shape (no more slots, no larger rank, no other projection;
+    the weighting of ``plan`` is kept)."""
     return plan.slots <= bound.slots and plan.rank <= bound.rank and set(plan.projections) <= set(bound.projections)
+
+
+def _is_mix(adapter: Any) -> bool:
+    """An :class:`ruvllm.adapters.AdapterMix`: several adapters weighted per token (X-LoRA)."""
+    return hasattr(adapter, "components") and hasattr(adapter, "module_weights")
 
 
 def plan_adapters(
@@ -207,43 +214,87 @@ def plan_adapters(
     starts: Sequence[int] | None = None,
     gathered: bool = False,
     fixed: LoraPlan | None = None,
-) -> tuple[LoraPlan | None, np.ndarray | None, LoraFactors | None]:
+) -> tuple[LoraPlan | None, np.ndarray | None, LoraFactors | None, np.ndarray | None]:
     """Slots for the adapters of one step's chunks (``None`` entries: no adapter): the static plan,
-    each token's slot (-1 for none) and the factors per projection and slot (``gathered``: in the
-    native kernel's form, see :meth:`AdapterCache.gathered`). All None when no chunk has an adapter
-    that changes anything, so the step is the one without adapters. Chunk ``i``'s tokens sit at
-    ``starts[i]`` (default: one after another). With ``fixed`` (the precompiled plan) every step whose
-    adapters fit in it takes that plan, padded (zero factors add nothing)."""
+    each token's slot (-1 for none), the factors per projection and slot (``gathered``: in the
+    native kernel's form, see :meth:`AdapterCache.gathered`) and, for a step with an adapter mix,
+    each token's weight per slot. All None when no chunk has an adapter that changes anything, so the
+    step is the one without adapters. Chunk ``i``'s tokens sit at ``starts[i]`` (default: one after
+    another). With ``fixed`` (the precompiled plan) every step whose adapters fit in it takes that
+    plan's shape, padded (zero factors add nothing).
+
+    A mix (:class:`ruvllm.adapters.AdapterMix`) gives each of its components a slot; its tokens
+    carry their weights in those slots (``[T, S]``, or ``[layers, projections, T, S]`` when the mix
+    weights each module on its own), every other adapter's tokens weight 1 in their own slot. Such
+    steps apply adapters through XLA's dense products (``LoraPlan.weighted``)."""
     if all(a is None for a in adapters):
-        return None, None, None
-    uploaded = [None if a is None else cache.get(a) for a in adapters]
+        return None, None, None, None
     slot_of: dict[int, int] = {}
     used: list[DeviceAdapter] = []
-    token_slot = np.full(num_tokens, -1, np.int32)
+
+    def slot(adapter: Any) -> int | None:
+        entry = cache.get(adapter)
+        if not entry.factors:
+            return None
+        if id(entry) not in slot_of:
+            slot_of[id(entry)] = len(used)
+            used.append(entry)
+        return slot_of[id(entry)]
+
     if starts is None:
         starts = np.cumsum([0, *lens[:-1]])
-    for entry, n, start in zip(uploaded, lens, starts, strict=True):
-        if entry is not None and entry.factors:
-            if id(entry) not in slot_of:
-                slot_of[id(entry)] = len(used)
-                used.append(entry)
-            token_slot[start : start + n] = slot_of[id(entry)]
+    token_slot = np.full(num_tokens, -1, np.int32)
+    mixes: list[tuple[Any, list[int | None], int, int]] = []  # (mix, its components' slots, start, n)
+    for adapter, n, start in zip(adapters, lens, starts, strict=True):
+        if adapter is None:
+            continue
+        if _is_mix(adapter):
+            if np.asarray(adapter.weights).shape[0] != n:
+                raise BackendError(f"an adapter mix has weights for {np.asarray(adapter.weights).shape[0]} tokens, "
+                                   f"its chunk has {n}")  # fmt: skip
+            mixes.append((adapter, [slot(c) for c in adapter.components], int(start), n))
+            continue
+        s = slot(adapter)
+        if s is not None:
+            token_slot[start : start + n] = s
     cache.trim()
     if not used:
-        return None, None, None
+        return None, None, None, None
     rank = max(e.rank for e in used)
     projections = tuple(p for p in PROJECTIONS if any(p in e.factors for e in used))
-    plan = LoraPlan(slots=bucket(len(used)), rank=rank, projections=projections)
+    layerwise = any(m.modules for m, *_ in mixes)
+    weighted = 0 if not mixes else 2 if layerwise else 1
+    plan = LoraPlan(slots=bucket(len(used)), rank=rank, projections=projections, weighted=weighted)
     if fixed is not None and fits(plan, fixed):
-        plan = fixed
+        plan = dataclasses.replace(fixed, weighted=weighted)
+    weights = None
+    if weighted:
+        gathered = False
+        spec = cache.spec
+        shape = (spec.num_layers, len(plan.projections), num_tokens, plan.slots)
+        weights = np.zeros(shape if weighted == 2 else shape[2:], np.float32)
+        rows = np.nonzero(token_slot >= 0)[0]
+        weights[..., rows, token_slot[rows]] = 1.0
+        for mix, slots, start, n in mixes:
+            for c, s in enumerate(slots):
+                if s is None:
+                    continue
+                if weighted == 1:
+                    weights[start : start + n, s] += mix.weights[:, c]
+                    continue
+                for layer in range(spec.num_layers):
+                    for pi, proj in enumerate(plan.projections):
+                        w = mix.module_weights(layer, proj)
+                        if w is not None:
+                            weights[layer, pi, start : start + n, s] += w[:, c]
     if gathered:
-        return plan, token_slot, cache.gathered(used, plan)
+        return plan, token_slot, cache.gathered(used, plan), None
     factors: LoraFactors = {}
     for proj in plan.projections:
-        slots = []
+        slots_ = []
         for entry in used:
             own = cache.at_rank(entry, plan.rank)
-            slots.append(own[proj] if proj in own else cache.zeros(proj, plan.rank))
-        slots += [cache.zeros(proj, plan.rank)] * (plan.slots - len(used))
-        factors[proj] = tuple(slots)
-    return plan, token_slot, factors
+            slots_.append(own[proj] if proj in own else cache.zeros(proj, plan.rank))
+        slots_ += [cache.zeros(proj, plan.rank)] * (plan.slots - len(used))
+        factors[proj] = tuple(slots_)
+    return plan, token_slot, factors, weights

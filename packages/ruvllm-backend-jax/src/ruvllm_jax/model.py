@@ -289,6 +289,10 @@ class LoraPlan:
     slots: int
     rank: int
     projections: tuple[str, ...]
+    #: How tokens pick their adapters: 0, each token its slot (``StepInputs.lora_slot``); 1, each token
+    #: a weight per slot (``StepInputs.lora_weight`` ``[T, S]``: adapter mixes, X-LoRA); 2, a weight
+    #: per layer, projection and slot (``[layers, projections, T, S]``: X-LoRA's layerwise scalings).
+    weighted: int = 0
 
 
 #: A step's adapter factors: projection -> one ``(A [layers, r, in], B [layers, out, r])`` per slot,
@@ -339,6 +343,8 @@ class StepInputs:
     prefill_context: jax.Array  # [Sp]
     logit_rows: jax.Array  # [G] flat indices whose logits are returned
     lora_slot: jax.Array | None = None  # [T] adapter slot of each token, -1 for none (steps with adapters)
+    #: Steps whose ``LoraPlan.weighted`` is set: each token's weight per adapter slot (see there).
+    lora_weight: jax.Array | None = None
     #: A hybrid cache's windowed pool: each token's block there, and the sequences' tables in it.
     local_write_block: jax.Array | None = None  # [T]
     decode_local_tables: jax.Array | None = None  # [Sd, Bd]
@@ -493,7 +499,7 @@ def gathers_lora(native: bool, num_tokens: int) -> bool:
 
 def native_lora(plan: StepPlan) -> bool:
     """The step applies its adapters through the native kernel (its factors come gathered)."""
-    return plan.lora is not None and gathers_lora(plan.native, plan.num_tokens)
+    return plan.lora is not None and not plan.lora.weighted and gathers_lora(plan.native, plan.num_tokens)
 
 
 #: Projections that share one input, so one native call quantizes the input once for all of them.
@@ -607,6 +613,7 @@ def forward_step(
     lora_layers: dict[str, tuple[jax.Array, jax.Array]] | None = None
     lora_native: dict[str, tuple[jax.Array, jax.Array]] = {}
     mask = jnp.zeros((0,), jnp.float32)
+    layer_masks = None
     if plan.lora is not None:
         assert lora is not None and inp.lora_slot is not None, "a plan with adapters needs their factors and slots"
         r = plan.lora.rank
@@ -616,7 +623,12 @@ def forward_step(
             lora_native = {p: slots[0] for p, slots in lora.items()}
         else:
             slot_of_column = jnp.arange(plan.lora.slots * r, dtype=jnp.int32) // r
-            mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)  # [T, S * r]
+            if plan.lora.weighted == 0:
+                mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)  # [T, S * r]
+            elif plan.lora.weighted == 1:
+                mask = inp.lora_weight[:, slot_of_column]  # [T, S * r]: each token's weight per slot
+            else:  # per layer and projection: scanned with the layers
+                layer_masks = inp.lora_weight[..., slot_of_column]  # [L, P, T, S * r]
             lora_layers = {
                 p: (jnp.concatenate([a for a, _ in slots], axis=1), jnp.concatenate([b for _, b in slots], axis=2))
                 for p, slots in lora.items()
@@ -644,7 +656,7 @@ def forward_step(
 
     def layer_step(carry, xs):
         x, kv, kvl, layer = carry
-        lw, ll, (window, rope), pool = xs
+        lw, ll, (window, rope), pool, lm = xs
         window = window if spec.windowed else 0  # Python 0: no window arithmetic at all
 
         def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
@@ -661,7 +673,8 @@ def forward_step(
             if ll is None or proj not in ll:
                 return y
             a, b = ll[proj]
-            return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, mask)).astype(y.dtype)
+            m = mask if lm is None else lm[plan.lora.projections.index(proj)]
+            return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, m)).astype(y.dtype)
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             nonlocal kv, kvl
@@ -690,7 +703,7 @@ def forward_step(
     (x, kv, kvl, _), _ = lax.scan(
         layer_step,
         (x, dataclasses.replace(cache, local=None), cache.local, jnp.zeros((), jnp.int32)),
-        (scanned, lora_layers, spec.layer_constants(), pools),
+        (scanned, lora_layers, spec.layer_constants(), pools, layer_masks),
     )
     kv = dataclasses.replace(kv, local=kvl)
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)

@@ -495,6 +495,7 @@ class JaxModel:
             dtypes=tuple(DTYPES),
             quantizations=(*QUANTIZATIONS, "auto"),
             adapters=True,
+            adapter_mix=True,
             hidden_states=True,
             all_logits=True,
             # On a sharded mesh too: the sampler is compiled for the logits' sharding.
@@ -798,9 +799,9 @@ class JaxModel:
         gathered = gathers_lora(native_step, t)
         if force_lora is not None:  # precompiling: the plan with every slot empty
             lora_plan, lora = force_lora, self.adapters.padding(force_lora, gathered)
-            lora_slot = np.full(t, -1, np.int32)
+            lora_slot, lora_weight = np.full(t, -1, np.int32), None
         else:
-            lora_plan, lora_slot, lora = plan_adapters(
+            lora_plan, lora_slot, lora, lora_weight = plan_adapters(
                 [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathered, fixed=self.fixed_lora
             )
         tokens = np.zeros(t, np.int32)
@@ -884,6 +885,7 @@ class JaxModel:
             prefill_context=prefill_context,
             logit_rows=logit_idx,
             lora_slot=lora_slot,
+            lora_weight=lora_weight,
             live_tokens=np.int32(sum(lens)),
             live_logits=np.int32(len(logit_rows)),
             local_write_block=local_write,

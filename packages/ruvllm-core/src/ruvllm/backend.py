@@ -265,6 +265,9 @@ class Capabilities:
     quantizations: tuple[str, ...] = ("none",)
     #: Applies ``SequenceChunk.adapter`` (LoRA) per sequence; False: it refuses them.
     adapters: bool = False
+    #: Applies an :class:`ruvllm.adapters.AdapterMix` as ``SequenceChunk.adapter`` (several adapters,
+    #: weighted per token: X-LoRA); False: the engine refuses X-LoRA requests.
+    adapter_mix: bool = False
     #: Fills ``ForwardOutput.hidden_states`` when ``ForwardBatch.return_hidden`` asks.
     hidden_states: bool = False
     #: Fills ``ForwardOutput.all_logits`` when ``ForwardBatch.all_logits`` asks.

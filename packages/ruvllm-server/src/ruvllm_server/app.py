@@ -166,9 +166,9 @@ async def retrieve_model(request: Request, model_id: Annotated[str, Parameter()]
     return _card(state)
 
 
-@post("/v1/load_lora_adapter", status_code=200, summary="Load a PEFT LoRA adapter", tags=["adapters"])
+@post("/v1/load_lora_adapter", status_code=200, summary="Load a PEFT LoRA adapter or X-LoRA model", tags=["adapters"])
 async def load_lora_adapter(request: Request, data: Annotated[LoadLoraAdapterRequest, Body()]) -> LoraAdapterStatus:
-    from ruvllm.adapters import load_peft_adapter
+    from ruvllm.adapters import load_adapter
     from ruvllm.errors import RuvllmError
 
     state = _state(request)
@@ -177,7 +177,7 @@ async def load_lora_adapter(request: Request, data: Annotated[LoadLoraAdapterReq
     assert state.model is not None
     try:
         adapter = await anyio.to_thread.run_sync(
-            lambda: load_peft_adapter(
+            lambda: load_adapter(
                 data.lora_path, data.lora_name, state.model.config, max_rank=state.settings.max_lora_rank
             )
         )

@@ -130,8 +130,8 @@ def kv_memory_budget(settings: ServerSettings, model: LoadedModel) -> int:
 
 
 def load_adapters(settings: ServerSettings, config: Any) -> dict[str, Any]:
-    """The ``--lora name=path`` adapters, loaded and checked against the base model."""
-    from ruvllm.adapters import load_peft_adapter
+    """The ``--lora name=path`` adapters (PEFT LoRA or X-LoRA), loaded and checked against the base model."""
+    from ruvllm.adapters import load_adapter
 
     out: dict[str, Any] = {}
     for item in settings.lora_modules:
@@ -141,7 +141,7 @@ def load_adapters(settings: ServerSettings, config: Any) -> dict[str, Any]:
             raise ServerConfigError(f"--lora {item!r}: give NAME=PATH")
         if name == settings.model_name or name in out:
             raise ServerConfigError(f"--lora {item!r}: the name {name!r} is already taken")
-        out[name] = load_peft_adapter(ref, name, config, max_rank=settings.max_lora_rank)
+        out[name] = load_adapter(ref, name, config, max_rank=settings.max_lora_rank)
         log.info("lora adapter loaded", name=name, path=ref, rank=out[name].max_rank)
     return out
 
@@ -160,15 +160,17 @@ def lora_limits(settings: ServerSettings, adapters: dict[str, Any]) -> AdapterLi
     from ruvllm.backend import LORA_PROJECTIONS, AdapterLimits
 
     loaded = [a for a in adapters.values() if a.max_rank > 0]
+    # An X-LoRA model puts each of its experts in a slot of its own.
+    slots = sum(len(getattr(a, "components", (a,))) for a in loaded)
     if settings.enable_lora_runtime_updates:
         rank = settings.max_lora_rank or max([RUNTIME_LORA_RANK, *(a.max_rank for a in loaded)])
-        per_step = max(settings.max_loras or RUNTIME_LORAS_PER_STEP, len(loaded))
+        per_step = max(settings.max_loras or RUNTIME_LORAS_PER_STEP, slots)
         return AdapterLimits(rank, LORA_PROJECTIONS, per_step)
     if not loaded:
         return None
-    used = {proj for a in loaded for _, proj in a.params}
+    used = {proj for a in loaded for proj in a.projections}
     projections = tuple(p for p in LORA_PROJECTIONS if p in used)
-    return AdapterLimits(max(a.max_rank for a in loaded), projections, len(loaded))
+    return AdapterLimits(max(a.max_rank for a in loaded), projections, slots)
 
 
 def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:

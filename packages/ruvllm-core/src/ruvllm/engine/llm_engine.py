@@ -7,11 +7,12 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 
+from ruvllm.adapters import AdapterMix, XLoraAdapter
 from ruvllm.backend import DeviceSampling, ForwardBatch, SequenceChunk, StepLimits
 from ruvllm.block_manager import BlockManager, HybridBlockManager
 from ruvllm.engine.config import EngineConfig, EngineConfigError, default_hybrid_blocks, default_num_blocks
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
 
 log = structlog.get_logger("ruvllm.engine")
+
+
+def _table(ids: list[int]) -> np.ndarray:
+    """A block table for the backend: blocks released out of a sliding window read as block 0
+    (never unmasked)."""
+    return np.maximum(np.asarray(ids, dtype=np.int32), 0)
 
 
 class LLMEngine:
@@ -158,14 +165,16 @@ class LLMEngine:
             model=self.model,
         )
         # Plugins see only requests that pass every check; what they change is checked again.
-        self._check(inference.prompt_token_ids, inference.sampling)
+        self._check(inference.prompt_token_ids, inference.sampling, inference.adapter)
         self.model.host.hook.pre_inference(request=inference)
         prompt = [int(t) for t in inference.prompt_token_ids]
         sampling = inference.sampling
-        self._check(prompt, sampling)
+        self._check(prompt, sampling, inference.adapter)
         caps = self.model.capabilities
         if inference.adapter is not None and not caps.adapters:
             raise RequestError(f"backend {self.model.backend.name!r} does not apply adapters (LoRA)")
+        if isinstance(inference.adapter, XLoraAdapter) and not (caps.adapter_mix and caps.hidden_states):
+            raise RequestError(f"backend {self.model.backend.name!r} does not run X-LoRA (adapter mixes)")
         if inference.adapter_router is not None and not (caps.adapters and caps.hidden_states):
             inference.adapter_router = None  # nothing it could pick would run; the base model serves it
         state = RequestState(
@@ -180,8 +189,9 @@ class LLMEngine:
         self._requests[rid] = state
         self.scheduler.add(state.seqs[0])
 
-    def _check(self, prompt: list[int], sampling: SamplingParams) -> None:
-        """Raise :class:`RequestError` for a prompt or sampling parameters this engine cannot run."""
+    def _check(self, prompt: list[int], sampling: SamplingParams, adapter: Any = None) -> None:
+        """Raise :class:`RequestError` for a prompt or sampling parameters this engine cannot run
+        (an X-LoRA ``adapter`` needs twice the blocks: its shadow sequence's too)."""
         vocab = self.model.config.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty")
@@ -204,6 +214,8 @@ class LLMEngine:
             )
         need = self.block_manager.peak_blocks(len(prompt) + sampling.max_tokens, self.config.max_num_batched_tokens)
         needs = need if isinstance(need, tuple) else (need,)
+        if isinstance(adapter, XLoraAdapter):
+            needs = tuple(2 * n for n in needs)
         for want, have, what in zip(needs, (self.num_blocks, self.local_blocks), ("", " windowed-layer"), strict=False):
             if want > have:
                 raise RequestError(
@@ -483,13 +495,23 @@ class LLMEngine:
         out: dict[int, tuple[ScheduledChunk, np.ndarray | _DeviceRow]] = {}
         errors: list[Exception] = []
 
+        copied = False  # the step's copy-on-write copies ran (in a pass that succeeded)
+
         def attempt(indices: list[int]) -> None:
-            part = SchedulerOutput(chunks=[sched.chunks[i] for i in indices], block_copies=sched.block_copies)
-            batch = self._batch(part)
-            if sampling is not None:
-                batch.sampling = sampling if len(indices) == len(sched.chunks) else sampling.rows(indices)
+            nonlocal copied
+            part = SchedulerOutput(chunks=[sched.chunks[i] for i in indices])
+            if not copied:
+                part.block_copies, part.local_block_copies = sched.block_copies, sched.local_block_copies
             try:
+                mixes = self._scaling_pass(part)  # X-LoRA requests' first pass (it takes the copies)
+                if mixes:
+                    copied = True
+                    part.block_copies, part.local_block_copies = [], []
+                batch = self._batch(part, mixes)
+                if sampling is not None:
+                    batch.sampling = sampling if len(indices) == len(sched.chunks) else sampling.rows(indices)
                 result = self.model.forward(batch, self.cache)
+                copied = True
                 if sampling is not None and result.sampled is None:
                     raise BackendError("the backend returned no device-sampled tokens for a step that asked")
             except Exception as exc:
@@ -543,25 +565,61 @@ class LLMEngine:
         bm = self.block_manager
         return bm.full if isinstance(bm, HybridBlockManager) else bm
 
-    def _batch(self, sched: SchedulerOutput) -> ForwardBatch:
+    def _scaling_pass(self, part: SchedulerOutput) -> dict[int, AdapterMix]:
+        """X-LoRA's first pass: the shadow sequences of the X-LoRA chunks of ``part`` run the same
+        tokens with the scaling pass's adapters (every expert weighted ``scaling_pass_value``) into
+        their own blocks; the classifier turns their final hidden states into each token's expert
+        weights. Returns chunk index (in ``part``) -> the real pass's :class:`AdapterMix`."""
+        rows = [i for i, c in enumerate(part.chunks) if c.seq.shadow_id is not None]
+        if not rows:
+            return {}
         bm = self.block_manager
         hybrid = isinstance(bm, HybridBlockManager)
+        chunks = []
+        for i in rows:
+            c = part.chunks[i]
+            xl = c.seq.state.adapter
+            chunks.append(
+                SequenceChunk(
+                    token_ids=np.asarray(c.token_ids, dtype=np.int32),
+                    start_pos=c.start,
+                    block_table=_table(bm.block_table(c.seq.shadow_id)),
+                    adapter=xl.scaling_pass(c.num_tokens),
+                    hidden_states=True,
+                    local_block_table=_table(bm.local_block_table(c.seq.shadow_id)) if hybrid else None,
+                )
+            )
+        batch = ForwardBatch(
+            chunks=chunks,
+            block_size=bm.block_size,
+            block_copies=part.block_copies,
+            local_block_copies=part.local_block_copies,
+        )
+        result = self.model.forward(batch, self.cache)
+        mixes = {}
+        for row, i in enumerate(rows):
+            hidden = result.hidden_states.get(row)
+            if hidden is None:
+                raise BackendError("the backend returned no hidden states for an X-LoRA scaling pass")
+            mixes[i] = part.chunks[i].seq.state.adapter.mix(np.asarray(hidden, np.float32))
+        return mixes
 
-        def table(ids: list[int]) -> np.ndarray:
-            # Blocks released out of a sliding window read as block 0: never unmasked.
-            return np.maximum(np.asarray(ids, dtype=np.int32), 0)
+    def _batch(self, sched: SchedulerOutput, mixes: dict[int, AdapterMix] | None = None) -> ForwardBatch:
+        bm = self.block_manager
+        hybrid = isinstance(bm, HybridBlockManager)
+        mixes = mixes or {}
 
         chunks = [
             SequenceChunk(
                 token_ids=np.asarray(c.token_ids, dtype=np.int32),
                 start_pos=c.start,
-                block_table=table(bm.block_table(c.seq.seq_id)),
-                adapter=c.seq.state.adapter,
+                block_table=_table(bm.block_table(c.seq.seq_id)),
+                adapter=mixes.get(i, c.seq.state.adapter),
                 all_logits=self._wants_prompt_logprobs(c),
                 hidden_states=self._wants_route(c),
-                local_block_table=table(bm.local_block_table(c.seq.seq_id)) if hybrid else None,
+                local_block_table=_table(bm.local_block_table(c.seq.seq_id)) if hybrid else None,
             )
-            for c in sched.chunks
+            for i, c in enumerate(sched.chunks)
         ]
         return ForwardBatch(
             chunks=chunks,

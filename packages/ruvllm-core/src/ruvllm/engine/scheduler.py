@@ -8,7 +8,9 @@ sequences are admitted in policy order while the budgets, the free blocks and ``
 allow. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it waits to be recomputed (its prompt and output so far,
 largely from the prefix cache). Nobody fails for lack of blocks; a request that could never fit is
-refused when it is added.
+refused when it is added. An X-LoRA request's sequence has a shadow (its scaling pass,
+``Sequence.shadow_id``) that takes blocks of its own for the same positions: the two are allocated,
+preempted, forked and freed together.
 
 The scheduler speaks block ids and token ids only; it never touches tensors.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from ruvllm.block_manager import BlockManager, HybridBlockManager
+from ruvllm.block_manager import BlockManager, HybridBlockManager, HybridPrefixHit, PrefixHit
 from ruvllm.engine.config import SCHEDULING_POLICIES, EngineConfigError
 from ruvllm.engine.sequence import Sequence
 
@@ -89,13 +91,15 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run ``child`` on ``parent``'s blocks (shared until one of them writes into one)."""
         self.block_manager.fork(parent.seq_id, child.seq_id)
+        if parent.shadow_id is not None:
+            self.block_manager.fork(parent.shadow_id, child.shadow_id)
         child.num_computed = parent.num_computed
         child.num_cached_tokens = parent.num_cached_tokens
         self.running.append(child)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out (finished or aborted) and free its blocks at once."""
-        self.block_manager.free(seq.seq_id)
+        self._free(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -124,7 +128,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
-            while not bm.allocate_slots(seq.seq_id, seq.num_computed, num_new):
+            while not self._allocate(seq, seq.num_computed, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -150,7 +154,8 @@ class Scheduler:
             if remaining > 1 and prompt_left <= 0:
                 break
             num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
-            if not bm.allocate_slots(seq.seq_id, computed, num_new, hit):
+            if not self._allocate(seq, computed, num_new, hit):
+                self._free(seq)  # a shadow that got its blocks gives them back
                 break
             self.waiting.pop(0)
             seq.num_computed = computed
@@ -196,9 +201,24 @@ class Scheduler:
         self._requeue(seq)
         self.preemptions += 1
 
+    def _allocate(
+        self, seq: Sequence, computed: int, num_new: int, hit: PrefixHit | HybridPrefixHit | None = None
+    ) -> bool:
+        """:meth:`BlockManager.allocate_slots` for ``seq`` and its shadow (first; the shadow never
+        reuses cached blocks)."""
+        bm = self.block_manager
+        if seq.shadow_id is not None and not bm.allocate_slots(seq.shadow_id, computed, num_new):
+            return False
+        return bm.allocate_slots(seq.seq_id, computed, num_new, hit)
+
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        if seq.shadow_id is not None:
+            self.block_manager.free(seq.shadow_id)
+
     def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
+        self._free(seq)
         seq.num_computed = 0
         self.add(seq)
 
@@ -212,6 +232,7 @@ class Scheduler:
             if self.key(worst) <= self.key(head):
                 return
             first_chunk = min(len(head.token_ids), self.max_num_batched_tokens)
-            if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= bm.blocks_needed(first_chunk):
+            need = bm.blocks_needed(first_chunk) * (1 if head.shadow_id is None else 2)
+            if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= need:
                 return
             self._preempt(worst)

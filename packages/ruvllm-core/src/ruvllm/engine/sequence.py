@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from ruvllm.adapters import XLoraAdapter
 from ruvllm.engine.types import GenerationRequest, RequestMetrics, TokenLogprob
 from ruvllm.inference import InferenceRequest
 from ruvllm.sampling import Sampler, SamplingParams
@@ -132,6 +133,12 @@ class Sequence:
         # An adapter changes the keys/values a token produces: such sequences neither reuse nor
         # publish cached blocks.
         return self.state.adapter is None
+
+    @property
+    def shadow_id(self) -> tuple[str, int] | None:
+        """An X-LoRA request's choice runs a shadow sequence (its scaling pass) beside it, with KV
+        blocks of its own under this id; None for every other sequence."""
+        return ("xlora-shadow", self.seq_id) if isinstance(self.state.adapter, XLoraAdapter) else None
 
     @property
     def reuses_prefix(self) -> bool:
