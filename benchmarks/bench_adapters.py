@@ -1,6 +1,7 @@
 """Many adapters at once: aggregate decode tok/s of SmolLM2 on the jax backend (quantization auto) at
 ``--streams`` concurrent streams with 0, 1 and 4 distinct rank-16 LoRA adapters (q, k, v, o of every
-layer), assigned round-robin, in one run through the engine. Every stream decodes exactly
+layer), assigned round-robin, and with every stream on one X-LoRA model over those 4 adapters (a
+random one-layer classifier; two passes a step), in one run through the engine. Every stream decodes exactly
 ``--tokens`` tokens; aggregate = all tokens / wall time of the batch. Medians over ``--iterations``
 after a warm-up per arm (compilation), arms interleaved.
 
@@ -17,7 +18,7 @@ import time
 import numpy as np
 from provenance import cpu_summary
 
-from ruvllm.adapters import LoraWeights
+from ruvllm.adapters import LoraWeights, XLoraAdapter
 from ruvllm.backend import LoadOptions
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
 from ruvllm.runtime import load_model
@@ -70,10 +71,15 @@ def main() -> None:
     engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_seqs=args.streams))
     tok = engine.tokenizer
     prompts = [tok.encode(f"Story number {i}: once upon a time") for i in range(args.streams)]
+    four = [random_adapter(model.config, f"a{k}", k) for k in range(4)]
+    rng = np.random.default_rng(9)
+    weight = (rng.standard_normal((4, model.config.hidden_size)) * 0.05).astype(np.float32)
+    classifier = (weight, np.zeros(4, np.float32))
     arms = {
         "no adapter": [],
         "1 adapter": [random_adapter(model.config, "a0", 0)],
-        "4 adapters": [random_adapter(model.config, f"a{k}", k) for k in range(4)],
+        "4 adapters": four,
+        "X-LoRA, 4 experts": [XLoraAdapter("xlora", tuple(four), (classifier,))],
     }
     figures: dict[str, list[float]] = {name: [] for name in arms}
     for adapters in arms.values():

@@ -238,3 +238,40 @@ def test_the_server_serves_an_xlora_model_by_name(root, xloras, models):
         (want,), _ = _generate(llm, [(ids, load_adapter(xloras[name][0], name, llm.config))], max_tokens=8, budget=256)
         assert out["choices"][0]["text"] == llm.tokenizer.decode(want)
     assert tuned["choices"][0]["text"] != base["choices"][0]["text"]
+
+
+def test_precompiled_steps_cover_xlora_requests(root, xloras):
+    """Declared X-LoRA adapters (``AdapterLimits.mixes``) make the precompile cover their passes (the
+    scaling pass's hidden states, the real pass's weighted plan): a run mixing an X-LoRA model with
+    layerwise scalings, one without, plain adapters and the base model compiles nothing more."""
+    from ruvllm.backend import AdapterLimits
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+    from ruvllm.sampling import SamplingParams
+    from ruvllm_server.settings import ServerSettings
+    from ruvllm_server.state import lora_limits
+
+    llm = load_model(str(root / "base"), backend="jax", host=load_plugins())
+    cfg = llm.config
+    loaded = {
+        "lw": load_adapter(xloras["layerwise-top1"][0], "lw", cfg),
+        "sp": load_adapter(xloras["scaling-pass"][0], "sp", cfg),
+        "e3": load_peft_adapter(root / "extra" / "e3", "e3", cfg),
+    }
+    limits = lora_limits(ServerSettings(model="m"), loaded)
+    assert limits == AdapterLimits(
+        8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 7, 2
+    )
+    llm.expect_adapters("test", limits)
+    engine = LLMEngine(llm, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8),
+                       tokenizer=_tokenizer())  # fmt: skip
+    names = [name for name, _ in engine.precompile()]
+    assert any(n.endswith("hidden adapters mixed") for n in names)
+    compiled = set(llm.model._compiled)
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    adapters = [loaded["lw"], loaded["sp"], loaded["e3"], None]
+    engine.generate([GenerationRequest(rng.integers(3, 101, size=n).tolist(), params, adapter=a)
+                     for n, a in zip((9, 14, 5, 7), adapters, strict=True)])  # fmt: skip
+    assert set(llm.model._compiled) == compiled

@@ -197,7 +197,7 @@ class AdapterCache:
 
 def fits(plan: LoraPlan, bound: LoraPlan) -> bool:
     """``plan``'s adapters run in ``bound``'s shape (no more slots, no larger rank, no other projection;
-    the weighting of ``plan`` is kept)."""
+    ``bound.weighted`` is the finest weighting precompiled, see :func:`plan_adapters`)."""
     return plan.slots <= bound.slots and plan.rank <= bound.rank and set(plan.projections) <= set(bound.projections)
 
 
@@ -221,7 +221,8 @@ def plan_adapters(
     each token's weight per slot. All None when no chunk has an adapter that changes anything, so the
     step is the one without adapters. Chunk ``i``'s tokens sit at ``starts[i]`` (default: one after
     another). With ``fixed`` (the precompiled plan) every step whose adapters fit in it takes that
-    plan's shape, padded (zero factors add nothing).
+    plan's shape, padded (zero factors add nothing), and a step with mixes takes ``fixed``'s weighting
+    where it is as fine.
 
     A mix (:class:`ruvllm.adapters.AdapterMix`) gives each of its components a slot; its tokens
     carry their weights in those slots (``[T, S]``, or ``[layers, projections, T, S]`` when the mix
@@ -266,6 +267,8 @@ def plan_adapters(
     weighted = 0 if not mixes else 2 if layerwise else 1
     plan = LoraPlan(slots=bucket(len(used)), rank=rank, projections=projections, weighted=weighted)
     if fixed is not None and fits(plan, fixed):
+        # The precompiled weighting covers a coarser one (per-token weights repeat for every module).
+        weighted = 0 if not weighted else max(weighted, fixed.weighted)
         plan = dataclasses.replace(fixed, weighted=weighted)
     weights = None
     if weighted:

@@ -296,7 +296,8 @@ class JaxModel:
     table_tokens: int = field(init=False, default=1)
     #: Set by :meth:`precompile`: a step compiled later is logged as a warning (a stall while serving).
     precompiled: bool = field(init=False, default=False)
-    #: Set by :meth:`precompile` from its limits' adapter bounds: the one adapter plan compiled.
+    #: Set by :meth:`precompile` from its limits' adapter bounds: the one adapter plan compiled (its
+    #: ``weighted``: the finest adapter-mix weighting compiled too, besides the plain plan).
     fixed_lora: LoraPlan | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -649,12 +650,20 @@ class JaxModel:
         self.fixed_lora = None
         if limits.adapters is not None:
             a = limits.adapters
-            per_step = min(a.per_step or max_num_seqs, max_num_seqs)
+            # One adapter per sequence, except a mix's (X-LoRA's) several.
+            per_step = (a.per_step or max_num_seqs) if a.mixes else min(a.per_step or max_num_seqs, max_num_seqs)
             projections = tuple(p for p in PROJECTIONS if p in a.projections)
-            self.fixed_lora = LoraPlan(slots=bucket(per_step), rank=bucket(a.max_rank), projections=projections)
+            self.fixed_lora = LoraPlan(
+                slots=bucket(per_step), rank=bucket(a.max_rank), projections=projections, weighted=a.mixes
+            )
+        plans: tuple[LoraPlan | None, ...] = (None,)
+        if self.fixed_lora is not None:
+            plans = (None, dataclasses.replace(self.fixed_lora, weighted=0))
+            if self.fixed_lora.weighted:  # X-LoRA's passes: the same plan with weights per token
+                plans += (self.fixed_lora,)
         variants = [
             (hidden, lora, every)
-            for lora in ((None, self.fixed_lora) if self.fixed_lora else (None,))
+            for lora in plans
             for hidden in ((False, True) if limits.hidden_states else (False,))
             for every in ((False, True) if limits.all_logits else (False,))
         ]
@@ -673,7 +682,12 @@ class JaxModel:
                 t0 = time.perf_counter()
                 inputs, plan, _, lora = self._prepare(chunks, cache, force_lora=fixed, plan_only=True)
                 self._step_for(plan, cache, inputs, lora)
-                kinds = (" hidden", hidden), (" adapters", fixed), (" all logits", every)
+                kinds = (
+                    (" hidden", hidden),
+                    (" adapters", fixed),
+                    (" mixed", fixed is not None and fixed.weighted),
+                    (" all logits", every),
+                )
                 name = f"{shape}{''.join(k for k, on in kinds if on)}"
                 done.append((name, time.perf_counter() - t0))
                 if progress:
@@ -798,8 +812,12 @@ class JaxModel:
         native_step = self.native and (self.options.quantization == "w4a8" or t <= NATIVE_MAX_TOKENS)
         gathered = gathers_lora(native_step, t)
         if force_lora is not None:  # precompiling: the plan with every slot empty
+            gathered = gathered and not force_lora.weighted
             lora_plan, lora = force_lora, self.adapters.padding(force_lora, gathered)
             lora_slot, lora_weight = np.full(t, -1, np.int32), None
+            if force_lora.weighted:
+                layers = (self.spec.num_layers, len(force_lora.projections)) if force_lora.weighted == 2 else ()
+                lora_weight = np.zeros((*layers, t, force_lora.slots), np.float32)
         else:
             lora_plan, lora_slot, lora, lora_weight = plan_adapters(
                 [c.adapter for c in chunks], lens, t, self.adapters, starts, gathered=gathered, fixed=self.fixed_lora

@@ -115,6 +115,10 @@ class AdapterLimits:
     projections: tuple[str, ...]
     #: Most distinct adapters in one step; None: one per sequence (``max_num_seqs``).
     per_step: int | None = None
+    #: Steps may carry adapter mixes (X-LoRA, :class:`ruvllm.adapters.AdapterMix`): 0 none, 1 with
+    #: weights per token, 2 per token and module (layerwise scalings). Their scaling passes ask for
+    #: hidden states.
+    mixes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_rank < 1:
@@ -124,14 +128,17 @@ class AdapterLimits:
             raise ValueError(f"AdapterLimits.projections must be some of {LORA_PROJECTIONS}, got {self.projections}")
         if self.per_step is not None and self.per_step < 1:
             raise ValueError(f"AdapterLimits.per_step must be positive or None, got {self.per_step}")
+        if self.mixes not in (0, 1, 2):
+            raise ValueError(f"AdapterLimits.mixes must be 0, 1 or 2, got {self.mixes}")
 
     def merge(self, other: AdapterLimits | None) -> AdapterLimits:
-        """Bounds that cover both (the larger rank, every projection, the sum of adapters per step)."""
+        """Bounds that cover both (the larger rank, every projection, the sum of adapters per step,
+        the finer mixes)."""
         if other is None:
             return self
         per_step = None if self.per_step is None or other.per_step is None else self.per_step + other.per_step
         projections = tuple(p for p in LORA_PROJECTIONS if p in self.projections or p in other.projections)
-        return AdapterLimits(max(self.max_rank, other.max_rank), projections, per_step)
+        return AdapterLimits(max(self.max_rank, other.max_rank), projections, per_step, max(self.mixes, other.mixes))
 
 
 @dataclass(frozen=True)

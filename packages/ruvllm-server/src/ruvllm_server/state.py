@@ -170,7 +170,8 @@ def lora_limits(settings: ServerSettings, adapters: dict[str, Any]) -> AdapterLi
         return None
     used = {proj for a in loaded for proj in a.projections}
     projections = tuple(p for p in LORA_PROJECTIONS if p in used)
-    return AdapterLimits(max(a.max_rank for a in loaded), projections, slots)
+    mixes = max((2 if a.layerwise else 1 for a in loaded if hasattr(a, "layerwise")), default=0)
+    return AdapterLimits(max(a.max_rank for a in loaded), projections, slots, mixes)
 
 
 def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:

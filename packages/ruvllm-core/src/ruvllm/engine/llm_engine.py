@@ -277,12 +277,14 @@ class LLMEngine:
         """Have the backend compile every step shape this engine's steps can take (before traffic,
         so none compiles while serving); returns each shape with its seconds ([] for a backend that
         compiles nothing)."""
+        adapters = self.model.adapter_limits if self.model.capabilities.adapters else None
         limits = StepLimits(
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            hidden_states="hidden_states" in self.model.step_needs,
-            adapters=self.model.adapter_limits if self.model.capabilities.adapters else None,
+            # X-LoRA's scaling passes return hidden states.
+            hidden_states="hidden_states" in self.model.step_needs or bool(adapters and adapters.mixes),
+            adapters=adapters,
             device_sampling=self.device_sampling,
             all_logits=self.config.precompile_all_logits and self.model.capabilities.all_logits,
         )
