@@ -95,13 +95,13 @@ def _tokenizer():
     return Tokenizer(inner, bos_token_id=None, eos_token_ids=())
 
 
-def _generate(llm, pairs, *, num_blocks=64, max_tokens=12, budget=5):
+def _generate(llm, pairs, *, num_blocks=64, max_tokens=12, budget=5, tokenizer=None):
     from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
     from ruvllm.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     config = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget)
-    engine = LLMEngine(llm, config, tokenizer=_tokenizer())
+    engine = LLMEngine(llm, config, tokenizer=tokenizer or _tokenizer())
     outs = engine.generate([GenerationRequest(p, params, adapter=a) for p, a in pairs])
     assert engine.block_manager.num_used_blocks == 0  # the shadows' blocks went back too
     return [[t for o in out for d in o.deltas for t in d.token_ids] for out in outs], engine
@@ -275,3 +275,62 @@ def test_precompiled_steps_cover_xlora_requests(root, xloras):
     engine.generate([GenerationRequest(rng.integers(3, 101, size=n).tolist(), params, adapter=a)
                      for n, a in zip((9, 14, 5, 7), adapters, strict=True)])  # fmt: skip
     assert set(llm.model._compiled) == compiled
+
+
+def test_smollm2_xlora_matches_peft(smollm2_path, tmp_path):
+    """The real model: SmolLM2-135M (its Q4_1 GGUF dequantized, as transformers reads it) with three
+    random rank-8 experts and a depth-2 top-2 classifier; every position's logits on both backends
+    within 1e-4 of the logit range of transformers + peft, and the engine's greedy tokens = peft's."""
+    import torch
+    from peft import LoraConfig, XLoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    def base():
+        m = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+        m.config.use_cache = False
+        return m
+
+    targets = [["q_proj", "v_proj"], ["gate_proj", "down_proj"], ["o_proj", "up_proj"]]
+    model = base()
+    for i, t in enumerate(targets):
+        pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=t))
+        torch.manual_seed(i)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0, 0.02)
+        pm.save_pretrained(tmp_path / f"expert{i}")
+        model = pm.unload()
+    adapters = {str(i): str(tmp_path / f"expert{i}") for i in range(3)}
+    conf = XLoraConfig(task_type="CAUSAL_LM", hidden_size=576, adapters=adapters, xlora_depth=2, xlora_size=32,
+                       top_k_lora=2)  # fmt: skip
+    xm = get_peft_model(model, conf)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for n, p in xm.named_parameters():
+            if "internal_xlora_classifier" in n:
+                p.normal_(0, 0.3)
+    xm.eval()
+    saved = conf.to_dict() | {"peft_type": "XLORA", "adapters": {str(i): f"expert{i}" for i in range(3)}}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(saved, default=str))
+    save_file({k: v.contiguous() for k, v in xm.state_dict().items() if "internal_xlora_classifier" in k},
+              str(tmp_path / "adapter_model.safetensors"))  # fmt: skip
+    ids = [1, 504, 3575, 282, 4649, 314, 3067, 30, 378, 1326, 314, 253]
+    want = peft_logits(xm, ids)
+    span = float(want.max() - want.min())
+    with torch.no_grad():
+        greedy = xm.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    for backend in BACKENDS:
+        from ruvllm.backend import LoadOptions
+
+        llm = load_model(
+            str(smollm2_path), backend=backend, host=load_plugins(), options=LoadOptions(quantization="none")
+        )
+        xl = load_adapter(tmp_path, "mix", llm.config)
+        np.testing.assert_allclose(_two_passes(llm, xl, ids), want, atol=1e-4 * span, rtol=0)
+        (got,), _ = _generate(llm, [(ids, xl)], max_tokens=6, budget=8, tokenizer=llm.tokenizer)
+        assert got == greedy[0, len(ids) :].tolist(), backend
