@@ -159,10 +159,17 @@ def test_xlora_requests_hold_twice_the_blocks_and_survive_preemption(xloras, mod
     together, engine = _generate(llm, pairs, num_blocks=24, max_tokens=16)
     assert together == alone
     assert engine.scheduler.preemptions > 0
-    # Each request alone needs 2 x ceil(29 / 4) = 16 blocks; more than the cache is refused up front.
+    # n = 2: the choices fork off the prompt with their shadows (shared blocks, then copy-on-write).
     from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
     from ruvllm.sampling import SamplingParams
 
+    forking = LLMEngine(llm, EngineConfig(num_blocks=64, block_size=4), tokenizer=_tokenizer())
+    two = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=2)
+    (outs,) = forking.generate([GenerationRequest(prompts[0], two, adapter=xl)])
+    for index in (0, 1):
+        assert [t for o in outs for d in o.deltas if d.index == index for t in d.token_ids] == alone[0]
+    assert forking.block_manager.num_used_blocks == 0
+    # Each request alone needs 2 x ceil(29 / 4) = 16 blocks; more than the cache is refused up front.
     small = LLMEngine(llm, EngineConfig(num_blocks=12, block_size=4), tokenizer=_tokenizer())
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     small.add_request(GenerationRequest(prompts[2], params))  # the base model fits in 7
