@@ -241,3 +241,53 @@ def test_gate_centre_similarity():
     lone = GateCenter(8)
     lone.observe(seen[0])
     assert lone.similarity(seen[0], [seen[0]]) == pytest.approx(1.0)
+
+
+def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
+    """``clusters=true``: a correction whose prompt is near no taught topic starts a new cluster (a
+    fresh adapter); one near a topic teaches that topic's; the gate applies the nearest topic's
+    adapter and none to unrelated prompts; clusters are saved and loaded with their parent scope."""
+    from ruvllm.inference import InferenceRequest, InferenceResult
+    from ruvllm.sampling import SamplingParams
+
+    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, deep_trigger=0))
+    rng = np.random.default_rng(0)
+    for _ in range(32):  # ordinary traffic: the gate's centre
+        sona.gate_center.observe(rng.standard_normal(48).astype(np.float32) + 5.0)
+    topics = {name: rng.standard_normal(48).astype(np.float32) * 3 + 5.0 for name in ("a", "b")}
+
+    def ask(rid: str, key: np.ndarray, output: list[int]):
+        request = InferenceRequest(rid, random_tokens(len(rid), 6), SamplingParams())
+        sona.pre_inference(request)
+        chosen = request.adapter_router(key)
+        sona.post_inference(request, InferenceResult(rid, output, "", "stop", 6))
+        return chosen
+
+    def near(name: str) -> np.ndarray:
+        return topics[name] + rng.standard_normal(48).astype(np.float32) * 0.3
+
+    for name, answer in (("a", [5, 6, 7]), ("b", [40, 41, 42])):
+        for i in range(3):
+            rid = f"{name}{i}"
+            ask(rid, near(name), [9, 9])
+            sona.feedback(rid, 0.0, correction=answer)
+            drain(sona)
+    clusters = {s["scope"]: s for s in sona.stats()["adapters"] if s["cluster_of"] == "global"}
+    assert set(clusters) == {"global#topic0", "global#topic1"}
+    assert all(c["instant_updates"] == 3 and c["taught_prompts"] == 3 for c in clusters.values())
+    assert sona.adapter("global").is_zero  # the scope's own adapter learnt nothing
+    assert ask("qa", near("a"), [1]).scope == "global#topic0"
+    assert ask("qb", near("b"), [1]).scope == "global#topic1"
+    assert ask("qx", rng.standard_normal(48).astype(np.float32) + 5.0, [1]) is None
+    # Feedback on a response that ran under a topic's adapter teaches that topic.
+    sona.feedback("qa", 0.0, correction=[5, 6, 7])
+    drain(sona)
+    assert sona.adapter("global#topic0").version > clusters["global#topic0"]["version"]
+    assert len([s for s in sona.stats()["adapters"] if s["cluster_of"]]) == 2
+    saved = sona.save(tmp_path / "state")
+    again = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, deep_trigger=0), state_dir=saved)
+    assert {s["scope"]: s["cluster_of"] for s in again.stats()["adapters"]} == {
+        "global": None, "global#topic0": "global", "global#topic1": "global"
+    }
+    with pytest.raises(SonaError, match="clusters needs gate"):
+        SonaConfig(clusters=True, gate=False).validate(sona.model_config)

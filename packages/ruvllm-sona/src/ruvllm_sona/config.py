@@ -70,6 +70,11 @@ class SonaConfig:
     gate_threshold: float = 0.6
     #: Prompts a scope remembers as taught (the oldest are dropped beyond).
     gate_max_keys: int = 256
+    #: Teach each topic its own adapter (needs ``gate``): feedback with a correction or a positive
+    #: advantage trains the adapter of the scope's cluster whose taught prompts are nearest the
+    #: response's prompt (at least ``gate_threshold``), or starts a new cluster (a fresh adapter);
+    #: the gate applies the nearest cluster's adapter. Off: one adapter per scope.
+    clusters: bool = False
     # -- deep loop ------------------------------------------------------------------------------
     #: Start a deep run when a scope's accumulated quality (positive advantages plus correction
     #: weights since its last run) reaches this; 0 disables the trigger (``deep_train`` still works).
@@ -123,6 +128,8 @@ class SonaConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 bad(f"{name} must be in [0, 1], got {v!r}")
+        if self.clusters and not self.gate:
+            bad("clusters needs gate (the gate picks a request's cluster)")
         if not -1.0 <= self.gate_threshold <= 1.0:
             bad(f"gate_threshold must be in [-1, 1], got {self.gate_threshold!r}")
         for name in ("gate_max_keys", "boundary_patience", "captures_per_cycle", "max_trajectories", "bank_patterns",

@@ -53,6 +53,7 @@ def save_state(
                 "baseline": s.baseline, "feedback_count": s.feedback_count, "instant_updates": s.instant_updates,
                 "deep_runs": s.deep_runs, "ewc_consolidations": s.ewc.consolidations,
                 "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from,
+                "cluster_of": s.cluster_of,
             }
         tmp = target / (entry["file"] + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "scope": s.scope,
@@ -146,6 +147,7 @@ def _load_slot(d: Path, entry: dict[str, Any], config: SonaConfig, keys: Sequenc
     slot.instant_updates = int(entry["instant_updates"])
     slot.deep_runs = int(entry["deep_runs"])
     slot.routed_from = entry.get("routed_from")
+    slot.cluster_of = entry.get("cluster_of")
     if "gate.taught_keys" in arrays:
         slot.taught_keys = list(arrays["gate.taught_keys"].astype(np.float32))
     slot.snapshot = slot._make_snapshot()

@@ -75,6 +75,8 @@ class Slot:
         self.deep_runs = 0
         self.pending_quality = 0.0
         self.routed_from: str | None = None
+        #: The scope this slot is a cluster (one taught topic) of (``SonaConfig.clusters``), or None.
+        self.cluster_of: str | None = None
         #: Gate keys of the prompts this scope was taught with (see ``SonaConfig.gate``).
         self.taught_keys: list[np.ndarray] = []
         self.snapshot = self._make_snapshot()

@@ -190,14 +190,16 @@ class Sona:
         one key's feedback never shapes another key's outputs."""
         return self.config.scope == "api_key"
 
-    def _slot(self, scope: str, prompt: Sequence[int] | None = None) -> Slot:
+    def _slot(self, scope: str, prompt: Sequence[int] | None = None, cluster_of: str | None = None) -> Slot:
         with self._lock:
             slot = self._slots.get(scope)
             if slot is not None:
                 return slot
-            shared = self._merged is not None and not self._isolated
+            # A cluster (``cluster_of``'s, see ``SonaConfig.clusters``) learns one topic from scratch.
+            shared = self._merged is not None and not self._isolated and cluster_of is None
             params = copy_params(self._merged) if shared else fresh_params(self.config, self.net, self.keys, scope)
             slot = Slot(scope, params, self.config.scale, new_ewc(self.config, params), self.config.initial_baseline)
+            slot.cluster_of = cluster_of
             if shared:
                 slot.taught_keys = list(self._merged_keys)
             self._slots[scope] = slot
@@ -229,9 +231,15 @@ class Sona:
             request.adapter = None if snap.is_zero else snap
             return
         rid = request.request_id
+        metadata = request.metadata
 
         def router(key: np.ndarray) -> SonaAdapter | None:
-            return self._gate(rid, scope, snap, key, info)
+            if not self.config.clusters:
+                return self._gate(rid, scope, snap, key, info)
+            chosen = self._gate_clusters(rid, scope, snap, key, info)
+            if chosen is not None:  # the trajectory is recorded under the cluster's snapshot
+                metadata[ADAPTER_METADATA_KEY] = chosen
+            return chosen
 
         request.adapter_router = router
 
@@ -256,6 +264,67 @@ class Sona:
         info.update(applied=applied, similarity=None if similarity is None else round(similarity, 4))
         log.debug("sona gate", request_id=rid, scope=scope, similarity=info["similarity"], applied=applied)
         return snap if applied else None
+
+    def _clusters(self, scope: str) -> list[Slot]:
+        """The scope's own slot and its clusters' (``SonaConfig.clusters``)."""
+        with self._lock:
+            return [s for s in self._slots.values() if s.scope == scope or s.cluster_of == scope]
+
+    def _nearest(self, scope: str, key: np.ndarray) -> tuple[Slot | None, float | None]:
+        """The slot of ``scope`` (or of one of its clusters) whose taught prompts are nearest ``key``,
+        and that similarity; (None, None) when none was taught."""
+        best: tuple[Slot | None, float | None] = (None, None)
+        for slot in self._clusters(scope):
+            with slot.lock:
+                taught, zero = list(slot.taught_keys), slot.snapshot.is_zero
+            with self._lock:
+                sim = None if zero else self.gate_center.similarity(key, taught)
+            if sim is not None and (best[1] is None or sim > best[1]):
+                best = (slot, sim)
+        return best
+
+    def _gate_clusters(
+        self, rid: str, scope: str, snap: SonaAdapter, key: np.ndarray, info: dict[str, Any]
+    ) -> SonaAdapter | None:
+        """The router with clusters: the adapter of the cluster nearest the prompt, if near enough."""
+        key = np.asarray(key, np.float32).copy()
+        with self._lock:
+            self.gate_center.observe(key)
+            self._pending_keys[rid] = key
+            while len(self._pending_keys) > self.config.max_trajectories:
+                self._pending_keys.popitem(last=False)
+        slot, similarity = self._nearest(scope, key)
+        applied = slot is not None and similarity is not None and similarity >= self.config.gate_threshold
+        chosen = None
+        if applied:
+            with slot.lock:
+                chosen = slot.snapshot
+        with self._lock:
+            self._counters["gate_applied" if applied else "gate_skipped"] += 1
+        info.update(applied=applied, similarity=None if similarity is None else round(similarity, 4),
+                    cluster=chosen.scope if chosen is not None else None)  # fmt: skip
+        log.debug("sona gate", request_id=rid, scope=scope, similarity=info["similarity"], applied=applied,
+                  cluster=info["cluster"])  # fmt: skip
+        return chosen
+
+    def _cluster_for(self, traj: Trajectory) -> str:
+        """Where a correction of ``traj`` teaches with clusters: the cluster it ran under, else the
+        scope's cluster nearest its prompt (at least ``gate_threshold``), else a new cluster."""
+        with self._lock:
+            ran_under = self._slots.get(traj.scope)
+        if traj.key is None or (ran_under is not None and ran_under.cluster_of is not None):
+            return traj.scope
+        slot, similarity = self._nearest(traj.scope, traj.key)
+        if slot is not None and similarity is not None and similarity >= self.config.gate_threshold:
+            return slot.scope
+        with self._lock:
+            n = sum(1 for s in self._slots.values() if s.cluster_of == traj.scope)
+            name = f"{traj.scope}#topic{n}"
+            while name in self._slots:
+                n += 1
+                name = f"{traj.scope}#topic{n}"
+        self._slot(name, cluster_of=traj.scope)
+        return name
 
     @hookimpl
     def post_inference(self, request: InferenceRequest, result: InferenceResult) -> None:
@@ -304,6 +373,8 @@ class Sona:
         if traj is None:
             raise UnknownResponseError(f"no response {response_id!r} is held for feedback (unknown or expired)")
         correction_ids = self._correction_ids(correction) if correction is not None else None
+        if self.config.clusters and correction_ids is not None:
+            traj.scope = self._cluster_for(traj)
         slot = self._slot(traj.scope)
         with slot.lock:
             advantage = float(score) - slot.baseline
@@ -652,6 +723,7 @@ class Sona:
                     "feedback": s.feedback_count, "instant_updates": s.instant_updates, "deep_runs": s.deep_runs,
                     "baseline": round(s.baseline, 4), "pending_quality": round(s.pending_quality, 4),
                     "routed_from": s.routed_from, "ewc": s.ewc.stats(), "taught_prompts": len(s.taught_keys),
+                    "cluster_of": s.cluster_of,
                 })
         return {
             "model": self.model_config.name,
