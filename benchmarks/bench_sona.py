@@ -133,6 +133,25 @@ def routing_overhead(model: Any, sona: Sona, rounds: int) -> dict[str, Any]:
     return row
 
 
+def teach_topics(sona: Sona, n: int, keys_per_topic: int = 8) -> None:
+    """``n`` topics taught through SONA's public path (a recorded response with its gate key, a
+    correction, the background cycle): random keys, so no real prompt is near any of them."""
+    rng = np.random.default_rng(3)
+    size = sona.model_config.hidden_size
+    for _ in range(64):
+        sona.gate_center.observe(rng.standard_normal(size).astype(np.float32))
+    for topic in range(n):
+        centre = rng.standard_normal(size).astype(np.float32) * 4
+        for j in range(keys_per_topic):
+            rid = f"topic{topic}-{j}"
+            key = centre + rng.standard_normal(size).astype(np.float32) * 0.5
+            sona.record(Trajectory(rid, "global", [1, 2, 3, 4 + topic], [5, 6], sona.adapter(), time.monotonic(),
+                                   key=key))  # fmt: skip
+            sona.feedback(rid, 0.0, correction=[7 + topic, 8])
+        while sona.run_cycle()["captured"]:
+            pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here as JSON")
@@ -140,11 +159,16 @@ def main() -> None:
     ap.add_argument("--no-jax", action="store_true", help="measure the forward overhead on candle-compat only")
     ap.add_argument("--routing-only", action="store_true", help="measure only the gate's routing overhead")
     ap.add_argument("--routing-rounds", type=int, default=5)
+    ap.add_argument("--clusters", type=int, default=0,
+                    help="with --routing-only: SONA with clusters=true and this many taught topics the router "
+                         "compares every request with (none near the benchmark's prompts)")  # fmt: skip
     args = ap.parse_args()
     if args.routing_only:
         model = load_model("smollm2", backend="candle-compat")
-        sona = Sona.for_model(model, SonaConfig(), start=False)
+        sona = Sona.for_model(model, SonaConfig(clusters=args.clusters > 0), start=False)
+        teach_topics(sona, args.clusters)
         row = routing_overhead(model, sona, args.routing_rounds)
+        row["clusters"] = len([a for a in sona.stats()["adapters"] if a["cluster_of"]])
         sona.close(save=False)
         print(json.dumps({"backend": model.backend.name, "cpus": os.cpu_count(), "routing_8_streams": row}, indent=1))
         return

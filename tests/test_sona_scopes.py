@@ -267,11 +267,11 @@ def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
         return topics[name] + rng.standard_normal(48).astype(np.float32) * 0.3
 
     for name, answer in (("a", [5, 6, 7]), ("b", [40, 41, 42])):
-        for i in range(3):
+        for i in range(3):  # the corrections come before the background cycle captures them
             rid = f"{name}{i}"
             ask(rid, near(name), [9, 9])
             sona.feedback(rid, 0.0, correction=answer)
-            drain(sona)
+        drain(sona)
     clusters = {s["scope"]: s for s in sona.stats()["adapters"] if s["cluster_of"] == "global"}
     assert set(clusters) == {"global#topic0", "global#topic1"}
     assert all(c["instant_updates"] == 3 and c["taught_prompts"] == 3 for c in clusters.values())

@@ -270,15 +270,17 @@ class Sona:
         with self._lock:
             return [s for s in self._slots.values() if s.scope == scope or s.cluster_of == scope]
 
-    def _nearest(self, scope: str, key: np.ndarray) -> tuple[Slot | None, float | None]:
+    def _nearest(self, scope: str, key: np.ndarray, applicable: bool = True) -> tuple[Slot | None, float | None]:
         """The slot of ``scope`` (or of one of its clusters) whose taught prompts are nearest ``key``,
-        and that similarity; (None, None) when none was taught."""
+        and that similarity; (None, None) when none was taught. ``applicable``: only slots whose
+        adapter changes anything (what the gate may apply); else also clusters whose first correction
+        is not applied yet (where the next correction belongs)."""
         best: tuple[Slot | None, float | None] = (None, None)
         for slot in self._clusters(scope):
             with slot.lock:
                 taught, zero = list(slot.taught_keys), slot.snapshot.is_zero
             with self._lock:
-                sim = None if zero else self.gate_center.similarity(key, taught)
+                sim = None if zero and applicable else self.gate_center.similarity(key, taught)
             if sim is not None and (best[1] is None or sim > best[1]):
                 best = (slot, sim)
         return best
@@ -314,7 +316,7 @@ class Sona:
             ran_under = self._slots.get(traj.scope)
         if traj.key is None or (ran_under is not None and ran_under.cluster_of is not None):
             return traj.scope
-        slot, similarity = self._nearest(traj.scope, traj.key)
+        slot, similarity = self._nearest(traj.scope, traj.key, applicable=False)
         if slot is not None and similarity is not None and similarity >= self.config.gate_threshold:
             return slot.scope
         with self._lock:
