@@ -70,10 +70,10 @@ class SonaConfig:
     gate_threshold: float = 0.6
     #: Prompts a scope remembers as taught (the oldest are dropped beyond).
     gate_max_keys: int = 256
-    #: Teach each topic its own adapter (needs ``gate``): feedback with a correction or a positive
-    #: advantage trains the adapter of the scope's cluster whose taught prompts are nearest the
-    #: response's prompt (at least ``gate_threshold``), or starts a new cluster (a fresh adapter);
-    #: the gate applies the nearest cluster's adapter. Off: one adapter per scope.
+    #: Teach each topic its own adapter (needs ``gate``): a correction trains the adapter of the
+    #: scope's cluster whose taught prompts are nearest the response's prompt (at least
+    #: ``gate_threshold``), or starts a new cluster (a fresh adapter); the gate applies the nearest
+    #: cluster's adapter. Off: one adapter per scope.
     clusters: bool = False
     # -- deep loop ------------------------------------------------------------------------------
     #: Start a deep run when a scope's accumulated quality (positive advantages plus correction

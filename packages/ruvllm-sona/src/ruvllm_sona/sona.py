@@ -236,7 +236,7 @@ class Sona:
         def router(key: np.ndarray) -> SonaAdapter | None:
             if not self.config.clusters:
                 return self._gate(rid, scope, snap, key, info)
-            chosen = self._gate_clusters(rid, scope, snap, key, info)
+            chosen = self._gate_clusters(rid, scope, key, info)
             if chosen is not None:  # the trajectory is recorded under the cluster's snapshot
                 metadata[ADAPTER_METADATA_KEY] = chosen
             return chosen
@@ -285,9 +285,7 @@ class Sona:
                 best = (slot, sim)
         return best
 
-    def _gate_clusters(
-        self, rid: str, scope: str, snap: SonaAdapter, key: np.ndarray, info: dict[str, Any]
-    ) -> SonaAdapter | None:
+    def _gate_clusters(self, rid: str, scope: str, key: np.ndarray, info: dict[str, Any]) -> SonaAdapter | None:
         """The router with clusters: the adapter of the cluster nearest the prompt, if near enough."""
         key = np.asarray(key, np.float32).copy()
         with self._lock:
@@ -319,13 +317,13 @@ class Sona:
         slot, similarity = self._nearest(traj.scope, traj.key, applicable=False)
         if slot is not None and similarity is not None and similarity >= self.config.gate_threshold:
             return slot.scope
-        with self._lock:
+        with self._lock:  # (re-entrant: the new cluster's slot is made under the same hold)
             n = sum(1 for s in self._slots.values() if s.cluster_of == traj.scope)
             name = f"{traj.scope}#topic{n}"
             while name in self._slots:
                 n += 1
                 name = f"{traj.scope}#topic{n}"
-        self._slot(name, cluster_of=traj.scope)
+            self._slot(name, cluster_of=traj.scope)
         return name
 
     @hookimpl
