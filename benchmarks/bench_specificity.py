@@ -120,6 +120,10 @@ class Outcome:
     facts: int
     recall: float = 0.0
     facts_recalled: int = 0  # facts with at least 2 of 3 paraphrases naming the answer
+    #: Per fact (in order): held-apart paraphrases naming its answer (of 3).
+    hits: list = field(default_factory=list)
+    #: Adapters that learnt something (with ``clusters``: one per taught topic).
+    adapters_taught: int = 0
     recall_before: float = 0.0
     unrelated_changed: float = 0.0
     intrusions: int = 0
@@ -235,6 +239,8 @@ def run(config: str, k: int, args: argparse.Namespace) -> Outcome:
     hits = [sum(f.words[-1] in a for a in ans) for f, ans in zip(facts, held_after, strict=True)]
     out.recall = sum(hits) / (3 * k)
     out.facts_recalled = sum(h >= 2 for h in hits)
+    out.hits = hits
+    out.adapters_taught = sum(1 for a in stats["adapters"] if a["feedback"])
     changed = [(q, b, a) for q, b, a in zip(UNRELATED, before, after, strict=True) if a != b]
     out.unrelated_changed = len(changed) / len(UNRELATED)
     words = {w for f in FACTS[:k] for w in f.words}
@@ -267,6 +273,7 @@ def main() -> int:
                   f"{r.facts_recalled}/{k})  unrelated changed {r.unrelated_changed:.1%}  intrusions {r.intrusions}  "
                   f"ppl {r.ppl_before:.3f} -> {r.ppl_after:.3f}  gate {r.gate}  deep runs {r.deep_runs}  "
                   f"{r.seconds:.0f} s", flush=True)  # fmt: skip
+            print(f"    per fact: {r.hits}; adapters taught: {r.adapters_taught}", flush=True)
             for q, b, a in r.changed_examples[:3]:
                 print(f"    changed: {q!r}: {b[:60]!r} -> {a[:60]!r}", flush=True)
     if args.json:
