@@ -106,18 +106,26 @@ def adapter_dir(ref: str, cache: str | None = None) -> Path:
         ) from None
 
 
-def load_peft_adapter(
-    ref: str | Path, name: str, cfg: ModelConfig, *, max_rank: int | None = None, cache: str | None = None
-) -> LoraWeights:
-    """Load the PEFT LoRA adapter at ``ref`` for a base model described by ``cfg``."""
-    path = adapter_dir(str(ref), cache)
-    where = f"adapter {name!r} ({path})"
+def _read_config(path: Path, where: str) -> dict[str, Any]:
+    """``path``'s ``adapter_config.json``; a one-line error naming ``where`` when it is missing or unreadable."""
     try:
         conf = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AdapterError(f"{where}: adapter_config.json is missing") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{where}: adapter_config.json is not readable JSON ({exc})") from None
+    if not isinstance(conf, dict):
+        raise AdapterError(f"{where}: adapter_config.json is not a JSON object")
+    return conf
+
+
+def load_peft_adapter(
+    ref: str | Path, name: str, cfg: ModelConfig, *, max_rank: int | None = None, cache: str | None = None
+) -> LoraWeights:
+    """Load the PEFT LoRA adapter at ``ref`` for a base model described by ``cfg``."""
+    path = adapter_dir(str(ref), cache)
+    where = f"adapter {name!r} ({path})"
+    conf = _read_config(path, where)
     if conf.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{where}: peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
     for key, neutral in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
@@ -348,12 +356,7 @@ def load_xlora_adapter(
     (``...internal_xlora_classifier.layers.{i}.weight`` / ``.bias``)."""
     path = adapter_dir(str(ref), cache)
     where = f"X-LoRA adapter {name!r} ({path})"
-    try:
-        conf = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise AdapterError(f"{where}: adapter_config.json is missing") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{where}: adapter_config.json is not readable JSON ({exc})") from None
+    conf = _read_config(path, where)
     if conf.get("peft_type") != "XLORA":
         raise AdapterError(f"{where}: peft_type {conf.get('peft_type')!r} is not XLORA")
     experts = conf.get("adapters")
