@@ -160,3 +160,46 @@ def test_bad_batches_raise_clear_errors(tiny_model):
         run(SequenceChunk(np.array([1], np.int32), 0, table, adapter=object()))
     with pytest.raises(RuvllmError):
         tiny_model.allocate_cache(0, 4)
+
+
+def test_decode_step_logits_are_the_steps_rows_in_chunk_order(tiny_model):
+    """A decode step returns its logits without a copy (one pass over the chunks in order): the rows
+    are each chunk's own, the same as when the chunks run one at a time."""
+    cache = tiny_model.allocate_cache(16, 4)
+    tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(3)]
+    prompts = [np.arange(3, 8, dtype=np.int32) + i for i in range(3)]
+    tiny_model.forward(ForwardBatch([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)], 4), cache)
+    nxt = [np.array([20 + i], np.int32) for i in range(3)]
+    batch = ForwardBatch([SequenceChunk(n, 5, t) for n, t in zip(nxt, tables, strict=True)], 4)
+    together = tiny_model.forward(batch, cache).logits
+    assert together.shape == (3, tiny_model.spec.vocab_size)
+    alone = [
+        tiny_model.forward(ForwardBatch([SequenceChunk(n, 5, t)], 4), cache).logits[0]
+        for n, t in zip(nxt, tables, strict=True)
+    ]
+    np.testing.assert_allclose(together, np.stack(alone), rtol=0, atol=1e-5)
+    assert not np.allclose(alone[0], alone[1], atol=1e-3)  # the rows are three different sequences'
+
+
+def test_host_buffers_policy_is_logged_and_can_be_turned_off():
+    """On glibc the backend keeps freed large host buffers for reuse (ruvllm_jax.host_memory);
+    RUVLLM_JAX_KEEP_HOST_BUFFERS=0 leaves the allocator alone. Each in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from ruvllm_jax.host_memory import keep_large_buffers; print(keep_large_buffers())"
+    env = {k: v for k, v in os.environ.items() if k != "RUVLLM_JAX_KEEP_HOST_BUFFERS"}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    off = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "RUVLLM_JAX_KEEP_HOST_BUFFERS": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    import platform
+
+    expected = "kept for reuse" if platform.libc_ver()[0] == "glibc" else "allocator default (not glibc)"
+    assert on.stdout.strip() == expected
+    assert off.stdout.strip() == "allocator default (RUVLLM_JAX_KEEP_HOST_BUFFERS=0)"

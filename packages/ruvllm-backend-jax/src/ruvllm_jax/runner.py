@@ -45,6 +45,7 @@ from ruvllm.sampling import overlay_widths
 from ruvllm_jax import native
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
+from ruvllm_jax.host_memory import keep_large_buffers
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
 from ruvllm_jax.model import (
@@ -365,8 +366,10 @@ class JaxModel:
         weights = shard_weights(host, spec, mesh)
         model = cls(spec, weights, mesh, attention, options)
         model.table_tokens = checkpoint.config.max_position_embeddings
+        on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
         log.info(
             "weights loaded",
+            host_buffers=keep_large_buffers() if on_cpu else "n/a (not on CPU)",
             quantization=options.quantization,
             dtype=options.dtype,
             devices=mesh.size,
@@ -567,9 +570,14 @@ class JaxModel:
         ds = batch.sampling
         if ds is not None and len(ds.greedy) != len(chunks):
             raise BackendError(f"device sampling has {len(ds.greedy)} rows for {len(chunks)} chunks")
-        out = ForwardOutput(np.zeros((0 if ds else len(chunks), vocab), np.float32))
+        parts = partition([len(c.token_ids) for c in chunks])
+        # One pass over the chunks in order (every decode step): the step's logits are the output as
+        # they are, a view of the first rows (copying them costs a fresh buffer per step, and on a
+        # CPU a buffer that large - 33 MB for Gemma-3 at 32 sequences - is fresh pages every step).
+        whole = len(parts) == 1 and parts[0] == list(range(len(chunks)))
+        out = ForwardOutput(np.zeros((0 if ds or whole else len(chunks), vocab), np.float32))
         sampled: list[tuple[list[int], SampledRows]] = []
-        for part in partition([len(c.token_ids) for c in chunks]):
+        for part in parts:
             inputs, plan, rows, lora = self._prepare([chunks[i] for i in part], cache)
             step = self._step_for(plan, cache, inputs, lora)
             logits, hidden, cache.state = step(self.weights, cache.state, inputs, lora)
@@ -582,7 +590,9 @@ class JaxModel:
                     logits = None
             if logits is not None:
                 logits = _to_host(logits)
-                if ds is None:
+                if ds is None and whole:
+                    out.logits = logits[: len(part)]
+                elif ds is None:
                     out.logits[part] = logits[rows.last]
             for j, sl in rows.all_logits.items():
                 out.all_logits[part[j]] = np.ascontiguousarray(logits[sl])

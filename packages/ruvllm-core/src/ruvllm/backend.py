@@ -251,7 +251,8 @@ class ForwardBatch:
 
 @dataclass
 class ForwardOutput:
-    #: float32 ``[len(chunks), vocab]``: logits at the last new position of each chunk.
+    #: float32 ``[len(chunks), vocab]``: logits at the last new position of each chunk. A backend may
+    #: return a read-only view of its step's output here (no copy); consumers copy before editing.
     logits: np.ndarray
     #: chunk index -> float32 ``[n, vocab]`` for chunks that asked for ``all_logits``.
     all_logits: dict[int, np.ndarray] = field(default_factory=dict)
