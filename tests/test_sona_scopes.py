@@ -22,8 +22,10 @@ def test_scope_modes(tmp_path):
     assert serve(by_user, "r1", prompt, out, user="ada").metadata["sona"]["scope"] == "user:ada"
     assert serve(by_user, "r2", prompt, out).metadata["sona"]["scope"] == "global"
     by_key = tiny_sona(tmp_path / "b", SonaConfig(scope="api_key"))
-    assert serve(by_key, "r1", prompt, out, user="ada", metadata={"api_key_id": "k7"}).metadata["sona"]["scope"] \
+    assert (
+        serve(by_key, "r1", prompt, out, user="ada", metadata={"api_key_id": "k7"}).metadata["sona"]["scope"]
         == "key:k7"
+    )
     shared = tiny_sona(tmp_path / "c")
     assert serve(shared, "r1", prompt, out, user="ada").metadata["sona"]["scope"] == "global"
 
@@ -71,8 +73,9 @@ def test_feedback_before_capture_is_queued_then_applied(tmp_path):
 
 
 def test_new_scope_is_routed_to_a_similar_well_rated_scope(tmp_path):
-    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="user", bank_patterns=2, route_threshold=0.95,
-                                                route_min_quality=0.6))
+    sona = tiny_sona(
+        tmp_path / "m", SonaConfig(scope="user", bank_patterns=2, route_threshold=0.95, route_min_quality=0.6)
+    )
     topic = random_tokens(10, 12)
     for i in range(4):
         serve(sona, f"ada-{i}", topic, random_tokens(20 + i, 5), user="ada")
@@ -94,8 +97,9 @@ def test_new_scope_is_routed_to_a_similar_well_rated_scope(tmp_path):
 def test_api_keys_are_isolated_tenants(tmp_path):
     """The setup that routes and merges between users does neither between API keys: a new key's
     adapter starts empty although another key, asking the same things, was taught."""
-    sona = tiny_sona(tmp_path / "m", SonaConfig(scope="api_key", bank_patterns=2, route_threshold=0.95,
-                                                route_min_quality=0.6))
+    sona = tiny_sona(
+        tmp_path / "m", SonaConfig(scope="api_key", bank_patterns=2, route_threshold=0.95, route_min_quality=0.6)
+    )
     topic = random_tokens(10, 12)
     for i in range(4):
         serve(sona, f"a-{i}", topic, random_tokens(20 + i, 5), metadata={"api_key_id": "key-a"})
@@ -126,8 +130,10 @@ def test_new_scopes_start_from_the_merged_adapter(tmp_path):
     ada, bob = sona.adapter("user:ada"), sona.adapter("user:bob")
     for key in sona.keys:
         # The feedback-weighted mean (1 : 2) of the users' dense updates, best rank-2 approximation.
-        dense = sum(w * f.scale * f.B.astype(np.float64) @ f.A for w, f in ((1 / 3, ada.entries[key]),
-                                                                          (2 / 3, bob.entries[key])))
+        dense = sum(
+            w * f.scale * f.B.astype(np.float64) @ f.A
+            for w, f in ((1 / 3, ada.entries[key]), (2 / 3, bob.entries[key]))
+        )
         u, sv, vt = np.linalg.svd(dense)
         want = (u[:, :2] * sv[:2]) @ vt[:2]
         got = new.entries[key].scale * new.entries[key].B.astype(np.float64) @ new.entries[key].A
@@ -150,8 +156,13 @@ def test_bank_clusters_search_and_route():
     rng = np.random.default_rng(0)
     for i in range(8):
         c = i % 2
-        bank.add(f"r{i}", "good" if c == 0 else "meh", centers[c] + 0.05 * rng.standard_normal(4), float(i),
-                 quality=0.9 if c == 0 else 0.2)
+        bank.add(
+            f"r{i}",
+            "good" if c == 0 else "meh",
+            centers[c] + 0.05 * rng.standard_normal(4),
+            float(i),
+            quality=0.9 if c == 0 else 0.2,
+        )
     patterns = bank.cluster()
     assert sorted(p.size for p in patterns) == [4, 4]
     best = bank.search(centers[0], 2)
@@ -186,16 +197,19 @@ def test_bad_feedback_targets_and_corrections_are_refused(tmp_path):
     assert issubclass(FeedbackError, RuvllmError)
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"scope": "team"}, "scope must be one of"),
-    ({"projections": ("qkv",)}, "unknown projection"),
-    ({"layers": (5,)}, "outside 0..1"),
-    ({"rank": 0}, "rank must be"),
-    ({"ewc_decay": 1.5}, "ewc_decay"),
-    ({"instant_lr": -1.0}, "instant_lr"),
-    ({"capture": "sometimes"}, "capture must be"),
-    ({"layers": (0,)}, "instant loop adapts the last layer"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"scope": "team"}, "scope must be one of"),
+        ({"projections": ("qkv",)}, "unknown projection"),
+        ({"layers": (5,)}, "outside 0..1"),
+        ({"rank": 0}, "rank must be"),
+        ({"ewc_decay": 1.5}, "ewc_decay"),
+        ({"instant_lr": -1.0}, "instant_lr"),
+        ({"capture": "sometimes"}, "capture must be"),
+        ({"layers": (0,)}, "instant loop adapts the last layer"),
+    ],
+)
 def test_bad_configs_are_refused(tmp_path, kw, message):
     with pytest.raises(SonaError, match=message):
         tiny_sona(tmp_path / "m", SonaConfig(**kw))
@@ -208,6 +222,7 @@ def test_merged_adapter_is_the_feedback_weighted_mean_of_the_scopes_updates():
 
     rng = np.random.default_rng(3)
     key = (0, "q_proj")
+
     def factors() -> tuple[np.ndarray, np.ndarray]:
         return rng.standard_normal((2, 6)).astype(np.float32), rng.standard_normal((5, 2)).astype(np.float32)
 
@@ -287,7 +302,58 @@ def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
     saved = sona.save(tmp_path / "state")
     again = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, deep_trigger=0), state_dir=saved)
     assert {s["scope"]: s["cluster_of"] for s in again.stats()["adapters"]} == {
-        "global": None, "global#topic0": "global", "global#topic1": "global"
+        "global": None,
+        "global#topic0": "global",
+        "global#topic1": "global",
     }
     with pytest.raises(SonaError, match="clusters needs gate"):
         SonaConfig(clusters=True, gate=False).validate(sona.model_config)
+
+
+def test_clusters_by_answer_keep_one_answer_together_and_same_wording_apart(tmp_path):
+    """``cluster_by="answer"``: corrections teaching one answer through prompts far apart make one
+    cluster; one prompt wording about two subjects (prompt keys nearly equal) with different answers
+    makes two. The gate still routes by prompt; the answers are saved and loaded with the clusters."""
+    from ruvllm.inference import InferenceRequest, InferenceResult
+    from ruvllm.sampling import SamplingParams
+
+    config = SonaConfig(clusters=True, cluster_by="answer", deep_trigger=0)
+    sona = tiny_sona(tmp_path / "ckpt", config)
+    rng = np.random.default_rng(1)
+    for _ in range(32):
+        sona.gate_center.observe(rng.standard_normal(48).astype(np.float32) + 5.0)
+
+    def ask(rid: str, key: np.ndarray):
+        request = InferenceRequest(rid, random_tokens(len(rid), 6), SamplingParams())
+        sona.pre_inference(request)
+        chosen = request.adapter_router(key)
+        sona.post_inference(request, InferenceResult(rid, [9, 9], "", "stop", 6))
+        return chosen
+
+    wording = rng.standard_normal(48).astype(np.float32) * 3 + 5.0  # "What is the capital of {e}?"
+    far = [rng.standard_normal(48).astype(np.float32) * 3 + 5.0 for _ in range(2)]  # other wordings
+    answer_x, answer_y = [11, 12, 13, 14, 15], [11, 12, 13, 30, 31]  # share 3 of 7 tokens: 0.43
+    # Subject x: the shared wording, then two unrelated wordings, all answered x.
+    for i, key in enumerate([wording, *far]):
+        ask(f"x{i}", key + rng.standard_normal(48).astype(np.float32) * 0.05)
+        sona.feedback(f"x{i}", 0.0, correction=answer_x)
+    # Subject y: the same wording (its key within 0.05 noise of x's), answered y.
+    ask("y0", wording + rng.standard_normal(48).astype(np.float32) * 0.05)
+    sona.feedback("y0", 0.0, correction=answer_y)
+    drain(sona)
+    clusters = {s["scope"]: s for s in sona.stats()["adapters"] if s["cluster_of"] == "global"}
+    assert set(clusters) == {"global#topic0", "global#topic1"}
+    assert clusters["global#topic0"]["taught_prompts"] == 3 and clusters["global#topic1"]["taught_prompts"] == 1
+    assert ask("q", far[1] + rng.standard_normal(48).astype(np.float32) * 0.05).scope == "global#topic0"
+    saved = sona.save(tmp_path / "state")
+    again = tiny_sona(tmp_path / "ckpt", config, state_dir=saved)
+    with again._lock:
+        answers = {s.scope: s.taught_answers for s in again._slots.values()}
+    assert answers["global#topic0"] == [frozenset(answer_x)] and answers["global#topic1"] == [frozenset(answer_y)]
+    # A later correction with x's answer joins x's cluster even from y's wording.
+    ask("y1", wording)
+    sona.feedback("y1", 0.0, correction=answer_x)
+    assert len([s for s in sona.stats()["adapters"] if s["cluster_of"]]) == 2
+    for bad, match in (({"cluster_by": "subject"}, "cluster_by must be"), ({"cluster_answer_overlap": 0.0}, "overlap")):
+        with pytest.raises(SonaError, match=match):
+            SonaConfig(clusters=True, **bad).validate(sona.model_config)

@@ -75,6 +75,15 @@ class SonaConfig:
     #: ``gate_threshold``), or starts a new cluster (a fresh adapter); the gate applies the nearest
     #: cluster's adapter. Off: one adapter per scope.
     clusters: bool = False
+    #: With ``clusters``, what decides a correction's cluster. ``"prompt"``: the cluster whose taught
+    #: prompts are nearest the response's prompt (at least ``gate_threshold``; a response that ran
+    #: under a cluster's adapter teaches that cluster). ``"answer"``: the cluster whose corrections
+    #: share the most of this correction's tokens (Jaccard of the token sets, at least
+    #: ``cluster_answer_overlap``), so one answer taught through differently worded questions stays
+    #: one topic and questions of one wording about different subjects stay apart. Either way the
+    #: gate then applies the cluster whose taught prompts are nearest the request's.
+    cluster_by: str = "prompt"
+    cluster_answer_overlap: float = 0.5
     # -- deep loop ------------------------------------------------------------------------------
     #: Start a deep run when a scope's accumulated quality (positive advantages plus correction
     #: weights since its last run) reaches this; 0 disables the trigger (``deep_train`` still works).
@@ -130,6 +139,10 @@ class SonaConfig:
                 bad(f"{name} must be in [0, 1], got {v!r}")
         if self.clusters and not self.gate:
             bad("clusters needs gate (the gate picks a request's cluster)")
+        if self.cluster_by not in ("prompt", "answer"):
+            bad(f"cluster_by must be 'prompt' or 'answer', got {self.cluster_by!r}")
+        if not 0.0 < self.cluster_answer_overlap <= 1.0:
+            bad(f"cluster_answer_overlap must be in (0, 1], got {self.cluster_answer_overlap!r}")
         if not -1.0 <= self.gate_threshold <= 1.0:
             bad(f"gate_threshold must be in [-1, 1], got {self.gate_threshold!r}")
         for name in ("gate_max_keys", "boundary_patience", "captures_per_cycle", "max_trajectories", "bank_patterns",

@@ -55,6 +55,8 @@ def save_state(
                 "ewc_consolidated_samples": s.ewc.consolidated.count, "routed_from": s.routed_from,
                 "cluster_of": s.cluster_of,
             }
+            if s.taught_answers:
+                entry["taught_answers"] = [sorted(a) for a in s.taught_answers]
         tmp = target / (entry["file"] + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "scope": s.scope,
                                                 "scale": repr(s.scale), "rank": str(config.rank)})
@@ -148,6 +150,7 @@ def _load_slot(d: Path, entry: dict[str, Any], config: SonaConfig, keys: Sequenc
     slot.deep_runs = int(entry["deep_runs"])
     slot.routed_from = entry.get("routed_from")
     slot.cluster_of = entry.get("cluster_of")
+    slot.taught_answers = [frozenset(int(t) for t in a) for a in entry.get("taught_answers", [])]
     if "gate.taught_keys" in arrays:
         slot.taught_keys = list(arrays["gate.taught_keys"].astype(np.float32))
     slot.snapshot = slot._make_snapshot()

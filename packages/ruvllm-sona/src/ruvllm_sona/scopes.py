@@ -79,6 +79,8 @@ class Slot:
         self.cluster_of: str | None = None
         #: Gate keys of the prompts this scope was taught with (see ``SonaConfig.gate``).
         self.taught_keys: list[np.ndarray] = []
+        #: Token sets of the corrections this cluster was taught (``SonaConfig.cluster_by="answer"``).
+        self.taught_answers: list[frozenset[int]] = []
         self.snapshot = self._make_snapshot()
 
     def _make_snapshot(self) -> SonaAdapter:

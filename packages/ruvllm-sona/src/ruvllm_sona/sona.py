@@ -307,23 +307,47 @@ class Sona:
                   cluster=info["cluster"])  # fmt: skip
         return chosen
 
-    def _cluster_for(self, traj: Trajectory) -> str:
-        """Where a correction of ``traj`` teaches with clusters: the cluster it ran under, else the
-        scope's cluster nearest its prompt (at least ``gate_threshold``), else a new cluster."""
+    def _cluster_for(self, traj: Trajectory, correction: Sequence[int]) -> str:
+        """Where a correction of ``traj`` teaches with clusters (``SonaConfig.cluster_by``): by
+        prompt, the cluster it ran under, else the scope's cluster nearest its prompt (at least
+        ``gate_threshold``); by answer, the scope's cluster whose corrections share most of this
+        one's tokens (at least ``cluster_answer_overlap``); else a new cluster."""
         with self._lock:
             ran_under = self._slots.get(traj.scope)
-        if traj.key is None or (ran_under is not None and ran_under.cluster_of is not None):
+        base = ran_under.cluster_of if ran_under is not None and ran_under.cluster_of is not None else traj.scope
+        if self.config.cluster_by == "answer":
+            answer = frozenset(correction)
+            with self._lock:  # the choice and the record in one hold: two corrections of a new answer
+                best: tuple[Slot | None, float] = (None, 0.0)  # make one cluster, not two
+                for slot in self._clusters(base):
+                    with slot.lock:
+                        overlap = max((len(answer & a) / len(answer | a) for a in slot.taught_answers), default=0.0)
+                    if overlap > best[1]:
+                        best = (slot, overlap)
+                near = best[0] is not None and best[1] >= self.config.cluster_answer_overlap
+                chosen = best[0].scope if near and best[0] is not None else self._new_cluster(base)
+                slot = self._slots[chosen]
+                with slot.lock:
+                    if answer not in slot.taught_answers:
+                        slot.taught_answers.append(answer)
+                        del slot.taught_answers[: max(0, len(slot.taught_answers) - self.config.gate_max_keys)]
+            return chosen
+        if traj.key is None or base != traj.scope:
             return traj.scope
         slot, similarity = self._nearest(traj.scope, traj.key, applicable=False)
         if slot is not None and similarity is not None and similarity >= self.config.gate_threshold:
             return slot.scope
+        return self._new_cluster(traj.scope)
+
+    def _new_cluster(self, scope: str) -> str:
+        """A new cluster (a fresh adapter) of ``scope``; its name."""
         with self._lock:  # (re-entrant: the new cluster's slot is made under the same hold)
-            n = sum(1 for s in self._slots.values() if s.cluster_of == traj.scope)
-            name = f"{traj.scope}#topic{n}"
+            n = sum(1 for s in self._slots.values() if s.cluster_of == scope)
+            name = f"{scope}#topic{n}"
             while name in self._slots:
                 n += 1
-                name = f"{traj.scope}#topic{n}"
-            self._slot(name, cluster_of=traj.scope)
+                name = f"{scope}#topic{n}"
+            self._slot(name, cluster_of=scope)
         return name
 
     @hookimpl
@@ -374,7 +398,7 @@ class Sona:
             raise UnknownResponseError(f"no response {response_id!r} is held for feedback (unknown or expired)")
         correction_ids = self._correction_ids(correction) if correction is not None else None
         if self.config.clusters and correction_ids is not None:
-            traj.scope = self._cluster_for(traj)
+            traj.scope = self._cluster_for(traj, correction_ids)
         slot = self._slot(traj.scope)
         with slot.lock:
             advantage = float(score) - slot.baseline
