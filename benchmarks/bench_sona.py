@@ -130,7 +130,30 @@ def routing_overhead(model: Any, sona: Sona, rounds: int) -> dict[str, Any]:
     row["tokens_per_s_p50"] = {k: round(8 * 32 / statistics.median(v), 1) for k, v in times.items()}
     row["gate_overhead_p50"] = f"{statistics.median(times['sona_gate']) / statistics.median(times['no_sona']) - 1:+.1%}"
     row["gate_counts"] = {k: v for k, v in sona.stats()["counters"].items() if k.startswith("gate_")}
+    # The router's own decision (centred similarities to every cluster's taught prompts), timed alone:
+    # what routing adds per request besides the hidden state the step returns.
+    call = router_call_seconds(sona, 400)
+    row["router_call_us_p50"] = round(call * 1e6, 1)
+    row["router_share_of_the_run"] = f"{8 * call / statistics.median(times['sona_gate']):.4%}"
     return row
+
+
+def router_call_seconds(sona: Sona, n: int) -> float:
+    """Median time of one request's router call (``adapter_router(key)``) with a random key."""
+    from ruvllm.inference import InferenceRequest
+    from ruvllm.sampling import SamplingParams
+
+    rng = np.random.default_rng(5)
+    size = sona.model_config.hidden_size
+    times = []
+    for i in range(n):
+        request = InferenceRequest(f"router-{i}", [1, 2, 3], SamplingParams())
+        sona.pre_inference(request)
+        key = rng.standard_normal(size).astype(np.float32)
+        t0 = time.perf_counter()
+        request.adapter_router(key)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def teach_topics(sona: Sona, n: int, keys_per_topic: int = 8) -> None:
