@@ -40,6 +40,10 @@ def keep_large_buffers() -> str:
         _state = "allocator default (not glibc)"
         return _state
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    _state = "kept for reuse" if ok else "allocator default (mallopt refused)"
+    mmap_off = mallopt(_M_MMAP_MAX, 0) == 1
+    trim_raised = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if mmap_off and trim_raised:
+        _state = "kept for reuse"
+    else:  # say exactly what took effect
+        _state = f"partly (mmap off: {mmap_off}, trim threshold raised: {trim_raised})"
     return _state

@@ -324,8 +324,8 @@ class Sona:
                         overlap = max((len(answer & a) / len(answer | a) for a in slot.taught_answers), default=0.0)
                     if overlap > best[1]:
                         best = (slot, overlap)
-                near = best[0] is not None and best[1] >= self.config.cluster_answer_overlap
-                chosen = best[0].scope if near and best[0] is not None else self._new_cluster(base)
+                near = best[0] if best[1] >= self.config.cluster_answer_overlap else None
+                chosen = near.scope if near is not None else self._new_cluster(base)
                 slot = self._slots[chosen]
                 with slot.lock:
                     if answer not in slot.taught_answers:
