@@ -170,7 +170,7 @@ def teach_topics(sona: Sona, n: int, keys_per_topic: int = 8) -> None:
             key = centre + rng.standard_normal(size).astype(np.float32) * 0.5
             sona.record(Trajectory(rid, "global", [1, 2, 3, 4 + topic], [5, 6], sona.adapter(), time.monotonic(),
                                    key=key))  # fmt: skip
-            sona.feedback(rid, 0.0, correction=[7 + topic, 8])
+            sona.feedback(rid, 0.0, correction=[100 + 3 * topic, 101 + 3 * topic, 102 + 3 * topic])  # its own answer
         while sona.run_cycle()["captured"]:
             pass
 
@@ -183,12 +183,13 @@ def main() -> None:
     ap.add_argument("--routing-only", action="store_true", help="measure only the gate's routing overhead")
     ap.add_argument("--routing-rounds", type=int, default=5)
     ap.add_argument("--clusters", type=int, default=0,
-                    help="with --routing-only: SONA with clusters=true and this many taught topics the router "
-                         "compares every request with (none near the benchmark's prompts)")  # fmt: skip
+                    help="with --routing-only: SONA's default (clusters by answer) with this many taught topics "
+                         "the router compares every request with (none near the benchmark's prompts); 0: "
+                         "clusters=false")  # fmt: skip
     args = ap.parse_args()
     if args.routing_only:
         model = load_model("smollm2", backend="candle-compat")
-        sona = Sona.for_model(model, SonaConfig(clusters=args.clusters > 0), start=False)
+        sona = Sona.for_model(model, SonaConfig() if args.clusters else SonaConfig(clusters=False), start=False)
         teach_topics(sona, args.clusters)
         row = routing_overhead(model, sona, args.routing_rounds)
         row["clusters"] = len([a for a in sona.stats()["adapters"] if a["cluster_of"]])
@@ -250,7 +251,8 @@ def main() -> None:
         deep.feedback(f"wrong{i}", 0.0, correction="The capital of Zorblandia is Quimtown.")
     while deep.run_cycle()["captured"]:
         pass
-    report = deep.deep_train(wait=True)
+    topic = next(a["scope"] for a in deep.stats()["adapters"] if a["cluster_of"])  # the corrections' cluster
+    report = deep.deep_train(topic, wait=True)
     results["deep_run"] = {"samples": report.samples, "epochs": deep.config.deep_epochs, "steps": report.steps,
                            "seconds": round(report.seconds, 3),
                            "seconds_per_step": round(report.seconds / report.steps, 4)}

@@ -257,8 +257,10 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--backend", default="candle-compat")
     ap.add_argument("--facts", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--configs", nargs="+", default=["gate=true", "gate=false", "gate=true,ewc_lambda=0"],
-                    help="SONA plugin options per run, comma separated (empty string: the defaults)")
+    ap.add_argument("--configs", nargs="+",
+                    default=["", "ewc_lambda=0", "clusters=false", "gate=false"],
+                    help="SONA plugin options per run, comma separated (empty string: the defaults: gate on, "
+                         "clusters by answer)")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--idle-timeout", type=float, default=3600)
     ap.add_argument("--log-dir", default=".")

@@ -106,8 +106,9 @@ def test_feedback_under_one_key_adapts_only_that_keys_requests(model, recorder):
         # The engine saw each request's key id, never the key; SONA scoped it by that id.
         seen_a, seen_b = recorder.metadata[before_a["id"]], recorder.metadata[before_b["id"]]
         assert seen_a["api_key_id"] == id_a and seen_b["api_key_id"] == id_b
-        # Nothing taught yet: the gate applied no adapter (and had nothing to compare with).
-        gate = {"applied": False, "similarity": None}
+        # Nothing taught yet: the gate applied no adapter (and had nothing to compare with), and no
+        # cluster of the scope was chosen.
+        gate = {"applied": False, "similarity": None, "cluster": None}
         assert seen_a["sona"] == {"scope": scope_a, "adapter_version": 0, **gate}
         assert seen_b["sona"] == {"scope": scope_b, "adapter_version": 0, **gate}
         for seen, key in ((seen_a, KEY_A), (seen_b, KEY_B)):
@@ -143,6 +144,7 @@ def test_feedback_under_one_key_adapts_only_that_keys_requests(model, recorder):
     # made the rated token more likely.
     seen = recorder.metadata[after_a["id"]]["sona"]
     assert seen["applied"] and seen["similarity"] == pytest.approx(1.0, abs=1e-3)
+    assert seen["cluster"] == scope_a  # a score (no correction) teaches the scope's own adapter
     assert {k: seen[k] for k in ("scope", "adapter_version")} == {
         "scope": scope_a, "adapter_version": adapters[scope_a]["version"]}
     lp_before, lp_after = before_a["choices"][0]["logprobs"], after_a["choices"][0]["logprobs"]
@@ -156,7 +158,8 @@ def test_without_api_keys_requests_carry_no_key_id(model, recorder):
         out = _complete(server, None)
         seen = recorder.metadata[out["id"]]
         assert "api_key_id" not in seen
-        assert seen["sona"] == {"scope": "global", "adapter_version": 0, "applied": False, "similarity": None}
+        assert seen["sona"] == {"scope": "global", "adapter_version": 0, "applied": False, "similarity": None,
+                                "cluster": None}
         fb = httpx.post(server.url("/v1/feedback"), json={"response_id": out["id"], "score": 1.0}, timeout=60)
         assert fb.status_code == 200, fb.text
         assert fb.json()["scope"] == "global"

@@ -76,6 +76,13 @@ def test_in_flight_requests_keep_their_snapshot(smollm2_path):
         _wait(lambda: sona.stats()["trajectories"]["captured"] >= len(warm))
         for r in warm:
             sona.feedback(r.request_id, 0.0, ANSWER)
+        # The corrections teach one cluster (SONA's default); the gate applies it to these prompts
+        # once its first instant update is in.
+        topics = [a["scope"] for a in sona.stats()["adapters"] if a["cluster_of"] == "global"]
+        assert len(topics) == 1, topics
+        topic = topics[0]
+        _wait(lambda: sona.stats()["trajectories"]["feedback_waiting"] == 0)
+        assert not sona.adapter(topic).is_zero
 
         long_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         long = [GenerationRequest(chat_ids(tok, q), long_params, request_id=f"long{i}")
@@ -97,7 +104,7 @@ def test_in_flight_requests_keep_their_snapshot(smollm2_path):
                 time.sleep(0.02)
 
         reports = []
-        deep = threading.Thread(target=lambda: reports.append(sona.deep_train(wait=True)))
+        deep = threading.Thread(target=lambda: reports.append(sona.deep_train(topic, wait=True)))
         feeding = threading.Thread(target=feeder)
         deep.start()
         feeding.start()
@@ -124,7 +131,7 @@ def test_in_flight_requests_keep_their_snapshot(smollm2_path):
     assert reports and reports[0].steps > 0
     assert updates and all(s == "applied" for s in updates)
     assert in_flight_at_swap, "the long requests finished before the swap; nothing was tested"
-    final = sona.adapter()
+    final = sona.adapter(topic)
     for rid in [r.request_id for r in long + after]:
         snapshot, prompt, output = recorder.runs[rid]
         assert len(output) >= 4, rid
@@ -133,7 +140,7 @@ def test_in_flight_requests_keep_their_snapshot(smollm2_path):
         assert margins.max() <= TIE, (rid, snapshot, margins.max())
     for rid in in_flight_at_swap:
         snapshot, prompt, output = recorder.runs[rid]
-        assert snapshot.version < final.version
+        assert snapshot.scope == topic and snapshot.version < final.version
         # Under the adapter swapped in while it ran, this request would have continued differently.
         assert _teacher_forced_margins(model, prompt, output, final).max() > 10 * TIE, rid
     for r in after:

@@ -34,12 +34,14 @@ def test_state_round_trips(tmp_path):
     saved = sona.save(tmp_path / "state")
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["format"] == "ruvllm-sona/1"
-    assert {e["scope"] for e in manifest["scopes"]} == {"global", "user:ada", "user:bob"}
+    # r1's correction taught a cluster of ada's scope (SONA's default), saved beside its scope.
+    assert {e["scope"] for e in manifest["scopes"]} == {"global", "user:ada", "user:bob", "user:ada#topic0"}
     assert (saved / "bank.safetensors").is_file() and (saved / "bank.json").is_file()
 
     again = Sona(tiny_checkpoint(tmp_path / "model"), sona.config, state_dir=saved, start=False)
-    for scope in ("global", "user:ada", "user:bob"):
+    for scope in ("global", "user:ada", "user:bob", "user:ada#topic0"):
         a, b = sona._slot(scope), again._slot(scope)
+        assert a.cluster_of == b.cluster_of
         assert (a.version, a.feedback_count, a.deep_runs) == (b.version, b.feedback_count, b.deep_runs)
         assert a.baseline == pytest.approx(b.baseline)
         for key in sona.keys:

@@ -107,6 +107,13 @@ def test_plugin_options_set_sona_config_fields_by_name_and_type():
     mine = _enabled(opts)
     cfg = config_from_options(mine)
     assert (cfg.scope, cfg.gate, cfg.gate_threshold, cfg.deep_max_samples) == ("user", False, 0.7, 256)
+    assert (cfg.clusters, cfg.clustered) == (None, False)  # clusters follow the gate unless set
+    assert config_from_options({}).clustered
+    assert config_from_options({"clusters": "false"}).clusters is False
+    cfg = config_from_options({"clusters": "true", "cluster_by": "prompt", "max_clusters": "8"})
+    assert (cfg.clusters, cfg.cluster_by, cfg.max_clusters) == (True, "prompt", 8)
+    with pytest.raises(SonaError, match=r"sona\.clusters="):
+        config_from_options({"clusters": "auto"})
     assert _enabled({"sona": {"enabled": "false", "gate": "true"}}) is None
     with pytest.raises(SonaError, match=r"sona\.gait"):
         _enabled({"sona": {"enabled": "true", "gait": "on"}})

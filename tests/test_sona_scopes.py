@@ -258,6 +258,121 @@ def test_gate_centre_similarity():
     assert lone.similarity(seen[0], [seen[0]]) == pytest.approx(1.0)
 
 
+def test_gate_similarities_in_one_product_match_the_row_by_row_formula():
+    """The router's one-product similarities (centring expanded algebraically) equal centring each
+    row in float64, to 1e-9, for hidden-state-like vectors (a shared offset 30x their spread), and
+    fall back to the uncentred cosine exactly where a row or the key is the centre."""
+    from ruvllm_sona.scopes import GateCenter, KeyTable
+
+    rng = np.random.default_rng(11)
+    offset = rng.standard_normal(64) * 30.0
+    centre = GateCenter(64)
+    for v in rng.standard_normal((50, 64)) + offset:
+        centre.observe(v)
+    mu = centre.mean
+    rows = [*(rng.standard_normal((40, 64)) + offset).astype(np.float32), mu.astype(np.float32)]
+    for q in (rng.standard_normal(64) + offset, mu):
+        got = centre.similarities(q, KeyTable.of(rows))
+        for i, t in enumerate(rows):
+            t64, q64 = t.astype(np.float64), np.asarray(q, np.float64)
+            tc, qc = t64 - mu, q64 - mu
+            if np.linalg.norm(tc) < 1e-3 * np.linalg.norm(t64) or np.linalg.norm(qc) < 1e-3 * np.linalg.norm(q64):
+                want = t64 @ q64 / np.linalg.norm(t64) / np.linalg.norm(q64)
+            else:
+                want = tc @ qc / np.linalg.norm(tc) / np.linalg.norm(qc)
+            assert got[i] == pytest.approx(want, abs=1e-9), i
+
+
+def _ask(sona, rid: str, key: np.ndarray, output=(9, 9)):
+    from ruvllm.inference import InferenceRequest, InferenceResult
+    from ruvllm.sampling import SamplingParams
+
+    request = InferenceRequest(rid, random_tokens(len(rid), 6), SamplingParams())
+    sona.pre_inference(request)
+    chosen = request.adapter_router(key)
+    sona.post_inference(request, InferenceResult(rid, list(output), "", "stop", 6))
+    return chosen
+
+
+def test_the_router_picks_the_cluster_a_slot_by_slot_search_picks(tmp_path):
+    """Twelve clusters taught through many prompts each: for fresh prompts, the one-product router
+    chooses the cluster (and similarity) that comparing with each cluster's keys in turn chooses."""
+    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(deep_trigger=0))
+    rng = np.random.default_rng(3)
+    for _ in range(32):
+        sona.gate_center.observe(rng.standard_normal(48).astype(np.float32) + 5.0)
+    centres = [rng.standard_normal(48).astype(np.float32) * 3 + 5.0 for _ in range(12)]
+    for t, c in enumerate(centres):
+        for i in range(4):
+            _ask(sona, f"t{t}-{i}", c + rng.standard_normal(48).astype(np.float32))
+            sona.feedback(f"t{t}-{i}", 0.0, correction=[10 + t, 50 + t, 90 - t])
+    drain(sona)
+    with sona._lock:
+        clusters = [s for s in sona._slots.values() if s.cluster_of == "global"]
+    assert len(clusters) == 12
+    for j in range(20):
+        key = centres[j % 12] + rng.standard_normal(48).astype(np.float32) * 2
+        best = max(clusters, key=lambda s: sona.gate_center.similarity(key, s.taught_keys))
+        want = sona.gate_center.similarity(key, best.taught_keys)
+        slot, sim = sona._nearest("global", key)
+        assert slot is best and sim == pytest.approx(want, abs=1e-9)
+
+
+def test_clusters_stop_at_max_clusters_and_new_answers_join_the_nearest(tmp_path):
+    """At ``max_clusters`` a correction with a new answer joins the cluster whose taught prompts are
+    nearest its prompt: the count stays bounded, the counter and that cluster's answers say so."""
+    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(deep_trigger=0, max_clusters=2))
+    rng = np.random.default_rng(4)
+    for _ in range(32):
+        sona.gate_center.observe(rng.standard_normal(48).astype(np.float32) + 5.0)
+    a, b = (rng.standard_normal(48).astype(np.float32) * 3 + 5.0 for _ in range(2))
+    _ask(sona, "a", a)
+    sona.feedback("a", 0.0, correction=[5, 6, 7])
+    _ask(sona, "b", b)
+    sona.feedback("b", 0.0, correction=[40, 41, 42])
+    _ask(sona, "c", b + rng.standard_normal(48).astype(np.float32) * 0.5)  # near b, a third answer
+    receipt = sona.feedback("c", 0.0, correction=[70, 71, 72])
+    with sona._lock:
+        clusters = {s.scope: s for s in sona._slots.values() if s.cluster_of == "global"}
+    assert len(clusters) == 2 and receipt.scope == "global#topic1"
+    assert clusters["global#topic1"].taught_answers == [frozenset({40, 41, 42}), frozenset({70, 71, 72})]
+    assert sona.stats()["counters"]["cluster_cap_joins"] == 1
+    with pytest.raises(SonaError, match="max_clusters must be at least 1"):
+        SonaConfig(max_clusters=0).validate(sona.model_config)
+
+
+def test_a_new_cluster_starts_from_its_scopes_ewc_statistics(tmp_path):
+    """A new cluster's EWC++ holds its scope's statistics so far (consolidated and current task,
+    folded as a boundary would), anchored at the cluster's own fresh adapter: its deep run keeps
+    away from what the scope's ordinary traffic needs."""
+    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(deep_trigger=0, boundary_warmup=100))
+    for i in range(5):  # ordinary traffic, captured under the global scope
+        serve(sona, f"g{i}", random_tokens(100 + i, 10), random_tokens(200 + i, 5))
+    drain(sona)
+    with sona._lock:
+        scope_ewc = sona._slots["global"].ewc
+    assert scope_ewc.consolidations == 0
+    observed = [o.fisher for o in scope_ewc._window]
+    want_f = {k: v.copy() for k, v in scope_ewc.task.f.items()}
+    n_task = scope_ewc.task.count
+    for t in observed:  # what the boundary fold computes: the running mean over every observation
+        n_task += 1
+        for k in want_f:
+            want_f[k] += (t.f[k] - want_f[k]) / n_task
+    _ask(sona, "q", np.ones(48, np.float32))
+    sona.feedback("q", 0.0, correction=[5, 6, 7])
+    with sona._lock:
+        cluster = sona._slots["global#topic0"]
+    ewc = cluster.ewc
+    assert ewc.consolidations == 1 and ewc.consolidated.count == 5 and ewc.active
+    for k in want_f:
+        np.testing.assert_allclose(ewc.consolidated.f[k], want_f[k], rtol=1e-5, atol=1e-12)
+        np.testing.assert_array_equal(ewc.anchor[k][1], np.zeros_like(ewc.anchor[k][1]))
+        np.testing.assert_array_equal(ewc.anchor[k][0], cluster.params[k][0])
+    assert ewc.penalty(cluster.params) == pytest.approx(0.0, abs=1e-12)
+    assert scope_ewc.consolidations == 0  # the scope's own state is untouched
+
+
 def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
     """``clusters=true``: a correction whose prompt is near no taught topic starts a new cluster (a
     fresh adapter); one near a topic teaches that topic's; the gate applies the nearest topic's
@@ -265,7 +380,7 @@ def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
     from ruvllm.inference import InferenceRequest, InferenceResult
     from ruvllm.sampling import SamplingParams
 
-    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, deep_trigger=0))
+    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, cluster_by="prompt", deep_trigger=0))
     rng = np.random.default_rng(0)
     for _ in range(32):  # ordinary traffic: the gate's centre
         sona.gate_center.observe(rng.standard_normal(48).astype(np.float32) + 5.0)
@@ -300,7 +415,8 @@ def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
     assert sona.adapter("global#topic0").version > clusters["global#topic0"]["version"]
     assert len([s for s in sona.stats()["adapters"] if s["cluster_of"]]) == 2
     saved = sona.save(tmp_path / "state")
-    again = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, deep_trigger=0), state_dir=saved)
+    again = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=True, cluster_by="prompt", deep_trigger=0),
+                      state_dir=saved)
     assert {s["scope"]: s["cluster_of"] for s in again.stats()["adapters"]} == {
         "global": None,
         "global#topic0": "global",

@@ -70,20 +70,24 @@ class SonaConfig:
     gate_threshold: float = 0.6
     #: Prompts a scope remembers as taught (the oldest are dropped beyond).
     gate_max_keys: int = 256
-    #: Teach each topic its own adapter (needs ``gate``): a correction trains the adapter of the
-    #: scope's cluster whose taught prompts are nearest the response's prompt (at least
-    #: ``gate_threshold``), or starts a new cluster (a fresh adapter); the gate applies the nearest
-    #: cluster's adapter. Off: one adapter per scope.
-    clusters: bool = False
-    #: With ``clusters``, what decides a correction's cluster. ``"prompt"``: the cluster whose taught
-    #: prompts are nearest the response's prompt (at least ``gate_threshold``; a response that ran
-    #: under a cluster's adapter teaches that cluster). ``"answer"``: the cluster whose corrections
-    #: share the most of this correction's tokens (Jaccard of the token sets, at least
+    #: Teach each topic its own adapter (needs ``gate``): a correction trains the adapter of one of
+    #: the scope's clusters (see ``cluster_by``) or starts a new cluster (a fresh adapter); the gate
+    #: applies the adapter of the cluster whose taught prompts are nearest the request's (at least
+    #: ``gate_threshold``). Off: one adapter per scope, applied to requests near any of its taught
+    #: prompts. None (the default): on exactly when ``gate`` is.
+    clusters: bool | None = None
+    #: With ``clusters``, what decides a correction's cluster. ``"answer"``: the cluster whose
+    #: corrections share the most of this correction's tokens (Jaccard of the token sets, at least
     #: ``cluster_answer_overlap``), so one answer taught through differently worded questions stays
-    #: one topic and questions of one wording about different subjects stay apart. Either way the
-    #: gate then applies the cluster whose taught prompts are nearest the request's.
-    cluster_by: str = "prompt"
+    #: one topic and questions of one wording about different subjects stay apart. ``"prompt"``: the
+    #: cluster whose taught prompts are nearest the response's prompt (at least ``gate_threshold``; a
+    #: response that ran under a cluster's adapter teaches that cluster).
+    cluster_by: str = "answer"
     cluster_answer_overlap: float = 0.5
+    #: Most clusters one scope keeps. At the cap, a correction that would start a new cluster joins
+    #: the cluster whose taught prompts are nearest its prompt instead, so nothing taught is dropped
+    #: and the router's work stays bounded.
+    max_clusters: int = 64
     # -- deep loop ------------------------------------------------------------------------------
     #: Start a deep run when a scope's accumulated quality (positive advantages plus correction
     #: weights since its last run) reaches this; 0 disables the trigger (``deep_train`` still works).
@@ -92,6 +96,11 @@ class SonaConfig:
     deep_lr: float = 5e-3
     deep_max_samples: int = 64
     seed: int = 0
+
+    @property
+    def clustered(self) -> bool:
+        """Whether corrections teach clusters (``clusters``, which follows ``gate`` when unset)."""
+        return self.gate if self.clusters is None else self.clusters
 
     @property
     def scale(self) -> float:
@@ -137,6 +146,8 @@ class SonaConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 bad(f"{name} must be in [0, 1], got {v!r}")
+        if self.clusters is not None and not isinstance(self.clusters, bool):
+            bad(f"clusters must be true, false or unset, got {self.clusters!r}")
         if self.clusters and not self.gate:
             bad("clusters needs gate (the gate picks a request's cluster)")
         if self.cluster_by not in ("prompt", "answer"):
@@ -146,7 +157,7 @@ class SonaConfig:
         if not -1.0 <= self.gate_threshold <= 1.0:
             bad(f"gate_threshold must be in [-1, 1], got {self.gate_threshold!r}")
         for name in ("gate_max_keys", "boundary_patience", "captures_per_cycle", "max_trajectories", "bank_patterns",
-                     "bank_max_entries", "bank_recluster_every", "deep_epochs", "deep_max_samples"):
+                     "bank_max_entries", "bank_recluster_every", "deep_epochs", "deep_max_samples", "max_clusters"):
             if getattr(self, name) < 1:
                 bad(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.boundary_warmup < 2:

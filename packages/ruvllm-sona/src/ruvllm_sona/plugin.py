@@ -120,10 +120,11 @@ def config_from_options(mine: Mapping[str, str]) -> SonaConfig:
     for name, raw in mine.items():
         if name in ("enabled", "state_dir"):
             continue
-        default = _SETTABLE[name].default
+        field = _SETTABLE[name]
+        default = field.default
         text = str(raw).strip()
         try:
-            if isinstance(default, bool):
+            if isinstance(default, bool) or str(field.type).startswith("bool"):  # (also ``bool | None``)
                 if text.lower() not in _TRUE + _FALSE:
                     raise ValueError("expected true or false")
                 values[name] = text.lower() in _TRUE

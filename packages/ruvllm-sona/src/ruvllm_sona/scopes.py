@@ -108,20 +108,46 @@ class GateCenter:
         self.mean += (np.asarray(key, np.float64) - self.mean) / self.count
 
     def similarity(self, key: np.ndarray, taught: Sequence[np.ndarray]) -> float | None:
-        """Largest centred cosine similarity of ``key`` to ``taught`` (None when nothing is taught).
-        Where a vector is (nearly) the centre itself, so that its centred direction is undefined (all
-        traffic so far was one prompt), the uncentred cosine stands in for that pair."""
+        """Largest centred cosine similarity of ``key`` to ``taught`` (None when nothing is taught)."""
         if not taught:
             return None
+        return float(np.max(self.similarities(key, KeyTable.of(taught))))
+
+    def similarities(self, key: np.ndarray, table: KeyTable) -> np.ndarray:
+        """Centred cosine similarity of ``key`` to each row of ``table``, in one matrix product.
+        Where a vector is (nearly) the centre itself, so that its centred direction is undefined (all
+        traffic so far was one prompt), the uncentred cosine stands in for that pair.
+
+        With ``t`` a row, ``q`` the key and ``m`` the centre: ``(t-m).(q-m) = t.q - t.m - m.q + m.m``
+        and ``|t-m|^2 = |t|^2 - 2 t.m + |m|^2``, so the rows are never centred one by one. In float64
+        the cancellation costs at most ~1e-10 of a similarity wherever the centred norms pass the
+        degeneracy test below."""
         raw_q = np.asarray(key, np.float64)
-        raw_t = np.stack(taught).astype(np.float64)
-        q, t = raw_q - self.mean, raw_t - self.mean
-        nq, nt = float(np.linalg.norm(q)), np.linalg.norm(t, axis=1)
-        rq, rt = max(float(np.linalg.norm(raw_q)), 1e-30), np.maximum(np.linalg.norm(raw_t, axis=1), 1e-30)
-        centred = (t @ q) / np.maximum(nt * nq, 1e-30)
-        uncentred = (raw_t @ raw_q) / (rt * rq)
+        m = self.mean
+        tq, tm = (table.rows @ np.stack([raw_q, m], axis=1)).T
+        mm, mq, qq = float(m @ m), float(m @ raw_q), float(raw_q @ raw_q)
+        nt = np.sqrt(np.maximum(table.sq - 2.0 * tm + mm, 0.0))
+        nq = math.sqrt(max(qq - 2.0 * mq + mm, 0.0))
+        rt, rq = np.maximum(np.sqrt(table.sq), 1e-30), max(math.sqrt(qq), 1e-30)
+        centred = (tq - tm - mq + mm) / np.maximum(nt * nq, 1e-30)
+        uncentred = tq / (rt * rq)
         degenerate = (nt < 1e-3 * rt) | (nq < 1e-3 * rq)
-        return float(np.max(np.where(degenerate, uncentred, centred)))
+        return np.where(degenerate, uncentred, centred)
+
+
+class KeyTable:
+    """Gate keys stacked for :meth:`GateCenter.similarities`: ``rows`` [n, hidden] in float64, their
+    squared norms, and ``owner[i]``, the index of the slot row ``i`` was taught to."""
+
+    def __init__(self, rows: np.ndarray, owner: np.ndarray) -> None:
+        self.rows = rows
+        self.sq = np.einsum("ij,ij->i", rows, rows)
+        self.owner = owner
+
+    @classmethod
+    def of(cls, keys: Sequence[np.ndarray], owner: Sequence[int] | None = None) -> KeyTable:
+        rows = np.stack([np.asarray(k, np.float64) for k in keys])
+        return cls(rows, np.asarray(owner if owner is not None else np.zeros(len(keys)), np.intp))
 
 
 def merge_adapters(parts: Sequence[tuple[float, Params]], keys: Sequence[Key], rank: int) -> Params:

@@ -50,6 +50,7 @@ from ruvllm_sona.records import DeepRunReport, FeedbackReceipt, Sample, Trajecto
 from ruvllm_sona.scopes import (
     GLOBAL_SCOPE,
     GateCenter,
+    KeyTable,
     Slot,
     fresh_params,
     key_scope,
@@ -125,11 +126,16 @@ class Sona:
                                   num_patterns=config.bank_patterns, seed=config.seed)
         self._counters = {"trajectories": 0, "captures": 0, "capture_errors": 0, "feedback": 0,
                           "corrections": 0, "instant_updates": 0, "boundaries": 0, "merges": 0, "routed": 0,
-                          "deep_runs": 0, "cycles": 0, "gate_applied": 0, "gate_skipped": 0}
+                          "deep_runs": 0, "cycles": 0, "gate_applied": 0, "gate_skipped": 0,
+                          "cluster_cap_joins": 0}
         #: The gate's centre and the keys of requests not yet finished, by request id.
         self.gate_center = GateCenter(mc.hidden_size)
         self._pending_keys: OrderedDict[str, np.ndarray] = OrderedDict()
         self._merged_keys: list[np.ndarray] = []
+        #: Each scope's taught keys stacked for the router (see ``_key_table``), valid while no slot's
+        #: taught keys changed: ``_keys_generation`` counts those changes.
+        self._keys_generation = 0
+        self._key_tables: dict[str, tuple[int, list[Slot], KeyTable | None]] = {}
         self._instant_times: deque[float] = deque(maxlen=2000)
         self._capture_times: deque[float] = deque(maxlen=500)
         self._cycle_times: deque[float] = deque(maxlen=500)
@@ -200,9 +206,16 @@ class Sona:
             params = copy_params(self._merged) if shared else fresh_params(self.config, self.net, self.keys, scope)
             slot = Slot(scope, params, self.config.scale, new_ewc(self.config, params), self.config.initial_baseline)
             slot.cluster_of = cluster_of
+            if cluster_of is not None and slot.ewc.lam > 0:
+                # What the scope's ordinary traffic is sensitive to, the cluster leaves alone too.
+                parent = self._slots.get(cluster_of)
+                if parent is not None:
+                    with parent.lock:
+                        slot.ewc.inherit(parent.ewc)
             if shared:
                 slot.taught_keys = list(self._merged_keys)
             self._slots[scope] = slot
+            self._keys_generation += 1
             self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
             if scope != GLOBAL_SCOPE and prompt and not self._isolated:
                 self._route_queue.append((scope, list(prompt)))
@@ -234,7 +247,7 @@ class Sona:
         metadata = request.metadata
 
         def router(key: np.ndarray) -> SonaAdapter | None:
-            if not self.config.clusters:
+            if not self.config.clustered:
                 return self._gate(rid, scope, snap, key, info)
             chosen = self._gate_clusters(rid, scope, key, info)
             if chosen is not None:  # the trajectory is recorded under the cluster's snapshot
@@ -270,20 +283,46 @@ class Sona:
         with self._lock:
             return [s for s in self._slots.values() if s.scope == scope or s.cluster_of == scope]
 
-    def _nearest(self, scope: str, key: np.ndarray, applicable: bool = True) -> tuple[Slot | None, float | None]:
+    def _key_table(self, scope: str) -> tuple[list[Slot], KeyTable | None]:
+        """The scope's slots (its own and its clusters') and their taught keys in one table, rebuilt
+        only after some slot's taught keys changed."""
+        with self._lock:
+            cached = self._key_tables.get(scope)
+            if cached is not None and cached[0] == self._keys_generation:
+                return cached[1], cached[2]
+            slots = self._clusters(scope)
+            keys: list[np.ndarray] = []
+            owner: list[int] = []
+            for i, slot in enumerate(slots):
+                with slot.lock:
+                    keys += slot.taught_keys
+                    owner += [i] * len(slot.taught_keys)
+            table = KeyTable.of(keys, owner) if keys else None
+            self._key_tables[scope] = (self._keys_generation, slots, table)
+            return slots, table
+
+    def _nearest(
+        self, scope: str, key: np.ndarray, applicable: bool = True, clusters_only: bool = False
+    ) -> tuple[Slot | None, float | None]:
         """The slot of ``scope`` (or of one of its clusters) whose taught prompts are nearest ``key``,
         and that similarity; (None, None) when none was taught. ``applicable``: only slots whose
         adapter changes anything (what the gate may apply); else also clusters whose first correction
-        is not applied yet (where the next correction belongs)."""
-        best: tuple[Slot | None, float | None] = (None, None)
-        for slot in self._clusters(scope):
-            with slot.lock:
-                taught, zero = list(slot.taught_keys), slot.snapshot.is_zero
-            with self._lock:
-                sim = None if zero and applicable else self.gate_center.similarity(key, taught)
-            if sim is not None and (best[1] is None or sim > best[1]):
-                best = (slot, sim)
-        return best
+        is not applied yet (where the next correction belongs). ``clusters_only``: not the scope's
+        own slot. One matrix product over every taught key of the scope, whatever the clusters."""
+        slots, table = self._key_table(scope)
+        if table is None:
+            return None, None
+        with self._lock:
+            sims = self.gate_center.similarities(key, table)
+        best = np.full(len(slots), -np.inf)
+        np.maximum.at(best, table.owner, sims)
+        for i, slot in enumerate(slots):
+            if (applicable and slot.snapshot.is_zero) or (clusters_only and slot.cluster_of is None):
+                best[i] = -np.inf
+        i = int(np.argmax(best))
+        if best[i] == -np.inf:
+            return None, None
+        return slots[i], float(best[i])
 
     def _gate_clusters(self, rid: str, scope: str, key: np.ndarray, info: dict[str, Any]) -> SonaAdapter | None:
         """The router with clusters: the adapter of the cluster nearest the prompt, if near enough."""
@@ -325,7 +364,7 @@ class Sona:
                     if overlap > best[1]:
                         best = (slot, overlap)
                 near = best[0] if best[1] >= self.config.cluster_answer_overlap else None
-                chosen = near.scope if near is not None else self._new_cluster(base)
+                chosen = near.scope if near is not None else self._new_cluster(base, traj.key)
                 slot = self._slots[chosen]
                 with slot.lock:
                     if answer not in slot.taught_answers:
@@ -337,12 +376,22 @@ class Sona:
         slot, similarity = self._nearest(traj.scope, traj.key, applicable=False)
         if slot is not None and similarity is not None and similarity >= self.config.gate_threshold:
             return slot.scope
-        return self._new_cluster(traj.scope)
+        return self._new_cluster(traj.scope, traj.key)
 
-    def _new_cluster(self, scope: str) -> str:
-        """A new cluster (a fresh adapter) of ``scope``; its name."""
+    def _new_cluster(self, scope: str, key: np.ndarray | None) -> str:
+        """A new cluster (a fresh adapter) of ``scope``; its name. At ``max_clusters`` the existing
+        cluster whose taught prompts are nearest ``key`` (the prompt being corrected) instead, else
+        the most recently made one."""
         with self._lock:  # (re-entrant: the new cluster's slot is made under the same hold)
-            n = sum(1 for s in self._slots.values() if s.cluster_of == scope)
+            clusters = [s for s in self._slots.values() if s.cluster_of == scope]
+            n = len(clusters)
+            if n >= self.config.max_clusters:
+                near = self._nearest(scope, key, applicable=False, clusters_only=True)[0] if key is not None else None
+                joined = near if near is not None else clusters[-1]
+                self._counters["cluster_cap_joins"] += 1
+                log.info("sona cluster cap reached; the correction joins the nearest cluster", scope=scope,
+                         max_clusters=self.config.max_clusters, cluster=joined.scope)
+                return joined.scope
             name = f"{scope}#topic{n}"
             while name in self._slots:
                 n += 1
@@ -397,7 +446,7 @@ class Sona:
         if traj is None:
             raise UnknownResponseError(f"no response {response_id!r} is held for feedback (unknown or expired)")
         correction_ids = self._correction_ids(correction) if correction is not None else None
-        if self.config.clusters and correction_ids is not None:
+        if self.config.clustered and correction_ids is not None:
             traj.scope = self._cluster_for(traj, correction_ids)
         slot = self._slot(traj.scope)
         with slot.lock:
@@ -439,6 +488,8 @@ class Sona:
                 return
             slot.taught_keys.append(key)
             del slot.taught_keys[: max(0, len(slot.taught_keys) - self.config.gate_max_keys)]
+        with self._lock:
+            self._keys_generation += 1
 
     def _correction_ids(self, correction: str | Sequence[int]) -> list[int]:
         if isinstance(correction, str):
@@ -618,6 +669,7 @@ class Sona:
                 slot.publish()
             with self._lock:
                 self._counters["routed"] += 1
+                self._keys_generation += 1
             routed += 1
 
     def _maybe_merge(self) -> bool:
@@ -773,6 +825,8 @@ class Sona:
             },
             "bank": bank,
             "gate": {"enabled": self.config.gate, "threshold": self.config.gate_threshold,
+                     "clusters": self.config.clustered, "cluster_by": self.config.cluster_by,
+                     "max_clusters": self.config.max_clusters,
                      "requests_seen": self.gate_center.count, "applied": counters["gate_applied"],
                      "skipped": counters["gate_skipped"]},
             "adapters": adapters,
@@ -802,6 +856,7 @@ class Sona:
                 self._samples.setdefault(scope, deque(maxlen=self.config.deep_max_samples))
             self.bank = bank
             self.gate_center = center
+            self._keys_generation += 1
         self._slot(GLOBAL_SCOPE)
 
 
