@@ -189,7 +189,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.routing_only:
         model = load_model("smollm2", backend="candle-compat")
-        sona = Sona.for_model(model, SonaConfig() if args.clusters else SonaConfig(clusters=False), start=False)
+        # No deep runs: they would train in the background while the rounds are timed.
+        config = SonaConfig(deep_trigger=0) if args.clusters else SonaConfig(clusters=False, deep_trigger=0)
+        sona = Sona.for_model(model, config, start=False)
         teach_topics(sona, args.clusters)
         row = routing_overhead(model, sona, args.routing_rounds)
         row["clusters"] = len([a for a in sona.stats()["adapters"] if a["cluster_of"]])

@@ -132,10 +132,9 @@ class Sona:
         self.gate_center = GateCenter(mc.hidden_size)
         self._pending_keys: OrderedDict[str, np.ndarray] = OrderedDict()
         self._merged_keys: list[np.ndarray] = []
-        #: Each scope's taught keys stacked for the router (see ``_key_table``), valid while no slot's
-        #: taught keys changed: ``_keys_generation`` counts those changes.
-        self._keys_generation = 0
-        self._key_tables: dict[str, tuple[int, list[Slot], KeyTable | None]] = {}
+        #: Each scope's taught keys stacked for the router (see ``_key_table``), valid until a slot of
+        #: that scope (its own or a cluster) is made or its taught keys change (``_keys_changed``).
+        self._key_tables: dict[str, tuple[list[Slot], KeyTable | None]] = {}
         self._instant_times: deque[float] = deque(maxlen=2000)
         self._capture_times: deque[float] = deque(maxlen=500)
         self._cycle_times: deque[float] = deque(maxlen=500)
@@ -215,7 +214,7 @@ class Sona:
             if shared:
                 slot.taught_keys = list(self._merged_keys)
             self._slots[scope] = slot
-            self._keys_generation += 1
+            self._keys_changed(slot)
             self._samples[scope] = deque(maxlen=self.config.deep_max_samples)
             if scope != GLOBAL_SCOPE and prompt and not self._isolated:
                 self._route_queue.append((scope, list(prompt)))
@@ -283,13 +282,18 @@ class Sona:
         with self._lock:
             return [s for s in self._slots.values() if s.scope == scope or s.cluster_of == scope]
 
+    def _keys_changed(self, slot: Slot) -> None:
+        """Drop the router's table of ``slot``'s scope (its taught keys or its clusters changed)."""
+        with self._lock:
+            self._key_tables.pop(slot.cluster_of or slot.scope, None)
+
     def _key_table(self, scope: str) -> tuple[list[Slot], KeyTable | None]:
         """The scope's slots (its own and its clusters') and their taught keys in one table, rebuilt
-        only after some slot's taught keys changed."""
+        only after one of them changed."""
         with self._lock:
             cached = self._key_tables.get(scope)
-            if cached is not None and cached[0] == self._keys_generation:
-                return cached[1], cached[2]
+            if cached is not None:
+                return cached
             slots = self._clusters(scope)
             keys: list[np.ndarray] = []
             owner: list[int] = []
@@ -298,7 +302,7 @@ class Sona:
                     keys += slot.taught_keys
                     owner += [i] * len(slot.taught_keys)
             table = KeyTable.of(keys, owner) if keys else None
-            self._key_tables[scope] = (self._keys_generation, slots, table)
+            self._key_tables[scope] = (slots, table)
             return slots, table
 
     def _nearest(
@@ -488,8 +492,7 @@ class Sona:
                 return
             slot.taught_keys.append(key)
             del slot.taught_keys[: max(0, len(slot.taught_keys) - self.config.gate_max_keys)]
-        with self._lock:
-            self._keys_generation += 1
+        self._keys_changed(slot)
 
     def _correction_ids(self, correction: str | Sequence[int]) -> list[int]:
         if isinstance(correction, str):
@@ -669,7 +672,7 @@ class Sona:
                 slot.publish()
             with self._lock:
                 self._counters["routed"] += 1
-                self._keys_generation += 1
+            self._keys_changed(slot)
             routed += 1
 
     def _maybe_merge(self) -> bool:
@@ -856,7 +859,7 @@ class Sona:
                 self._samples.setdefault(scope, deque(maxlen=self.config.deep_max_samples))
             self.bank = bank
             self.gate_center = center
-            self._keys_generation += 1
+            self._key_tables.clear()
         self._slot(GLOBAL_SCOPE)
 
 
