@@ -341,38 +341,6 @@ def test_clusters_stop_at_max_clusters_and_new_answers_join_the_nearest(tmp_path
         SonaConfig(max_clusters=0).validate(sona.model_config)
 
 
-def test_a_new_cluster_starts_from_its_scopes_ewc_statistics(tmp_path):
-    """A new cluster's EWC++ holds its scope's statistics so far (consolidated and current task,
-    folded as a boundary would), anchored at the cluster's own fresh adapter: its deep run keeps
-    away from what the scope's ordinary traffic needs."""
-    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(deep_trigger=0, boundary_warmup=100))
-    for i in range(5):  # ordinary traffic, captured under the global scope
-        serve(sona, f"g{i}", random_tokens(100 + i, 10), random_tokens(200 + i, 5))
-    drain(sona)
-    with sona._lock:
-        scope_ewc = sona._slots["global"].ewc
-    assert scope_ewc.consolidations == 0
-    observed = [o.fisher for o in scope_ewc._window]
-    want_f = {k: v.copy() for k, v in scope_ewc.task.f.items()}
-    n_task = scope_ewc.task.count
-    for t in observed:  # what the boundary fold computes: the running mean over every observation
-        n_task += 1
-        for k in want_f:
-            want_f[k] += (t.f[k] - want_f[k]) / n_task
-    _ask(sona, "q", np.ones(48, np.float32))
-    sona.feedback("q", 0.0, correction=[5, 6, 7])
-    with sona._lock:
-        cluster = sona._slots["global#topic0"]
-    ewc = cluster.ewc
-    assert ewc.consolidations == 1 and ewc.consolidated.count == 5 and ewc.active
-    for k in want_f:
-        np.testing.assert_allclose(ewc.consolidated.f[k], want_f[k], rtol=1e-5, atol=1e-12)
-        np.testing.assert_array_equal(ewc.anchor[k][1], np.zeros_like(ewc.anchor[k][1]))
-        np.testing.assert_array_equal(ewc.anchor[k][0], cluster.params[k][0])
-    assert ewc.penalty(cluster.params) == pytest.approx(0.0, abs=1e-12)
-    assert scope_ewc.consolidations == 0  # the scope's own state is untouched
-
-
 def test_clusters_teach_each_topic_its_own_adapter(tmp_path):
     """``clusters=true``: a correction whose prompt is near no taught topic starts a new cluster (a
     fresh adapter); one near a topic teaches that topic's; the gate applies the nearest topic's

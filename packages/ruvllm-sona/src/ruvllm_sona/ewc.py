@@ -22,7 +22,6 @@ anchor moves to the adapter as it was before the shifted trajectories arrived.
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -140,20 +139,6 @@ class EwcPlusPlus:
             self._accumulate(o)
         self._window.clear()
         self._consolidate(copy_params(params))
-
-    def inherit(self, source: EwcPlusPlus) -> None:
-        """Start from what ``source``'s traffic so far is sensitive to: its consolidated statistics
-        with its current task's folded in, anchored at this adapter's own parameters. For a new
-        cluster of a scope: the same projections and inputs, a fresh adapter that should leave what
-        the scope's ordinary traffic needs alone (the Fisher is over ``dW``, so it carries over
-        whatever the factors)."""
-        src = copy.deepcopy(source)
-        for o in src._window:
-            src._accumulate(o)
-        src._window.clear()
-        src._consolidate(self.anchor)
-        self.consolidated, self.consolidations = src.consolidated, src.consolidations
-        self.set_anchor(self.anchor)
 
     def _consolidate(self, anchor: Params) -> None:
         if self.task.count:

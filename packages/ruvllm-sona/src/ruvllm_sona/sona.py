@@ -205,12 +205,6 @@ class Sona:
             params = copy_params(self._merged) if shared else fresh_params(self.config, self.net, self.keys, scope)
             slot = Slot(scope, params, self.config.scale, new_ewc(self.config, params), self.config.initial_baseline)
             slot.cluster_of = cluster_of
-            if cluster_of is not None and slot.ewc.lam > 0:
-                # What the scope's ordinary traffic is sensitive to, the cluster leaves alone too.
-                parent = self._slots.get(cluster_of)
-                if parent is not None:
-                    with parent.lock:
-                        slot.ewc.inherit(parent.ewc)
             if shared:
                 slot.taught_keys = list(self._merged_keys)
             self._slots[scope] = slot
