@@ -2,12 +2,15 @@
 
 Served traffic: eight ordinary questions answered greedily by the engine, then three phrasings of
 "What is the capital of Zorblandia?" (the base model answers "Nova Haven"), each corrected twice by
-feedback with "The capital of Zorblandia is Quimtown." SONA runs with its defaults: the six
-corrections share one answer, so they teach one cluster (a fresh adapter of the global scope) that
-starts from the EWC++ statistics of the ordinary traffic before it. The background loop recomputes
-every response (EWC++ Fisher, ReasoningBank), the instant loop steps on each correction, then one deep
-run fine-tunes the cluster's adapter over its stored samples, once with EWC++ and once (from the same
-saved state) without.
+feedback with "The capital of Zorblandia is Quimtown." The background loop recomputes every response
+(EWC++ Fisher, task-boundary detection, ReasoningBank), the instant loop steps on each correction,
+then one deep run fine-tunes the adapter over the stored samples, once with EWC++ and once (from the
+same saved state) without.
+
+The learner runs with one adapter per scope (``clusters=False``): there the adapter that learns the
+fact also serves the ordinary traffic, which is what EWC++ is calibrated to protect here. SONA's
+default teaches each corrected answer a cluster of its own (tests/test_sona_scopes.py; measured over
+HTTP by benchmarks/bench_specificity.py).
 
 Measured on held-apart paraphrases (never fed back) and an unrelated plain-text set; the figures
 are printed (``pytest -s``) and quoted in docs/sona.md:
@@ -107,7 +110,7 @@ def taught(smollm2_path, tmp_path_factory):
     tok = model.tokenizer
     # The background loop is driven by run_cycle here so the run is deterministic; the threads are
     # exercised in test_sona_concurrency.
-    sona = Sona(model.checkpoint, SonaConfig(), tokenizer=tok, start=False, net=net)
+    sona = Sona(model.checkpoint, SonaConfig(clusters=False), tokenizer=tok, start=False, net=net)
     model.host.register(sona, name="sona-learning")
     try:
         engine = LLMEngine(model, EngineConfig(num_blocks=128))
@@ -124,20 +127,16 @@ def taught(smollm2_path, tmp_path_factory):
         state = tmp_path_factory.mktemp("sona-state")
         sona.save(state)
         evaluate = Evaluator(net, tok, sona.first_layer)
-        stats = sona.stats()
-        clusters = [a["scope"] for a in stats["adapters"] if a["cluster_of"] == "global"]
-        assert len(clusters) == 1, clusters  # one answer, one topic
-        topic = clusters[0]
         result = {"sona": sona, "model": model, "engine": engine, "evaluate": evaluate, "state": state,
-                  "topic": topic, "base_answers": base_answers, "base": evaluate(None),
-                  "after_instant": evaluate(sona.adapter(topic)), "stats_before_deep": stats}
-        result["deep_ewc"] = sona.deep_train(topic, wait=True)
-        result["ewc_adapter"] = sona.adapter(topic)
+                  "base_answers": base_answers, "base": evaluate(None), "after_instant": evaluate(sona.adapter()),
+                  "stats_before_deep": sona.stats()}
+        result["deep_ewc"] = sona.deep_train(wait=True)
+        result["ewc_adapter"] = sona.adapter()
         result["ewc"] = evaluate(result["ewc_adapter"])
         result["ewc_state"] = sona.save(tmp_path_factory.mktemp("sona-ewc-state"))
         sona.load(state)
-        result["deep_plain"] = sona.deep_train(topic, wait=True, ewc=False)
-        result["plain_adapter"] = sona.adapter(topic)
+        result["deep_plain"] = sona.deep_train(wait=True, ewc=False)
+        result["plain_adapter"] = sona.adapter()
         result["plain"] = evaluate(result["plain_adapter"])
         yield result
     finally:
@@ -167,17 +166,11 @@ def test_feedback_teaches_the_fact_and_ewc_keeps_unrelated_perplexity(taught):
     assert taught["deep_ewc"].last_epoch_loss < taught["deep_ewc"].first_epoch_loss
 
 
-def test_the_topic_starts_from_the_ordinary_traffics_statistics(taught):
-    """The cluster was made after the eight ordinary requests were captured under the global scope: it
-    starts with their EWC++ statistics consolidated (what the deep run with EWC++ protects; exactness
-    in test_sona_scopes), and it alone took the corrections."""
+def test_task_boundary_was_detected_and_consolidated(taught):
     stats = taught["stats_before_deep"]
-    adapters = {a["scope"]: a for a in stats["adapters"]}
-    topic, scope = adapters[taught["topic"]], adapters["global"]
-    assert scope["ewc"]["consolidations"] == 0 and scope["ewc"]["task_samples"] == len(GENERAL)
-    # (a second consolidation may follow: the corrections differ from the answers they replace)
-    assert topic["ewc"]["consolidations"] >= 1 and topic["ewc"]["consolidated_samples"] >= len(GENERAL)
-    assert topic["instant_updates"] == 2 * len(TRAIN) and scope["instant_updates"] == 0
+    ewc = stats["adapters"][0]["ewc"]
+    assert stats["counters"]["boundaries"] >= 1
+    assert ewc["consolidations"] >= 1 and ewc["consolidated_samples"] >= 6
     assert stats["counters"]["instant_updates"] == 2 * len(TRAIN)
     assert stats["trajectories"]["feedback_waiting"] == 0
 
@@ -185,7 +178,7 @@ def test_the_topic_starts_from_the_ordinary_traffics_statistics(taught):
 def test_greedy_answers_through_the_backend_move_to_the_taught_fact(taught):
     model, sona = taught["model"], taught["sona"]
     sona.load(taught["ewc_state"])  # the EWC++ adapter, now serving
-    adapter = sona.adapter(taught["topic"])
+    adapter = sona.adapter()
     assert not adapter.is_zero
     for key, f in taught["ewc_adapter"].entries.items():
         np.testing.assert_array_equal(adapter.entries[key].B, f.B)
@@ -237,7 +230,7 @@ def test_the_gate_keeps_what_was_taught_to_requests_about_it(taught):
     model.host.pm.unregister(sona)
     try:
         _, base = _generate(engine, tok, OTHER, "gate-base-")
-        adapter = sona.adapter(taught["topic"])
+        adapter = sona.adapter()
         requests = [GenerationRequest(chat_ids(tok, q), SamplingParams(max_tokens=12, temperature=0.0), adapter=adapter)
                     for q in OTHER]  # fmt: skip
         ungated = [tok.decode([t for o in outs for d in o.deltas for t in d.token_ids], skip_special_tokens=True)
