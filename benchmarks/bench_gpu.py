@@ -307,7 +307,7 @@ def attention_table(rows: list[AttnRow]) -> str:
 # -- model ---------------------------------------------------------------------------------------------------
 
 
-def random_llama(shape: dict, dtype: str, attention: str, seed: int = 0):
+def random_llama(shape: dict, dtype: str, attention: str, seed: int = 0, unroll_layers: str = "auto"):
     """A :class:`ruvllm_jax.runner.JaxModel` of Llama ``shape`` with random weights made on the device
     (normal * 0.02, norms 1): decode speed does not depend on the values, and 16 GB of 8B weights
     never cross the host."""
@@ -334,7 +334,8 @@ def random_llama(shape: dict, dtype: str, attention: str, seed: int = 0):
         return Weights(embed=normal(v, h), layers=layers, final_norm=jnp.ones((h,), dt), lm_head=normal(v, h))
 
     weights = jax.jit(make)(jax.random.key(seed))
-    model = JaxModel(spec, weights, make_mesh(1), attention, LoadOptions(dtype=dtype, extra={"attention": attention}))
+    extra = {"attention": attention, "unroll_layers": unroll_layers}
+    model = JaxModel(spec, weights, make_mesh(1), attention, LoadOptions(dtype=dtype, extra=extra))
     model.table_tokens = spec_context(shape)
     return model
 
@@ -415,12 +416,14 @@ def bench_ruvllm(
         except Exception as exc:  # out of memory at a large batch: reported, the rest goes on
             row.skipped = first_line(exc)
             rows.append(row)
+            print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
             continue
         row.step_ms = statistics.median(times[warm:]) * 1e3
         row.tok_s = b / (row.step_ms / 1e3)
         kv_read = b * (prompt_tokens + warm + steps // 2) * kv_token
         row.floor_ms = (weights_read(model) + kv_read) / bandwidth * 1e3
         rows.append(row)
+        print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
     del cache
     return rows
 
@@ -456,6 +459,7 @@ def bench_transformers(
     model.eval()
     model.generation_config.cache_implementation = "static"
     model.generation_config.pad_token_id = 0
+    eager_forward = model.forward
     if compile:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     rows = []
@@ -476,15 +480,27 @@ def bench_transformers(
 
         row = ModelRow(name, "transformers", b, prompt_tokens, 0.0, 0.0)
         try:
-            generate(2 + steps)  # compiles (the static cache's shapes are those of the longest run)
+            try:
+                generate(2 + steps)  # compiles (the static cache's shapes are those of the longest run)
+            except Exception as exc:
+                if not compile or model.forward is eager_forward:
+                    raise
+                # transformers' own compile of the static-cache decode step (generate compiles it
+                # itself when the cache is static) instead of torch.compile around the forward
+                print(f"transformers: torch.compile(forward) failed ({first_line(exc)}); using generate's own compile",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                model.forward = eager_forward
+                generate(2 + steps)
             per_step = [(generate(2 + steps) - generate(2)) / steps for _ in range(3)]
         except Exception as exc:
             row.skipped = first_line(exc)
             rows.append(row)
+            print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
             continue
         row.step_ms = max(statistics.median(per_step), 1e-9) * 1e3
         row.tok_s = b / (row.step_ms / 1e3)
         rows.append(row)
+        print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
     model.to("meta")  # frees the device memory before the next model loads
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -544,14 +560,15 @@ def run_models(args: argparse.Namespace, cuda: bool, bw: float) -> list[ModelRow
     for name, source in models:
         for attention in attentions:
             if isinstance(source, dict):
-                model = random_llama(source, "bfloat16", attention)
+                model = random_llama(source, "bfloat16", attention, unroll_layers=args.unroll_layers)
             else:
                 from ruvllm.backend import LoadOptions
                 from ruvllm.checkpoint import open_checkpoint
                 from ruvllm_jax.runner import JaxModel
 
                 model = JaxModel.load(
-                    open_checkpoint(source), LoadOptions(dtype="bfloat16", extra={"attention": attention})
+                    open_checkpoint(source),
+                    LoadOptions(dtype="bfloat16", extra={"attention": attention, "unroll_layers": args.unroll_layers}),
                 )
             rows += bench_ruvllm(name, model, batches, prompt, steps, bw)
             del model
@@ -582,11 +599,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--models", nargs="+", default=["smollm2", "llama3-8b"], help="smollm2 (or another reference) and/or llama3-8b"
     )
-    ap.add_argument("--attn-shapes", nargs="+", default=["smollm2", "llama3-8b"], choices=sorted(ATTN_SHAPES))
+    ap.add_argument(
+        "--attn-shapes",
+        nargs="*",
+        default=["smollm2", "llama3-8b"],
+        choices=sorted(ATTN_SHAPES),
+        help="attention part's shapes (none: skip the attention part)",
+    )
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     ap.add_argument("--model-prompt-tokens", type=int, default=512)
     ap.add_argument("--model-steps", type=int, default=32)
-    ap.add_argument("--attentions", nargs="+", default=["pallas", "reference"], help="ruvllm attention paths")
+    ap.add_argument(
+        "--attentions", nargs="*", default=["pallas", "reference"], help="ruvllm attention paths (none: the peer only)"
+    )
+    ap.add_argument(
+        "--unroll-layers", default="auto", choices=["auto", "true", "false"], help="the jax backend's option"
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip HF transformers")
     ap.add_argument("--peer-batches", type=int, nargs="+", default=None, help="transformers batches (default: all)")
     ap.add_argument("--json", type=Path, help="write the figures here")
@@ -624,15 +652,17 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in attention_configs(args.interpret, args.dtypes, args.attn_shapes):
         print(f"... {cfg.label}", file=sys.stderr, flush=True)
         attn_rows.append(bench_attention(cfg, pallas_impl, bw, iterations, args.min_iter_ms / 1e3, memory_limit))
-    print()
-    print(f"Paged attention, one layer, block {BLOCK_SIZE}; shapes (q heads, kv heads, head dim): {ATTN_SHAPES}")
-    print(f"pallas = impl {pallas_impl!r}, jnp = impl 'reference'; ms = median per call, both under jax.jit")
-    print(attention_table(attn_rows))
-    print(
-        "bytes moved = K and V of every context token of every sequence + q + output; % HBM = floor / pallas time; "
-        "prefill is compute-bound, so its floor is a loose bound. rel err = max |pallas - jnp| / max |jnp|, "
-        "tolerance " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
-    )
+        print("row", json.dumps(asdict(attn_rows[-1])), file=sys.stderr, flush=True)  # kept if a lease ends early
+    if attn_rows:
+        print()
+        print(f"Paged attention, one layer, block {BLOCK_SIZE}; shapes (q heads, kv heads, head dim): {ATTN_SHAPES}")
+        print(f"pallas = impl {pallas_impl!r}, jnp = impl 'reference'; ms = median per call, both under jax.jit")
+        print(attention_table(attn_rows))
+        print(
+            "bytes moved = K and V of every context token of every sequence + q + output; % HBM = floor / pallas time; "
+            "prefill is compute-bound, so its floor is a loose bound. rel err = max |pallas - jnp| / max |jnp|, "
+            "tolerance " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
+        )
 
     model_rows: list[ModelRow] = []
     if not args.no_model:

@@ -122,6 +122,16 @@ def test_dtype_auto_is_float32_on_a_cpu(tiny):
     assert load_jax(tiny, dtype="auto").options.dtype == "float32"
 
 
+@pytest.mark.parametrize("value, unrolled", [("auto", False), ("true", True), (True, True), ("false", False)])
+def test_unroll_layers_is_a_scan_on_a_cpu_unless_asked(tiny, value, unrolled):
+    """auto unrolls on CUDA only (where a scanned layer's weights are copied before use); the CUDA
+    lowering test lowers the unrolled steps."""
+    from ruvllm_jax.runner import unroll_layers_option
+
+    assert load_jax(tiny, extra={"unroll_layers": value}).unroll_layers is unrolled
+    assert unroll_layers_option({"unroll_layers": value}, "cuda") is (value != "false")
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -132,6 +142,7 @@ def test_dtype_auto_is_float32_on_a_cpu(tiny):
         (dict(extra={"num_threads": 2}), "unknown option"),
         (dict(extra={"threads": 0}), "threads must be a positive integer"),
         (dict(quantization="q8", extra={"keep_gguf_blocks": True}), "keep_gguf_blocks"),
+        (dict(extra={"unroll_layers": "sometimes"}), "unroll_layers must be auto, true or false"),
     ],
 )
 def test_bad_load_options_raise_backend_error(tiny, options, message):

@@ -27,6 +27,8 @@ ATOL = 2e-5
 GGUF_ATOL = 3e-5
 BLOCK = 4
 BACKENDS = ("candle-compat", "jax")
+#: The jax backend with its layers unrolled, as it runs on CUDA (``unroll_layers``, auto there).
+STEP_BACKENDS = (*BACKENDS, "jax-unrolled")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -37,12 +39,13 @@ def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
 def _load(path: Path, backend: str):
     host = load_plugins()
     ckpt = open_checkpoint(path)
-    model = host.choose_backend(backend).load(ckpt, LoadOptions())
+    extra = {"unroll_layers": True} if backend == "jax-unrolled" else {}
+    model = host.choose_backend(backend.removesuffix("-unrolled")).load(ckpt, LoadOptions(extra=extra))
     cache = model.kv_cache(48, BLOCK, {})
     return ckpt, model, cache
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
 def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backend) -> None:
     family, path = family_dir
     ckpt, model, cache = _load(path, backend)
@@ -84,6 +87,8 @@ def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backe
         if pos - 2 < len(c) and pos - 2 >= 19:
             step.append(("c", pos - 2, pos - 1))
         run(step)
+    if backend.startswith("jax"):  # the steps ran as asked: scanned layers, or unrolled
+        assert {plan.unroll_layers for plan, *_ in model._compiled} == {backend == "jax-unrolled"}
 
 
 def test_context_is_the_short_factor_range_for_longrope(tmp_path) -> None:

@@ -322,6 +322,11 @@ class StepPlan:
     #: Run the quantized products (w8a8, w4a8) and decode attention in the native CPU kernels
     #: (:mod:`ruvllm_jax.native`): the runner sets it for CPU steps once the kernels are loaded.
     native: bool = False
+    #: Run the layers unrolled instead of under ``lax.scan``. Scanned, each layer's weights are a
+    #: dynamic slice of the stacked arrays, and XLA on CUDA copies that slice out before the layer's
+    #: matrix products (each weight byte read twice and written once per step); unrolled, the slices
+    #: are static and the products read the weights in place. The runner sets it on CUDA.
+    unroll_layers: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -704,6 +709,7 @@ def forward_step(
         layer_step,
         (x, dataclasses.replace(cache, local=None), cache.local, jnp.zeros((), jnp.int32)),
         (scanned, lora_layers, spec.layer_constants(), pools, layer_masks),
+        unroll=plan.unroll_layers or 1,
     )
     kv = dataclasses.replace(kv, local=kvl)
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)

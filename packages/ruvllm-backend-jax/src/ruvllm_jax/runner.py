@@ -162,7 +162,7 @@ def partition(lens: list[int]) -> list[list[int]]:
 
 
 _KNOWN_EXTRA = {
-    "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads",
+    "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads", "unroll_layers",
     # Process 0 of a group (``ruvllm serve --coordinator``): see :mod:`ruvllm_jax.distributed`.
     "coordinator", "num_processes",
 }  # fmt: skip
@@ -234,6 +234,21 @@ def default_attention(head_dim: int) -> str:
     return "pallas" if on_cuda() and _pow2(head_dim) else "reference"
 
 
+def unroll_layers_option(extra: dict[str, Any], platform: str) -> bool:
+    """The ``unroll_layers`` option: ``auto`` (the default: unrolled on CUDA, where XLA copies a scanned
+    layer's weights before using them; a scan elsewhere, which compiles once per step shape whatever
+    the depth), or a boolean."""
+    value = extra.get("unroll_layers", "auto")
+    text = str(value).strip().lower()
+    if text == "auto":
+        return platform == "cuda"
+    if value is True or text in ("true", "1", "yes", "on"):
+        return True
+    if value is False or text in ("false", "0", "no", "off"):
+        return False
+    raise BackendError(f"jax backend: unroll_layers must be auto, true or false, got {value!r}")
+
+
 def on_cuda() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and "cuda" in str(getattr(dev.client, "platform_version", "")).lower()
@@ -300,9 +315,13 @@ class JaxModel:
     #: Set by :meth:`precompile` from its limits' adapter bounds: the one adapter plan compiled (its
     #: ``weighted``: the finest adapter-mix weighting compiled too, besides the plain plan).
     fixed_lora: LoraPlan | None = field(init=False, default=None)
+    #: Steps run their layers unrolled (see :attr:`ruvllm_jax.model.StepPlan.unroll_layers`): option
+    #: ``unroll_layers`` (auto: on CUDA).
+    unroll_layers: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.native = self._want_native()
+        self.unroll_layers = unroll_layers_option(self.options.extra, "cuda" if on_cuda() else "cpu")
         sharding = replicated(self.mesh) if self.mesh.size > 1 else None
         capacity = self.options.max_adapters
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
@@ -331,6 +350,7 @@ class JaxModel:
             raise BackendError(
                 f"jax backend: dtype {options.dtype!r} is not supported (supported: {', '.join(DTYPES)})"
             )
+        unroll_layers_option(options.extra, "cpu")  # refused before anything loads
         attention = str(options.extra.get("attention", default_attention(checkpoint.config.head_dim)))
         if attention not in ATTENTION_IMPLS:
             raise BackendError(f"jax backend: unknown attention {attention!r} (known: {', '.join(ATTENTION_IMPLS)})")
@@ -724,7 +744,8 @@ class JaxModel:
     ) -> list[str]:
         """Lower, without compiling, every step shape :meth:`precompile` compiles (with and without
         hidden states) for ``platform`` (``"cuda"`` on a machine without a GPU: the proof that the
-        steps lower there), with ``attention`` in place of the model's; returns the shapes lowered
+        steps lower there; their layers unrolled as :attr:`unroll_layers` would be there), with
+        ``attention`` in place of the model's; returns the shapes lowered
         and raises what lowering raises."""
         self.table_tokens = limits.max_model_len
         table = np.zeros(-(-limits.max_model_len // cache.block_size), np.int32)
@@ -738,6 +759,8 @@ class JaxModel:
                 inputs, plan, _, lora = self._prepare(_shape_chunks(shape, table, hidden), cache, plan_only=True)
                 if attention is not None:
                     plan = dataclasses.replace(plan, attention=attention)
+                # as the steps would run on that platform (unrolled on CUDA unless the option says not)
+                plan = dataclasses.replace(plan, unroll_layers=unroll_layers_option(self.options.extra, platform))
                 fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
                 traced = fn.trace(abstract(self.weights), abstract(cache.state), abstract(inputs), abstract(lora))
                 traced.lower(lowering_platforms=(platform,))
@@ -898,6 +921,7 @@ class JaxModel:
             attention=self.attention,
             lora=lora_plan,
             native=native_step,
+            unroll_layers=self.unroll_layers,
         )
         inputs = StepInputs(
             tokens=tokens,
