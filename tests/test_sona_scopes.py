@@ -441,3 +441,27 @@ def test_clusters_by_answer_keep_one_answer_together_and_same_wording_apart(tmp_
     for bad, match in (({"cluster_by": "subject"}, "cluster_by must be"), ({"cluster_answer_overlap": 0.0}, "overlap")):
         with pytest.raises(SonaError, match=match):
             SonaConfig(clusters=True, **bad).validate(sona.model_config)
+
+
+def _observed(slot) -> int:
+    """Trajectories a slot's EWC++ has observed (still in its window, or accumulated into its task)."""
+    return len(slot.ewc._window) + slot.ewc._n + slot.ewc.consolidated.count
+
+
+@pytest.mark.parametrize("clusters", [True, False])
+def test_a_clusters_ewc_observes_the_correction_not_the_answer_it_replaces(tmp_path, clusters):
+    """A response corrected before its capture moves into the correction's cluster; its completion is
+    the wrong answer, so the cluster's EWC++ must not learn to protect it (issue 18: the penalty held
+    taught facts back once it consolidated them). The correction itself is observed. Without
+    clusters both go to the scope's one adapter, whose EWC++ observes everything as before."""
+    sona = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=clusters, cluster_by="answer", deep_trigger=0))
+    serve(sona, "r1", random_tokens(0, 10), random_tokens(1, 5))  # not captured yet: eager, no cycle ran
+    receipt = sona.feedback("r1", 0.0, correction=[11, 12, 13])
+    drain(sona)
+    with sona._lock:
+        slots = dict(sona._slots)
+    taught = slots[receipt.scope]
+    assert taught.cluster_of == ("global" if clusters else None)
+    assert sona.stats()["counters"]["captures"] == 2  # the response and its correction were both captured
+    assert _observed(taught) == (1 if clusters else 2)
+    assert not taught.snapshot.is_zero  # the correction was still taught
