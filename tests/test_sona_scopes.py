@@ -449,19 +449,25 @@ def _observed(slot) -> int:
 
 
 @pytest.mark.parametrize("clusters", [True, False])
-def test_a_clusters_ewc_observes_the_correction_not_the_answer_it_replaces(tmp_path, clusters):
-    """A response corrected before its capture moves into the correction's cluster; its completion is
-    the wrong answer, so the cluster's EWC++ must not learn to protect it (issue 18: the penalty held
-    taught facts back once it consolidated them). The correction itself is observed. Without
-    clusters both go to the scope's one adapter, whose EWC++ observes everything as before."""
+def test_a_clusters_ewc_observes_nothing(tmp_path, clusters):
+    """A cluster holds one taught topic and its EWC++ observes nothing (issue 18: a boundary inside
+    the topic anchored the penalty at a half-taught adapter and held taught facts back): not the
+    correction, not a response corrected before its capture (moved into the cluster at its
+    feedback), not one that ran under the cluster. Without clusters everything goes to the scope's
+    one adapter, whose EWC++ observes all of it as before."""
+    from ruvllm_sona.records import Trajectory
+
     sona = tiny_sona(tmp_path / "ckpt", SonaConfig(clusters=clusters, cluster_by="answer", deep_trigger=0))
     serve(sona, "r1", random_tokens(0, 10), random_tokens(1, 5))  # not captured yet: eager, no cycle ran
     receipt = sona.feedback("r1", 0.0, correction=[11, 12, 13])
     drain(sona)
     with sona._lock:
-        slots = dict(sona._slots)
-    taught = slots[receipt.scope]
+        taught = sona._slots[receipt.scope]
     assert taught.cluster_of == ("global" if clusters else None)
-    assert sona.stats()["counters"]["captures"] == 2  # the response and its correction were both captured
-    assert _observed(taught) == (1 if clusters else 2)
+    # A later response that ran under the taught adapter (routed there by the gate).
+    sona.record(Trajectory("r2", receipt.scope, random_tokens(2, 10), random_tokens(3, 5), taught.snapshot, 0.0))
+    drain(sona)
+    assert sona.stats()["counters"]["captures"] == 3  # all three were captured
+    assert _observed(taught) == (0 if clusters else 3)
+    assert sona.stats()["counters"]["boundaries"] == 0
     assert not taught.snapshot.is_zero  # the correction was still taught

@@ -29,8 +29,6 @@ class Trajectory:
     #: The backend's final-norm hidden state at the prompt's last token (the gate's key), when the
     #: request went through SONA's router.
     key: np.ndarray | None = None
-    #: A correction was given for it, so its completion is the answer the correction replaces.
-    corrected: bool = False
 
 
 @dataclass
