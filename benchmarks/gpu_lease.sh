@@ -9,8 +9,8 @@
 # wheels of ruvllm-core's other dependencies for that python may wait in .whl/ (see the device tool's
 # README). Output goes to $OUT (default /tmp/gpu_lease). PARTS picks the parts (attention, probe, model,
 # peer; default: all but the probe); all four take about 10 minutes of GPU time, so within one lease run
-# PARTS="attention model" and PARTS="probe peer" as two calls on the same warm machine: that is how
-# benchmarks/results/h200-2026-11-27 was measured (the peer's compile alone takes about two minutes).
+# PARTS="attention model" and PARTS="probe peer" as two calls on the same warm machine (the peer's
+# compile alone takes about two minutes; docs/benchmarks.md says how the first H200 figures were taken).
 set -u
 OUT=${OUT:-/tmp/gpu_lease}
 mkdir -p "$OUT"
