@@ -98,6 +98,7 @@ class AttnConfig:
     context: int  # tokens each sequence attends over, the new ones included
     dtype: str
     shape: str = "smollm2"  # a key of ATTN_SHAPES
+    splits: int = 1  # decode: parts each sequence's keys are cut into (flash decoding), one program each
 
     @property
     def heads(self) -> tuple[int, int, int]:
@@ -106,7 +107,8 @@ class AttnConfig:
     @property
     def label(self) -> str:
         if self.kind == "decode":
-            return f"{self.shape} decode b={self.batch} ctx={self.context} {self.dtype}"
+            split = f" splits={self.splits}" if self.splits > 1 else ""
+            return f"{self.shape} decode b={self.batch} ctx={self.context}{split} {self.dtype}"
         return f"{self.shape} prefill b={self.batch} q={self.q_tokens} ctx={self.context} {self.dtype}"
 
     def bytes_moved(self) -> int:
@@ -241,7 +243,8 @@ def bench_attention(
     for name, impl in (("pallas", pallas_impl), ("jnp", "reference")):
         if row.skipped or row.error:
             return row
-        run = jax.jit(lambda *a, impl=impl: paged_attention(*a, impl=impl))
+        splits = cfg.splits if name == "pallas" else 1
+        run = jax.jit(lambda *a, impl=impl, splits=splits: paged_attention(*a, impl=impl, decode_splits=splits))
         timed[name] = attempt(row, name, lambda run=run: time_call(lambda: run(*args), iterations, min_iter_s))
     if row.skipped or row.error:
         return row
@@ -257,7 +260,9 @@ def bench_attention(
     return row
 
 
-def attention_configs(interpret: bool, dtypes: list[str], shapes: list[str]) -> list[AttnConfig]:
+def attention_configs(
+    interpret: bool, dtypes: list[str], shapes: list[str], splits: tuple[int, ...] = (1,)
+) -> list[AttnConfig]:
     if interpret:  # only exercises the code path and checks outputs
         decode = [(b, c) for b in (1, 2) for c in (64, 128)]
         prefill = [(64, 64), (32, 128)]
@@ -267,7 +272,7 @@ def attention_configs(interpret: bool, dtypes: list[str], shapes: list[str]) -> 
     out = []
     for shape in shapes:
         for dt in dtypes:
-            out += [AttnConfig("decode", b, 1, c, dt, shape) for b, c in decode]
+            out += [AttnConfig("decode", b, 1, c, dt, shape, n) for b, c in decode for n in splits]
             out += [AttnConfig("prefill", 1, q, c, dt, shape) for q, c in prefill]
     return out
 
@@ -595,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--copy-mib", type=int, default=None, help="array size of the bandwidth pass (1024; 64 interpreted)"
     )
+    ap.add_argument(
+        "--decode-splits", type=int, nargs="+", default=[1], help="decode kernel parts per sequence, each measured"
+    )
     ap.add_argument("--no-model", action="store_true", help="skip the model part")
     ap.add_argument(
         "--models", nargs="+", default=["smollm2", "llama3-8b"], help="smollm2 (or another reference) and/or llama3-8b"
@@ -649,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     attn_rows = []
-    for cfg in attention_configs(args.interpret, args.dtypes, args.attn_shapes):
+    for cfg in attention_configs(args.interpret, args.dtypes, args.attn_shapes, tuple(args.decode_splits)):
         print(f"... {cfg.label}", file=sys.stderr, flush=True)
         attn_rows.append(bench_attention(cfg, pallas_impl, bw, iterations, args.min_iter_ms / 1e3, memory_limit))
         print("row", json.dumps(asdict(attn_rows[-1])), file=sys.stderr, flush=True)  # kept if a lease ends early

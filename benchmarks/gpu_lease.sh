@@ -28,7 +28,7 @@ BENCH="python3 benchmarks/bench_gpu.py --dtypes bfloat16 --iterations ${ITERATIO
 # JAX takes a fixed share of the GPU's memory; the peer runs in its own process afterwards.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.6}
 PARTS=" ${PARTS:-attention model peer} "
-[[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-150}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
+[[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-200}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --decode-splits ${DECODE_SPLITS:-1 8} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 if [[ $PARTS == *" probe "* ]]; then  # where a step's time goes, layers scanned and unrolled
     for unroll in false true; do
         UNROLL_LAYERS=$unroll timeout "${PROBE_S:-90}" python3 benchmarks/gpu_step_probe.py pallas 2>&1 | tee -a "$OUT/probe.log"

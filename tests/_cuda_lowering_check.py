@@ -42,6 +42,12 @@ def kernels(dtype, bs: int, heads: int, kv_heads: int, head_dim: int) -> None:
         return paged_prefill_attention(q, k, v, lay, t, st, c, window=w)
 
     jax.jit(decode).trace(q1, kc, kc, layer, tables, ctx, layer).lower(lowering_platforms=("cuda",))
+    for splits in (2, 8):  # flash decoding: each sequence's keys cut into parts, merged after
+
+        def split(q, k, v, lay, t, c, w, splits=splits):
+            return paged_decode_attention(q, k, v, lay, t, c, window=w, splits=splits)
+
+        jax.jit(split).trace(q1, kc, kc, layer, tables, ctx, layer).lower(lowering_platforms=("cuda",))
     jax.jit(prefill).trace(qn, kc, kc, layer, tables, ctx, ctx, layer).lower(lowering_platforms=("cuda",))
 
 

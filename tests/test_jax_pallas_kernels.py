@@ -88,6 +88,32 @@ def test_decode_kernel_matches_reference(case):
     assert np.all(got[ctx == 0] == 0)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("window", [0, 100])
+def test_split_decode_kernel_matches_reference(splits, window):
+    """Flash decoding (``splits`` > 1): each sequence's key steps are cut into parts, one program
+    each, merged by their softmax statistics. Contexts from none (padding: zeros) to 11 key steps, so
+    some parts are empty, some ranges uneven; with a window, the parts cover only the window's steps."""
+    rng = np.random.default_rng(splits * 10 + window)
+    heads, kv, hd, bs = 8, 2, 32, 16
+    contexts = np.asarray([0, 1, 64, 65, 300, 700], np.int32)
+    seqs = len(contexts)
+    q, k, v, tables = _case(
+        rng, seqs=seqs, q_len=1, heads=heads, kv_heads=kv, head_dim=hd, block_size=bs, num_blocks=45 * seqs
+    )
+    q_pos = (contexts - 1)[:, None]
+    want = numpy_attention(q, k, v, 1, tables, q_pos, contexts, window)
+    got = np.asarray(
+        paged_decode_attention(
+            q[:, 0], k, v, jnp.int32(1), tables, contexts, window=jnp.int32(window), interpret=True, splits=splits
+        )
+    )
+    np.testing.assert_allclose(got, want[:, 0], atol=ATOL, rtol=0)
+    assert np.all(got[contexts == 0] == 0)
+    with pytest.raises(ValueError, match="splits must be a positive integer"):
+        paged_decode_attention(q[:, 0], k, v, jnp.int32(1), tables, contexts, interpret=True, splits=0)
+
+
 # (heads, kv_heads, head_dim, block_size, q_len, starts, chunk lengths): chunks from scratch and
 # continuing earlier context, shorter than the padded q_len, crossing blocks.
 PREFILL_CASES = [

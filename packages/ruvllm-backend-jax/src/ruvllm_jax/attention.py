@@ -171,9 +171,11 @@ def paged_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    decode_splits: int = 1,
 ) -> jax.Array:
     """Dispatch: ``reference``, or the Pallas kernels (``pallas`` compiled for CUDA,
-    ``pallas_interpret`` interpreted anywhere): decode kernel for one query per sequence, flash
+    ``pallas_interpret`` interpreted anywhere): decode kernel for one query per sequence (its keys
+    cut into ``decode_splits`` parts, see :func:`ruvllm_jax.kernels.paged_decode_attention`), flash
     prefill kernel otherwise."""
     if impl == "reference":
         return reference_paged_attention(
@@ -196,5 +198,7 @@ def paged_attention(
 
     kw = dict(window=window, scale=scale, interpret=impl == "pallas_interpret")
     if q.shape[1] == 1:
-        return paged_decode_attention(q[:, 0], k_cache, v_cache, layer, tables, context, **kw)[:, None]
+        return paged_decode_attention(q[:, 0], k_cache, v_cache, layer, tables, context, splits=decode_splits, **kw)[
+            :, None
+        ]
     return paged_prefill_attention(q, k_cache, v_cache, layer, tables, q_pos[:, 0], context, **kw)

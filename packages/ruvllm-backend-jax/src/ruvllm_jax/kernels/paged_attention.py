@@ -61,9 +61,11 @@ def _stream_keys(
     q_pos,
     lo,
     length,
+    stats=False,
 ):
     """Online-softmax attention of the tile ``q`` ``[M, D]`` over key steps ``first_step .. steps - 1``;
-    query row ``m`` sees keys at positions ``lo[m] .. q_pos[m]`` below ``length``."""
+    query row ``m`` sees keys at positions ``lo[m] .. q_pos[m]`` below ``length``. With ``stats``, also
+    each row's running maximum and sum (to merge partial results over disjoint key ranges)."""
     m_rows, hd = q.shape
     keys = pages_per_step * block_size
     r = jnp.arange(keys, dtype=jnp.int32)
@@ -90,8 +92,9 @@ def _stream_keys(
         jnp.full((m_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((m_rows,), jnp.float32),
     )
-    acc, _, l_sum = lax.fori_loop(first_step, steps, body, init)
-    return acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
+    acc, m_max, l_sum = lax.fori_loop(first_step, steps, body, init)
+    out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
+    return (out, m_max, l_sum) if stats else out
 
 
 def _decode_kernel(
@@ -134,6 +137,70 @@ def _decode_kernel(
         length=length,
     )
     o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _decode_split_kernel(
+    layer_ref,
+    window_ref,
+    lens_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    *,
+    num_blocks,
+    block_size,
+    pages_per_step,
+    scale,
+    splits,
+):
+    """One part of a sequence's keys (flash decoding): the key steps it needs are cut into ``splits``
+    consecutive ranges, one program each, so a few long sequences still fill the device. Writes the
+    part's normalized output with its softmax maximum and sum; :func:`_merge_parts` combines them."""
+    s, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lens_ref[s]
+    q = q_ref[...]
+    keys = pages_per_step * block_size
+    q_pos = jnp.full((q.shape[0],), length - 1, jnp.int32)
+    window = window_ref[0]
+    first, steps = window_start(length - 1, window) // keys, pl.cdiv(length, keys)
+    per = pl.cdiv(jnp.maximum(steps - first, 0), splits)
+    lo_step = first + part * per
+    out, m_max, l_sum = _stream_keys(
+        q,
+        scale,
+        k_ref,
+        v_ref,
+        tables_ref,
+        layer=layer_ref[0],
+        head=head,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        pages_per_step=pages_per_step,
+        first_step=lo_step,
+        steps=jnp.minimum(lo_step + per, steps),
+        q_pos=q_pos,
+        lo=window_start(q_pos, window),
+        length=length,
+        stats=True,
+    )
+    o_ref[...] = out
+    m_ref[...] = m_max
+    l_ref[...] = l_sum
+
+
+def _merge_parts(out: jax.Array, m_max: jax.Array, l_sum: jax.Array) -> jax.Array:
+    """Softmax-weighted sum of the parts (axis 2) of :func:`_decode_split_kernel`; a part that saw no
+    key weighs nothing, and a sequence with none at all (padding) gives zeros, as the one-part kernel."""
+    seen = l_sum > 0
+    lse = jnp.where(seen, m_max + jnp.log(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+    top = jnp.max(lse, axis=2, keepdims=True)
+    w = jnp.where(seen, jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(w, axis=2)
+    return jnp.sum(w[..., None] * out, axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _prefill_kernel(
@@ -203,7 +270,7 @@ def _scalar(x) -> jax.Array:
     return jnp.reshape(jnp.asarray(x), (1,)).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "splits"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -215,10 +282,15 @@ def paged_decode_attention(
     window: jax.Array | int = 0,
     scale: float | None = None,
     interpret: bool = False,
+    splits: int = 1,
 ) -> jax.Array:
     """One query per sequence: ``q`` ``[S, heads, head_dim]`` at position ``context[s] - 1`` attends
     over positions ``0 .. context[s] - 1`` (the last ``window`` of them when ``window`` > 0). Returns
-    ``[S, heads, head_dim]``."""
+    ``[S, heads, head_dim]``. ``splits`` > 1 cuts each sequence's keys into that many parts, one
+    program each, merged afterwards (flash decoding: one program per sequence and kv head leaves most
+    of a GPU idle at small batches)."""
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be a positive integer, got {splits!r}")
     s, nh, hd = q.shape
     _layers, num_blocks, bs, nkv, _ = k_cache.shape
     group = nh // nkv
@@ -232,6 +304,10 @@ def paged_decode_attention(
         _decode_kernel, num_blocks=num_blocks, block_size=bs, pages_per_step=pages, scale=score_scale(scale, hd)
     )
     k2, v2 = _cache_matrix(k_cache), _cache_matrix(v_cache)
+    if splits > 1:
+        return _decode_split(layer_arr, window_arr, context, tables, qg, k2, v2, q.dtype, interpret, splits,
+                             num_blocks=num_blocks, block_size=bs, pages_per_step=pages,
+                             scale=score_scale(scale, hd))[:, :, :group].reshape(s, nh, hd)  # fmt: skip
     out = pl.pallas_call(
         kernel,
         grid=(s, nkv),
@@ -251,6 +327,38 @@ def paged_decode_attention(
         name="ruvllm_paged_decode_attention",
     )(layer_arr, window_arr, context, tables, qg, k2, v2)
     return out[:, :, :group].reshape(s, nh, hd)
+
+
+def _decode_split(layer_arr, window_arr, context, tables, qg, k2, v2, dtype, interpret, splits, **static):
+    s, nkv, gp, hd = qg.shape
+    part = (None, None, None, gp)
+    out, m_max, l_sum = pl.pallas_call(
+        functools.partial(_decode_split_kernel, splits=splits, **static),
+        grid=(s, nkv, splits),
+        in_specs=[
+            _full(layer_arr),
+            _full(window_arr),
+            _full(context),
+            pl.BlockSpec((None, tables.shape[1]), lambda i, h, p: (i, 0)),
+            pl.BlockSpec((None, None, gp, hd), lambda i, h, p: (i, h, 0, 0)),
+            _full(k2),
+            _full(v2),
+        ],
+        out_specs=[
+            pl.BlockSpec((*part, hd), lambda i, h, p: (i, h, p, 0, 0)),
+            pl.BlockSpec(part, lambda i, h, p: (i, h, p, 0)),
+            pl.BlockSpec(part, lambda i, h, p: (i, h, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((s, nkv, splits, gp, hd), jnp.float32),
+            jax.ShapeDtypeStruct((s, nkv, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((s, nkv, splits, gp), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=TRITON,
+        name="ruvllm_paged_decode_attention_split",
+    )(layer_arr, window_arr, context, tables, qg, k2, v2)
+    return _merge_parts(out, m_max, l_sum).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
