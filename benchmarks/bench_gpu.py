@@ -219,6 +219,11 @@ def attempt(row: AttnRow, what: str, fn: Callable[[], T]) -> T | None:
         return None
 
 
+def report(row: AttnRow | ModelRow) -> None:
+    """One finished row on stderr as it lands, so a run cut off by a device lease keeps what it measured."""
+    print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
+
+
 def first_line(exc: Exception) -> str:
     """``Type: the first line of the message`` (at most 120 characters of it)."""
     lines = str(exc).strip().splitlines()
@@ -421,14 +426,14 @@ def bench_ruvllm(
         except Exception as exc:  # out of memory at a large batch: reported, the rest goes on
             row.skipped = first_line(exc)
             rows.append(row)
-            print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
+            report(row)
             continue
         row.step_ms = statistics.median(times[warm:]) * 1e3
         row.tok_s = b / (row.step_ms / 1e3)
         kv_read = b * (prompt_tokens + warm + steps // 2) * kv_token
         row.floor_ms = (weights_read(model) + kv_read) / bandwidth * 1e3
         rows.append(row)
-        print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
+        report(row)
     del cache
     return rows
 
@@ -500,12 +505,12 @@ def bench_transformers(
         except Exception as exc:
             row.skipped = first_line(exc)
             rows.append(row)
-            print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
+            report(row)
             continue
         row.step_ms = max(statistics.median(per_step), 1e-9) * 1e3
         row.tok_s = b / (row.step_ms / 1e3)
         rows.append(row)
-        print("row", json.dumps(asdict(row)), file=sys.stderr, flush=True)
+        report(row)
     model.to("meta")  # frees the device memory before the next model loads
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -660,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in attention_configs(args.interpret, args.dtypes, args.attn_shapes, tuple(args.decode_splits)):
         print(f"... {cfg.label}", file=sys.stderr, flush=True)
         attn_rows.append(bench_attention(cfg, pallas_impl, bw, iterations, args.min_iter_ms / 1e3, memory_limit))
-        print("row", json.dumps(asdict(attn_rows[-1])), file=sys.stderr, flush=True)  # kept if a lease ends early
+        report(attn_rows[-1])
     if attn_rows:
         print()
         print(f"Paged attention, one layer, block {BLOCK_SIZE}; shapes (q heads, kv heads, head dim): {ATTN_SHAPES}")

@@ -97,79 +97,21 @@ def _stream_keys(
     return (out, m_max, l_sum) if stats else out
 
 
-def _decode_kernel(
-    layer_ref,
-    window_ref,
-    lens_ref,
-    tables_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    *,
-    num_blocks,
-    block_size,
-    pages_per_step,
-    scale,
-):
+def _decode_keys(layer_ref, window_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, *, num_blocks, block_size,
+                 pages_per_step, scale, part=None, splits=1):
+    """The decode attention of program (sequence, kv head): over every key step the query sees, or
+    over part ``part`` of ``splits`` consecutive ranges of them (then with the softmax statistics)."""
     s, head = pl.program_id(0), pl.program_id(1)
     length = lens_ref[s]
     q = q_ref[...]
     keys = pages_per_step * block_size
     q_pos = jnp.full((q.shape[0],), length - 1, jnp.int32)
     window = window_ref[0]
-    lo = window_start(q_pos, window)
-    out = _stream_keys(
-        q,
-        scale,
-        k_ref,
-        v_ref,
-        tables_ref,
-        layer=layer_ref[0],
-        head=head,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        pages_per_step=pages_per_step,
-        first_step=window_start(length - 1, window) // keys,
-        steps=pl.cdiv(length, keys),
-        q_pos=q_pos,
-        lo=lo,
-        length=length,
-    )
-    o_ref[...] = out.astype(o_ref.dtype)
-
-
-def _decode_split_kernel(
-    layer_ref,
-    window_ref,
-    lens_ref,
-    tables_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    m_ref,
-    l_ref,
-    *,
-    num_blocks,
-    block_size,
-    pages_per_step,
-    scale,
-    splits,
-):
-    """One part of a sequence's keys (flash decoding): the key steps it needs are cut into ``splits``
-    consecutive ranges, one program each, so a few long sequences still fill the device. Writes the
-    part's normalized output with its softmax maximum and sum; :func:`_merge_parts` combines them."""
-    s, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length = lens_ref[s]
-    q = q_ref[...]
-    keys = pages_per_step * block_size
-    q_pos = jnp.full((q.shape[0],), length - 1, jnp.int32)
-    window = window_ref[0]
     first, steps = window_start(length - 1, window) // keys, pl.cdiv(length, keys)
-    per = pl.cdiv(jnp.maximum(steps - first, 0), splits)
-    lo_step = first + part * per
-    out, m_max, l_sum = _stream_keys(
+    if part is not None:
+        per = pl.cdiv(jnp.maximum(steps - first, 0), splits)
+        first, steps = first + part * per, jnp.minimum(first + part * per + per, steps)
+    return _stream_keys(
         q,
         scale,
         k_ref,
@@ -180,16 +122,26 @@ def _decode_split_kernel(
         num_blocks=num_blocks,
         block_size=block_size,
         pages_per_step=pages_per_step,
-        first_step=lo_step,
-        steps=jnp.minimum(lo_step + per, steps),
+        first_step=first,
+        steps=steps,
         q_pos=q_pos,
         lo=window_start(q_pos, window),
         length=length,
-        stats=True,
+        stats=part is not None,
     )
-    o_ref[...] = out
-    m_ref[...] = m_max
-    l_ref[...] = l_sum
+
+
+def _decode_kernel(*refs, **static):
+    *inputs, o_ref = refs
+    o_ref[...] = _decode_keys(*inputs, **static).astype(o_ref.dtype)
+
+
+def _decode_split_kernel(*refs, splits, **static):
+    """One part of a sequence's keys (flash decoding): the key steps it needs are cut into ``splits``
+    consecutive ranges, one program each, so a few long sequences still fill the device. Writes the
+    part's normalized output with its softmax maximum and sum; :func:`_merge_parts` combines them."""
+    *inputs, o_ref, m_ref, l_ref = refs
+    o_ref[...], m_ref[...], l_ref[...] = _decode_keys(*inputs, part=pl.program_id(2), splits=splits, **static)
 
 
 def _merge_parts(out: jax.Array, m_max: jax.Array, l_sum: jax.Array) -> jax.Array:
