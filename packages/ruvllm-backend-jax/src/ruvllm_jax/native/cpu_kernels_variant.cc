@@ -5,6 +5,7 @@
 // instantiated here, so no code compiled for a wider ISA can leak into another variant.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -930,6 +931,50 @@ inline __m256i half_codes_256(const uint8_t* gp, int t, int r, bool upper) {
   return c;
 }
 
+// Blocks of activation rows after a panel's first: its 4- to 6-bit codes unpacked once, one byte each,
+// in the 8-bit panel layout (group g's codes 4t .. 4t+3 of the 8 rows of half r at g * 512 + t * 64 +
+// r * 32, t = 0 .. 7), so later blocks load them instead of unpacking them again. The buffer is the
+// calling thread's, grown as needed (null if it cannot be: the caller then unpacks in place).
+#define RUVLLM_PANEL_UNPACK 1
+struct UnpackBuffer {
+  uint8_t* p = nullptr;
+  int64_t cap = 0;
+  ~UnpackBuffer() { free(p); }
+};
+
+template <int BITS>
+const uint8_t* unpack_panel(const uint8_t* q, int64_t G, int64_t p) {
+  if constexpr (BITS == 8) {
+    return nullptr;
+  } else {
+    constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+    static thread_local UnpackBuffer buf;
+    const int64_t need = G * 512;
+    if (need > buf.cap) {
+      free(buf.p);
+      buf.p = static_cast<uint8_t*>(aligned_alloc(64, static_cast<size_t>(need)));
+      buf.cap = buf.p != nullptr ? need : 0;
+      if (buf.p == nullptr) return nullptr;
+    }
+    const uint8_t* base = q + p * 16 * G * GB;
+    for (int64_t g = 0; g < G; ++g)
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 4; ++t)
+          for (int r = 0; r < 2; ++r)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(buf.p + g * 512 + (4 * h + t) * 64 + r * 32),
+                               half_codes_256<BITS>(base + g * GB * 16, t, r, h == 1));
+    return buf.p;
+  }
+}
+
+// Codes 4t .. 4t+3 (h = 1: 16+4t ..) of the 8 rows of half r of group g: from the unpacked panel, or
+// unpacked from the group's bytes gp.
+template <int BITS>
+inline __m256i unpacked_or_codes(const uint8_t* un, const uint8_t* gp, int64_t g, int t, int r, int h) {
+  if (un != nullptr) return _mm256_load_si256(reinterpret_cast<const __m256i*>(un + g * 512 + (4 * h + t) * 64 + r * 32));
+  return half_codes_256<BITS>(gp, t, r, h == 1);
+}
+
 // The integer dot product of 4 dwords of codes (c) with the activation dwords xd[0..3], added to acc.
 template <int BITS>
 inline __m256i dots4_256(const __m256i* c, const int32_t* xd, __m256i acc) {
@@ -951,7 +996,7 @@ inline __m256i dots4_256(const __m256i* c, const int32_t* xd, __m256i acc) {
 // Plain groups: the codes of each half group unpacked once for the block's activation rows, whose
 // two half sums meet in one int32 accumulator per row before the group's float multiply-adds.
 template <int BITS, int MB>
-void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   const int64_t G = x.G, K = x.K;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
   const uint8_t* base = w.q + p * 16 * G * GB;
@@ -966,7 +1011,7 @@ void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
-        for (int t = 0; t < 4; ++t) c[t] = half_codes_256<BITS>(gp, t, r, h == 1);
+        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS>(un, gp, g, t, r, h);
         for (int m = 0; m < MB; ++m)
           acc[m] = dots4_256<BITS>(c, reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32) + 4 * h, acc[m]);
       }
@@ -988,7 +1033,7 @@ void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
 // every activation row, whose integer dot product goes straight into its float accumulator (only
 // those stay live across groups, so MB can be 6).
 template <int BITS, int MB>
-void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
   const uint8_t* base = w.q + p * 16 * G * GB;
@@ -1001,7 +1046,7 @@ void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
       const __m256 Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
-        for (int t = 0; t < 4; ++t) c[t] = half_codes_256<BITS>(gp, t, r, h == 1);
+        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS>(un, gp, g, t, r, h);
         const int64_t k = (p * 2 * G + 2 * g + h) * 16 + r * 8;
         const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
         const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + k))));
@@ -1020,20 +1065,20 @@ void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
 }
 
 template <int BITS, int MB>
-void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   if constexpr (BITS == 8)
     panel_block_8<MB>(x, w, p, m0);
   else
-    panel_block_256<BITS, MB>(x, w, p, m0);
+    panel_block_256<BITS, MB>(x, w, p, m0, un);
 }
 #define RUVLLM_PANEL_MB 4
 
 template <int BITS, int MB>
-void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   if constexpr (BITS == 8)
     kpanel_block_8<MB>(x, w, p, m0);
   else
-    kpanel_block_256<BITS, MB>(x, w, p, m0);
+    kpanel_block_256<BITS, MB>(x, w, p, m0, un);
 }
 #define RUVLLM_KPANEL_MB 6
 
@@ -1091,28 +1136,44 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 #endif
 
 #if defined(RUVLLM_PANEL_MB) && defined(RUVLLM_KPANEL_MB)
-// One block of MB activation rows against one panel, plain or k-quant.
+// One block of MB activation rows against one panel, plain or k-quant (un: the panel's codes
+// unpacked, where the variant does that; see unpack_panel).
+#ifdef RUVLLM_PANEL_UNPACK
 template <int BITS, int MB>
-void block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m) { panel_block<BITS, MB>(x, w, p, m); }
+void block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m, const uint8_t* un) {
+  panel_block<BITS, MB>(x, w, p, m, un);
+}
 template <int BITS, int MB>
-void block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m) { kpanel_block<BITS, MB>(x, w, p, m); }
+void block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m, const uint8_t* un) {
+  kpanel_block<BITS, MB>(x, w, p, m, un);
+}
+#else
+template <int BITS>
+const uint8_t* unpack_panel(const uint8_t*, int64_t, int64_t) { return nullptr; }
+template <int BITS, int MB>
+void block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m, const uint8_t*) { panel_block<BITS, MB>(x, w, p, m); }
+template <int BITS, int MB>
+void block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m, const uint8_t*) { kpanel_block<BITS, MB>(x, w, p, m); }
+#endif
 
 // The last block, of fewer than the widest number of rows.
 template <int BITS, int MB, typename Mat>
-void tail_block(const GroupActs& x, const Mat& w, int64_t p, int64_t m, int left) {
+void tail_block(const GroupActs& x, const Mat& w, int64_t p, int64_t m, int left, const uint8_t* un) {
   if constexpr (MB > 0) {
-    if (left == MB) return block<BITS, MB>(x, w, p, m);
-    tail_block<BITS, MB - 1>(x, w, p, m, left);
+    if (left == MB) return block<BITS, MB>(x, w, p, m, un);
+    tail_block<BITS, MB - 1>(x, w, p, m, left, un);
   }
 }
 
-// Blocks of MBMAX activation rows, then the rest in one smaller block.
+// Blocks of MBMAX activation rows, then the rest in one smaller block. With more than one block the
+// panel's codes are unpacked once first where the variant does that.
 template <int BITS, int MBMAX, typename Mat>
 void panel_blocks(const GroupActs& x, const Mat& w, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* un = x.M > MBMAX ? unpack_panel<BITS>(w.q, x.G, p) : nullptr;
     int64_t m = 0;
-    for (; m + MBMAX <= x.M; m += MBMAX) block<BITS, MBMAX>(x, w, p, m);
-    if (m < x.M) tail_block<BITS, MBMAX - 1>(x, w, p, m, static_cast<int>(x.M - m));
+    for (; m + MBMAX <= x.M; m += MBMAX) block<BITS, MBMAX>(x, w, p, m, un);
+    if (m < x.M) tail_block<BITS, MBMAX - 1>(x, w, p, m, static_cast<int>(x.M - m), un);
   }
 }
 
