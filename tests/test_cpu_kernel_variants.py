@@ -292,8 +292,8 @@ def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes ``[N, K]`` in cpu_kernels.h's row-major layout: per group of 32, 4-bit: byte j = code j
-    (low nibble) | code j + 16 (high nibble); 5-bit: those nibbles, then a little-endian uint32 of
-    the codes' bit 4; 6-bit: then another of their bit 5; 8-bit: one byte per code."""
+    (low nibble) | code j + 16 (high nibble); 5-bit: those nibbles, then 4 bytes of the codes' bit 4,
+    bit i of byte k being code 4 i + k's; 6-bit: then 4 more of their bit 5; 8-bit: one byte per code."""
     out, cols = codes.shape
     if bits == 8:
         return codes
@@ -303,8 +303,9 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
         return nibbles.reshape(out, -1).astype(np.uint8)
     planes = [nibbles.astype(np.uint8)]
     for bit in range(4, bits):
-        high = ((c >> bit) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-        planes.append(high.sum(-1, dtype=np.uint32)[..., None].astype("<u4").view(np.uint8))
+        j = np.arange(32)
+        high = ((c >> bit) & 1).astype(np.uint8) << (j // 4).astype(np.uint8)  # code j -> bit j // 4 ...
+        planes.append(np.stack([high[..., j % 4 == k].sum(-1) for k in range(4)], -1).astype(np.uint8))  # ... of byte j % 4
     return np.concatenate(planes, -1).reshape(out, -1)
 
 

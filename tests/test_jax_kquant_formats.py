@@ -70,16 +70,18 @@ def test_blocks_dequantize_to_ggufs_values(ggml_type, out, cols, kind):
     w = wxa8_from_gguf_blocks(ggml_type, data, (out, cols))
     np.testing.assert_array_equal(_dequantized(w), _file_values(ggml_type, data, (out, cols)))
     assert w.wxa8 and w.act_bits == 8 and w.group_size == 32 and w.shape == (out, cols)
-    # Per group of 32: 16 bytes of nibbles, then a word of fifth bits (5-bit) and of sixth bits (6-bit).
+    # Per group of 32: 16 bytes of nibbles, then 4 bytes of fifth bits (5-bit) and of sixth bits (6-bit).
     bits = {"Q4_K": 4, "Q6_K": 6}.get(ggml_type, 5)
     assert w.bits == bits and w.quant.dtype == np.uint8 and w.quant.shape == (out, cols // 32 * 4 * bits)
     np.testing.assert_array_equal(_codes(w), np.asarray(unpack_codes(w)))
     assert int(_codes(w).max()) < 2**bits
-    if ggml_type in ("Q5_0", "Q5_1"):  # plain groups of 32: the file's bytes, qh after qs
+    if ggml_type in ("Q5_0", "Q5_1"):  # plain groups of 32: the file's qs, then its qh's bits transposed
         assert (w.sub_group, w.sub_scale) == (0, None)
         at = 2 if ggml_type == "Q5_0" else 4
         blocks = data.reshape(out, cols // 32, -1)
-        want = np.concatenate([blocks[..., at + 4 : at + 20], blocks[..., at : at + 4]], axis=-1)
+        word = np.ascontiguousarray(blocks[..., at : at + 4]).view("<u4")[..., 0].astype(np.int64)
+        plane = [sum(((word >> (4 * i + k)) & 1) << i for i in range(8)) for k in range(4)]  # byte k, bit i: 4i + k
+        want = np.concatenate([blocks[..., at + 4 : at + 20], np.stack(plane, -1).astype(np.uint8)], axis=-1)
         np.testing.assert_array_equal(np.asarray(w.quant), want.reshape(out, -1))
         return
     assert w.scale.dtype == np.float16 and w.scale.shape == (out, cols // 256)
@@ -128,8 +130,8 @@ def test_memory_stays_close_to_the_files():
 
 def _codes(w: QuantArray) -> np.ndarray:
     """int64 codes ``[out, in]`` of a row-major matrix, unpacked here from the layout (low nibble:
-    value ``j`` of a group of 32, high: ``j + 16``; 5-bit: 16 such bytes, then a little-endian uint32
-    whose bit ``j`` is value ``j``'s fifth bit; 6-bit: then another of the sixth bits)."""
+    value ``j`` of a group of 32, high: ``j + 16``; 5-bit: 16 such bytes, then 4 bytes whose byte
+    ``j % 4`` holds value ``j``'s fifth bit at bit ``j // 4``; 6-bit: then 4 more of the sixth bits)."""
     q = np.asarray(w.quant).astype(np.int64)
     out = q.shape[0]
     if w.bits == 8:
@@ -138,8 +140,8 @@ def _codes(w: QuantArray) -> np.ndarray:
     codes = np.concatenate([g[..., :16] & 15, g[..., :16] >> 4], axis=-1)
     for bit in range(4, w.bits):
         at = 16 + 4 * (bit - 4)
-        word = g[..., at] | (g[..., at + 1] << 8) | (g[..., at + 2] << 16) | (g[..., at + 3] << 24)
-        codes |= ((word[..., None] >> np.arange(32)) & 1) << bit
+        j = np.arange(32)
+        codes |= ((g[..., at + j % 4] >> (j // 4)) & 1) << bit
     return codes.reshape(out, -1)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from ruvllm.errors import BackendError, ModelFormatError, UnsupportedQuantizationError
-from ruvllm_jax.quant import KQ_BLOCK, ROW_FIELDS, QuantArray, pack_codes, unpack_codes
+from ruvllm_jax.quant import KQ_BLOCK, ROW_FIELDS, QuantArray, bit_plane, pack_codes, unpack_codes
 
 #: GGUF block types that map onto :class:`QuantArray` without re-quantizing.
 GGUF_DIRECT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
@@ -84,11 +84,13 @@ def from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -
 
 
 def _q5_groups(blocks: np.ndarray, at: int) -> np.ndarray:
-    """Q5_0 / Q5_1 codes in the 5-bit form, ``[out, blocks * 20]``: the block's 4-byte ``qh`` at byte
-    ``at`` (bit ``j`` of the little-endian word: code ``j``'s fifth bit) and the 16 ``qs`` bytes after
-    it (low nibbles: codes 0-15, high nibbles: codes 16-31) are that form's two parts, swapped."""
+    """Q5_0 / Q5_1 codes in the 5-bit form, ``[out, blocks * 20]``: the 16 ``qs`` bytes after byte
+    ``at + 4`` (low nibbles: codes 0-15, high nibbles: codes 16-31) as they are, then the block's 4-byte
+    ``qh`` at byte ``at`` (bit ``j`` of the little-endian word: code ``j``'s fifth bit) as the form's
+    plane of fifth bits (:func:`ruvllm_jax.quant.bit_plane`)."""
     qh, qs = blocks[..., at : at + 4], blocks[..., at + 4 : at + 20]
-    return np.concatenate([qs, qh], axis=-1).reshape(blocks.shape[0], -1)
+    plane = bit_plane(np.unpackbits(qh, axis=-1, bitorder="little"))
+    return np.concatenate([qs, plane], axis=-1).reshape(blocks.shape[0], -1)
 
 
 def _kquant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

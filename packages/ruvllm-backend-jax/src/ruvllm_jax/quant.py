@@ -11,11 +11,14 @@ Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
   weight ``j`` in its low nibble and weight ``j + group // 2`` in its high nibble (GGUF's Q4 layout, so
   Q4_0 / Q4_1 blocks load as they are). ``W = (nibble - zero_point) * scale (+ offset)``.
 * 5-bit (``bits=5``, ``w4a8`` only): ``quant`` uint8 ``[out, in // 32 * 20]``, 20 bytes per group of 32:
-  the codes' low 4 bits in the int4 order (16 bytes), then a little-endian uint32 whose bit ``j`` is
-  code ``j``'s fifth bit (GGUF Q5_0's ``qs`` and ``qh``, swapped). See :func:`unpack_codes`.
+  the codes' low 4 bits in the int4 order (16 bytes), then a 4-byte plane of their fifth bits in which
+  bit ``i`` of byte ``k`` is code ``4 i + k``'s (GGUF Q5_0's ``qs``, then its ``qh`` with the bits of
+  the 32-bit word transposed as a 4 x 8 matrix). Byte ``k`` of the plane sits beside nibble bytes
+  ``k, 4 + k, 8 + k, 12 + k``, whose codes' bits it holds, in the order the kernels unpack four codes
+  at a time, so a vector of nibble bytes gets its fifth bits with one shift and one mask. See
+  :func:`unpack_codes`.
 * 6-bit (``bits=6``, ``w4a8`` only, GGUF Q6_K's codes): ``quant`` uint8 ``[out, in // 32 * 24]``, the
-  5-bit form's 20 bytes per group, then another little-endian uint32 whose bit ``j`` is code ``j``'s
-  sixth bit.
+  5-bit form's 20 bytes per group, then another such plane of the codes' sixth bits.
 * k-quants (GGUF Q4_K / Q5_K / Q6_K, ``sub_group`` > 0): two-level scales, as in the file. ``scale``
   (and ``offset``) are float16 ``[out, in // 256]``, one per super-block; ``sub_scale`` (and
   ``sub_offset``) are small integers ``[out, in // sub_group]``; ``W = scale * sub_scale * (code -
@@ -146,10 +149,17 @@ def unpack_codes(w: QuantArray) -> jax.Array | np.ndarray:
     g = q.reshape(*lead, out, nbytes // gb, gb)
     codes = _unpack_nibbles(g[..., :16], 32)
     for plane, at in enumerate(range(16, gb, 4)):
-        # Byte b of a plane (a little-endian word) holds bit 4 + plane of codes 8b .. 8b+7, lowest first.
-        bit = (g[..., at : at + 4, None] >> xp.arange(8, dtype=xp.uint8)) & 1
+        # Bit i of plane byte k is code 4 i + k's bit 4 + plane: [.., k, i] -> [.., i, k] -> code order.
+        bit = xp.swapaxes((g[..., at : at + 4, None] >> xp.arange(8, dtype=xp.uint8)) & 1, -1, -2)
         codes = codes | (bit.reshape(codes.shape) << (4 + plane))
     return codes.reshape(*lead, out, nbytes // gb * 32)
+
+
+def bit_plane(bits: np.ndarray) -> np.ndarray:
+    """0/1 bits ``[..., 32]`` of the codes of groups (code order) -> their 4-byte planes ``[..., 4]``
+    (bit ``i`` of byte ``k``: code ``4 i + k``'s bit; see the module docstring)."""
+    by_byte = np.swapaxes(np.asarray(bits, np.uint8).reshape(*bits.shape[:-1], 8, 4), -1, -2)
+    return np.packbits(by_byte, axis=-1, bitorder="little").reshape(*bits.shape[:-1], 4)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -159,8 +169,7 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
         return codes
     *lead, out, cols = codes.shape
     g = codes.reshape(*lead, out, cols // 32, 32)
-    # Bits 4 .. bits-1 as 4-byte planes: packbits' little bit order is the little-endian word's.
-    planes = [np.packbits((g >> b) & 1, axis=-1, bitorder="little") for b in range(4, bits)]
+    planes = [bit_plane((g >> b) & 1) for b in range(4, bits)]
     packed = np.concatenate([_pack_nibbles(g & 0x0F, 32), *planes], axis=-1)
     return packed.reshape(*lead, out, cols // 8 * bits)
 

@@ -32,8 +32,11 @@ struct RowMatrix {
 // wxa8: weights in groups of 32 along the input (GGUF blocks), activations quantized to int8 per
 // group of 32 (dx = max|x| / 127). A weight is d * code + m with an unsigned 4-, 5- or 8-bit code.
 // Code bytes per row and group (gb): 4-bit 16 (byte j: code j low nibble, code j + 16 high nibble),
-// 8-bit 32 (one per code), 5-bit 20 (the 4-bit layout of the low 4 bits, then a little-endian
-// uint32 whose bit j is bit 4 of code j), 6-bit 24 (the same, then a uint32 of the codes' bit 5).
+// 8-bit 32 (one per code), 5-bit 20 (the 4-bit layout of the low 4 bits, then a 4-byte plane of the
+// codes' bit 4: bit i of plane byte k is code 4i + k's), 6-bit 24 (the same, then a plane of bit 5).
+// A plane byte k holds the bits of the codes in nibble bytes k, 4 + k, 8 + k, 12 + k, so a vector of
+// 4-byte slices of nibble bytes (codes 4t .. 4t+3, or 16+4t ..) and the same slices of the plane line
+// up byte for byte: the slice's bits are bit t (or 4 + t) of each plane byte, one shift and one mask.
 //   y[m, n] = sum_g (p[m, n, g] * (d[n, g] * dx[m, g]) + m[n, g] * sx[m, g]),  p = codes . xq
 // the integer dot p exact in int32, then the two float multiply-adds per group in that order, so
 // every variant's panel kernel gives the same float32 result, bit for bit.
@@ -180,9 +183,9 @@ static inline int32_t code_at(const uint8_t* q, int bits, bool panel, int64_t n,
   const uint8_t b = byte(j & 15);
   const int32_t low = j < 16 ? (b & 0x0F) : (b >> 4);
   if (bits == 4) return low;
-  const int32_t b4 = ((byte(16 + j / 8) >> (j % 8)) & 1) << 4;
+  const int32_t b4 = ((byte(16 + j % 4) >> (j / 4)) & 1) << 4;
   if (bits == 5) return low | b4;
-  return low | b4 | (((byte(20 + j / 8) >> (j % 8)) & 1) << 5);
+  return low | b4 | (((byte(20 + j % 4) >> (j / 4)) & 1) << 5);
 }
 
 }  // namespace ruvllm

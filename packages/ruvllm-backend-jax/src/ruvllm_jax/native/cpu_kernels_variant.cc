@@ -444,6 +444,27 @@ void lora_rows(const LoraJob& j, int64_t t0, int64_t t1) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Blocks of activation rows after a panel's first (x86 vector variants): the panel's 4- to 6-bit
+// codes unpacked once, one byte each, in the 8-bit panel layout (group g's codes 4t .. 4t+3 of the
+// 16 rows at g * 512 + t * 64, codes 16+4t .. at g * 512 + (4 + t) * 64), so later blocks load them
+// instead of unpacking them again. The buffer is the calling thread's, grown as needed (null if it
+// cannot be: the caller then unpacks in place).
+struct UnpackBuffer {
+  uint8_t* p = nullptr;
+  int64_t cap = 0;
+  ~UnpackBuffer() { free(p); }
+};
+
+inline uint8_t* unpack_buffer(int64_t bytes) {
+  static thread_local UnpackBuffer buf;
+  if (bytes > buf.cap) {
+    free(buf.p);
+    buf.p = static_cast<uint8_t*>(aligned_alloc(64, static_cast<size_t>(bytes)));
+    buf.cap = buf.p != nullptr ? bytes : 0;
+  }
+  return buf.p;
+}
+
 #if RUVLLM_AVX512
 // w8a8, 4 weight rows x MB activation rows. vpdpbusd multiplies unsigned by signed bytes: with
 // a = q + 128, sum(a * w) = sum(q * w) + 128 * sum(w); the row sum of w comes from one more vpdpbusd
@@ -575,41 +596,53 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
   return group_rows_bits<8>(x, w, n0, n1);
 }
 
-// 5-bit codes: bit 4 of codes 4t .. 4t+3 (half 0) and 16+4t .. (half 1) of each of the 16 rows, from
-// the rows' high-bit dwords h, as 0x10 in the byte of each code: the four bits index a 16-entry
-// table of dwords.
-inline __m512i high_bits_512(__m512i h, int shift) {
-  const __m512i table = _mm512_setr_epi32(0x00000000, 0x00000010, 0x00001000, 0x00001010, 0x00100000, 0x00100010,
-                                          0x00101000, 0x00101010, 0x10000000, 0x10000010, 0x10001000, 0x10001010,
-                                          0x10100000, 0x10100010, 0x10101000, 0x10101010);
-  return _mm512_permutexvar_epi32(_mm512_srli_epi32(h, shift), table);
+// v | (bit `from` of every byte of h moved to bit `to`): a byte test into a mask, then a masked or.
+inline __m512i or_bit_512(__m512i v, __m512i h, int from, int to) {
+  const __mmask64 k = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << from)));
+  return _mm512_mask_add_epi8(v, k, v, _mm512_set1_epi8(static_cast<char>(1 << to)));
 }
 
-// Codes 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) of the 16 rows of a 4-, 5- or 6-bit panel group
-// (bit 5: the second plane's 0x10, doubled).
+// Codes 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) of the 16 rows of a 4-, 5- or 6-bit panel group:
+// the nibbles, and bits 4 (5) from bit t (lo) or 4 + t (hi) of the plane's bytes (cpu_kernels.h).
 template <int BITS>
 inline void nibble_codes_512(const uint8_t* gp, int t, __m512i& lo, __m512i& hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i z = _mm512_loadu_si512(gp + t * 64);
   lo = _mm512_and_si512(z, low4);
   hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
-  if (BITS >= 5) {
-    const __m512i h = _mm512_loadu_si512(gp + 256);
-    lo = _mm512_or_si512(lo, high_bits_512(h, 4 * t));
-    hi = _mm512_or_si512(hi, high_bits_512(h, 16 + 4 * t));
+  for (int b = 4; b < BITS; ++b) {
+    const __m512i h = _mm512_loadu_si512(gp + 256 + (b - 4) * 64);
+    lo = or_bit_512(lo, h, t, b);
+    hi = or_bit_512(hi, h, 4 + t, b);
   }
-  if (BITS == 6) {
-    const __m512i h = _mm512_loadu_si512(gp + 320);
-    lo = _mm512_or_si512(lo, _mm512_slli_epi32(high_bits_512(h, 4 * t), 1));
-    hi = _mm512_or_si512(hi, _mm512_slli_epi32(high_bits_512(h, 16 + 4 * t), 1));
+}
+
+// The 8 registers of one group's codes (codes 4t .. 4t+3 of the 16 rows in register t, 16+4t .. in
+// 4 + t): loaded from the unpacked panel (UN, see unpack_buffer), or unpacked from its bytes gp.
+template <int BITS, bool UN>
+inline void group_codes_512(const uint8_t* gp, const uint8_t* ug, __m512i* wv) {
+  if (BITS == 8 || UN) {
+    const uint8_t* src = BITS == 8 ? gp : ug;
+    for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(src + t * 64);
+  } else {
+    for (int t = 0; t < 4; ++t) nibble_codes_512<BITS>(gp, t, wv[t], wv[4 + t]);
   }
+}
+
+// One group of a panel's 4- to 6-bit codes unpacked to one byte each (see unpack_buffer).
+#define RUVLLM_PANEL_UNPACK 1
+template <int BITS>
+inline void unpack_group(const uint8_t* gp, uint8_t* out) {
+  __m512i wv[8];
+  group_codes_512<BITS, false>(gp, nullptr, wv);
+  for (int t = 0; t < 8; ++t) _mm512_store_si512(out + t * 64, wv[t]);
 }
 
 // Panel layout: one vpdpbusd forms four products for each of the 16 rows against a broadcast dword
 // of the activations; each output is a sequential sum over groups (the scalar loop's float
 // operations in the scalar loop's order).
-template <int BITS, int MB>
-void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0) {
+template <int BITS, int MB, bool UN>
+void panel_block_512(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   const int64_t G = x.G, K = x.K;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;  // code bytes per row and group
   const uint8_t* base = w.q + p * 16 * G * GB;
@@ -620,11 +653,7 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* gp = base + g * GB * 16;
     __m512i wv[8];
-    if (BITS != 8) {  // codes 4t .. 4t+3 (half 0), 16+4t .. 16+4t+3 (half 1)
-      for (int t = 0; t < 4; ++t) nibble_codes_512<BITS>(gp, t, wv[t], wv[4 + t]);
-    } else {
-      for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
-    }
+    group_codes_512<BITS, UN>(gp, UN ? un + g * 512 : nullptr, wv);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * 16)));
     const __m512 mv = mp != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * 16)))
                                     : _mm512_mul_ps(dv, _mm512_set1_ps(ruvllm::symmetric_zero(BITS)));
@@ -646,12 +675,17 @@ void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m]);
 }
+template <int BITS, int MB>
+void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
+  if (un != nullptr) return panel_block_512<BITS, MB, true>(x, w, p, m0, un);
+  panel_block_512<BITS, MB, false>(x, w, p, m0, un);
+}
 #define RUVLLM_PANEL_MB 8
 
 // k-quants: the panel kernel's products, one accumulator per half group, then the two-level factors
 // (cpu_kernels.h, KMatrix) formed per half group for the 16 rows.
-template <int BITS, int MB>
-void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
+template <int BITS, int MB, bool UN>
+void kpanel_block_512(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : BITS == 6 ? 24 : 32;
   const uint8_t* base = w.q + p * 16 * G * GB;
@@ -665,11 +699,7 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
     }
     const uint8_t* gp = base + g * GB * 16;
     __m512i wv[8];
-    if (BITS != 8) {  // codes 4t .. 4t+3 (half 0), 16+4t .. 16+4t+3 (half 1)
-      for (int t = 0; t < 4; ++t) nibble_codes_512<BITS>(gp, t, wv[t], wv[4 + t]);
-    } else {
-      for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(gp + t * 64);
-    }
+    group_codes_512<BITS, UN>(gp, UN ? un + g * 512 : nullptr, wv);
     __m512i acc[2][MB];
     const int32_t* xd[MB];
     for (int m = 0; m < MB; ++m) {
@@ -692,6 +722,11 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0) {
     }
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(w.y + (m0 + m) * w.N + p * 16, facc[m]);
+}
+template <int BITS, int MB>
+void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
+  if (un != nullptr) return kpanel_block_512<BITS, MB, true>(x, w, p, m0, un);
+  kpanel_block_512<BITS, MB, false>(x, w, p, m0, un);
 }
 #define RUVLLM_KPANEL_MB 8
 
@@ -755,17 +790,11 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// 5-bit codes (see high_bits_512): bit 4 of codes 4t .. 4t+3 (upper: 16+4t ..) of 8 rows, from their
-// high-bit dwords h, as 0x10 in each code's byte: each dword's byte holding the four bits is copied
-// to its four bytes, and byte k keeps its own bit.
-inline __m256i high_bits_256(__m256i h, int t, bool upper) {
-  const int bi = (upper ? 2 : 0) + (t >> 1);
-  const __m256i ctrl = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0,
-                                                        4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
-                                       _mm256_set1_epi8(static_cast<char>(bi)));
-  const __m256i sel = _mm256_set1_epi32(static_cast<int>(0x08040201u << ((t & 1) * 4)));
-  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(h, ctrl), sel);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(0x10));
+// Bit `from` of every byte moved to bit `to` and nothing else kept: 16-bit shifts, whose bits
+// crossing a byte boundary the mask drops.
+inline __m256i bit_to_256(__m256i v, int from, int to) {
+  const __m256i s = from < to ? _mm256_slli_epi16(v, to - from) : from > to ? _mm256_srli_epi16(v, from - to) : v;
+  return _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(1 << to)));
 }
 
 // w8a8, 4 weight rows x MB activation rows; signed x signed as |w| times x with w's sign (weights
@@ -922,57 +951,29 @@ inline __m256i half_codes_256(const uint8_t* gp, int t, int r, bool upper) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
   __m256i c = upper ? _mm256_and_si256(_mm256_srli_epi16(z, 4), low4) : _mm256_and_si256(z, low4);
-  if (BITS >= 5)
-    c = _mm256_or_si256(c, high_bits_256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + r * 32)), t, upper));
-  if (BITS == 6)
-    c = _mm256_or_si256(
-        c, _mm256_slli_epi32(
-               high_bits_256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 320 + r * 32)), t, upper), 1));
+  for (int b = 4; b < BITS; ++b) {  // bit b: bit t (upper: 4 + t) of the plane's bytes (cpu_kernels.h)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + (b - 4) * 64 + r * 32));
+    c = _mm256_or_si256(c, bit_to_256(h, t + (upper ? 4 : 0), b));
+  }
   return c;
 }
 
-// Blocks of activation rows after a panel's first: its 4- to 6-bit codes unpacked once, one byte each,
-// in the 8-bit panel layout (group g's codes 4t .. 4t+3 of the 8 rows of half r at g * 512 + t * 64 +
-// r * 32, t = 0 .. 7), so later blocks load them instead of unpacking them again. The buffer is the
-// calling thread's, grown as needed (null if it cannot be: the caller then unpacks in place).
+// One group of a panel's 4- to 6-bit codes unpacked to one byte each (see unpack_buffer).
 #define RUVLLM_PANEL_UNPACK 1
-struct UnpackBuffer {
-  uint8_t* p = nullptr;
-  int64_t cap = 0;
-  ~UnpackBuffer() { free(p); }
-};
-
 template <int BITS>
-const uint8_t* unpack_panel(const uint8_t* q, int64_t G, int64_t p) {
-  if constexpr (BITS == 8) {
-    return nullptr;
-  } else {
-    constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
-    static thread_local UnpackBuffer buf;
-    const int64_t need = G * 512;
-    if (need > buf.cap) {
-      free(buf.p);
-      buf.p = static_cast<uint8_t*>(aligned_alloc(64, static_cast<size_t>(need)));
-      buf.cap = buf.p != nullptr ? need : 0;
-      if (buf.p == nullptr) return nullptr;
-    }
-    const uint8_t* base = q + p * 16 * G * GB;
-    for (int64_t g = 0; g < G; ++g)
-      for (int h = 0; h < 2; ++h)
-        for (int t = 0; t < 4; ++t)
-          for (int r = 0; r < 2; ++r)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(buf.p + g * 512 + (4 * h + t) * 64 + r * 32),
-                               half_codes_256<BITS>(base + g * GB * 16, t, r, h == 1));
-    return buf.p;
-  }
+inline void unpack_group(const uint8_t* gp, uint8_t* out) {
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int r = 0; r < 2; ++r)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + (4 * h + t) * 64 + r * 32), half_codes_256<BITS>(gp, t, r, h == 1));
 }
 
-// Codes 4t .. 4t+3 (h = 1: 16+4t ..) of the 8 rows of half r of group g: from the unpacked panel, or
-// unpacked from the group's bytes gp.
-template <int BITS>
+// Codes 4t .. 4t+3 (h = 1: 16+4t ..) of the 8 rows of half r of group g: from the unpacked panel
+// (UN), or unpacked from the group's bytes gp.
+template <int BITS, bool UN>
 inline __m256i unpacked_or_codes(const uint8_t* un, const uint8_t* gp, int64_t g, int t, int r, int h) {
-  if (un != nullptr) return _mm256_load_si256(reinterpret_cast<const __m256i*>(un + g * 512 + (4 * h + t) * 64 + r * 32));
-  return half_codes_256<BITS>(gp, t, r, h == 1);
+  if constexpr (UN) return _mm256_load_si256(reinterpret_cast<const __m256i*>(un + g * 512 + (4 * h + t) * 64 + r * 32));
+  else return half_codes_256<BITS>(gp, t, r, h == 1);
 }
 
 // The integer dot product of 4 dwords of codes (c) with the activation dwords xd[0..3], added to acc.
@@ -995,7 +996,7 @@ inline __m256i dots4_256(const __m256i* c, const int32_t* xd, __m256i acc) {
 
 // Plain groups: the codes of each half group unpacked once for the block's activation rows, whose
 // two half sums meet in one int32 accumulator per row before the group's float multiply-adds.
-template <int BITS, int MB>
+template <int BITS, int MB, bool UN>
 void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   const int64_t G = x.G, K = x.K;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
@@ -1011,7 +1012,7 @@ void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
-        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS>(un, gp, g, t, r, h);
+        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS, UN>(un, gp, g, t, r, h);
         for (int m = 0; m < MB; ++m)
           acc[m] = dots4_256<BITS>(c, reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32) + 4 * h, acc[m]);
       }
@@ -1032,7 +1033,7 @@ void panel_block_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
 // k-quants: per half group, the 8 rows' codes are unpacked once (four registers) and then reused by
 // every activation row, whose integer dot product goes straight into its float accumulator (only
 // those stay live across groups, so MB can be 6).
-template <int BITS, int MB>
+template <int BITS, int MB, bool UN>
 void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   const int64_t G = x.G, K = x.K, SB = K / 256;
   constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
@@ -1046,7 +1047,7 @@ void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
       const __m256 Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
-        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS>(un, gp, g, t, r, h);
+        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS, UN>(un, gp, g, t, r, h);
         const int64_t k = (p * 2 * G + 2 * g + h) * 16 + r * 8;
         const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
         const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + k))));
@@ -1068,8 +1069,10 @@ template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   if constexpr (BITS == 8)
     panel_block_8<MB>(x, w, p, m0);
+  else if (un != nullptr)
+    panel_block_256<BITS, MB, true>(x, w, p, m0, un);
   else
-    panel_block_256<BITS, MB>(x, w, p, m0, un);
+    panel_block_256<BITS, MB, false>(x, w, p, m0, un);
 }
 #define RUVLLM_PANEL_MB 4
 
@@ -1077,8 +1080,10 @@ template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   if constexpr (BITS == 8)
     kpanel_block_8<MB>(x, w, p, m0);
+  else if (un != nullptr)
+    kpanel_block_256<BITS, MB, true>(x, w, p, m0, un);
   else
-    kpanel_block_256<BITS, MB>(x, w, p, m0, un);
+    kpanel_block_256<BITS, MB, false>(x, w, p, m0, un);
 }
 #define RUVLLM_KPANEL_MB 6
 
@@ -1137,8 +1142,22 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 
 #if defined(RUVLLM_PANEL_MB) && defined(RUVLLM_KPANEL_MB)
 // One block of MB activation rows against one panel, plain or k-quant (un: the panel's codes
-// unpacked, where the variant does that; see unpack_panel).
+// unpacked, where the variant does that; see unpack_buffer).
 #ifdef RUVLLM_PANEL_UNPACK
+template <int BITS>
+const uint8_t* unpack_panel(const uint8_t* q, int64_t G, int64_t p) {
+  if constexpr (BITS == 8) {
+    return nullptr;
+  } else {
+    constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+    uint8_t* out = unpack_buffer(G * 512);
+    if (out == nullptr) return nullptr;
+    const uint8_t* base = q + p * 16 * G * GB;
+    for (int64_t g = 0; g < G; ++g) unpack_group<BITS>(base + g * GB * 16, out + g * 512);
+    return out;
+  }
+}
+
 template <int BITS, int MB>
 void block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m, const uint8_t* un) {
   panel_block<BITS, MB>(x, w, p, m, un);
