@@ -304,8 +304,8 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     planes = [nibbles.astype(np.uint8)]
     for bit in range(4, bits):
         j = np.arange(32)
-        high = ((c >> bit) & 1).astype(np.uint8) << (j // 4).astype(np.uint8)  # code j -> bit j // 4 ...
-        planes.append(np.stack([high[..., j % 4 == k].sum(-1) for k in range(4)], -1).astype(np.uint8))  # ... of byte j % 4
+        high = ((c >> bit) & 1).astype(np.uint8) << (j // 4).astype(np.uint8)  # code j: bit j // 4 of byte j % 4
+        planes.append(np.stack([high[..., j % 4 == k].sum(-1) for k in range(4)], -1).astype(np.uint8))
     return np.concatenate(planes, -1).reshape(out, -1)
 
 
