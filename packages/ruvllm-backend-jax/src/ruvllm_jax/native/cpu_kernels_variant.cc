@@ -728,7 +728,9 @@ void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, c
   if (un != nullptr) return kpanel_block_512<BITS, MB, true>(x, w, p, m0, un);
   kpanel_block_512<BITS, MB, false>(x, w, p, m0, un);
 }
-#define RUVLLM_KPANEL_MB 8
+// 4, not 8: two integer accumulators per row plus a float one and the 8 code registers would be 32
+// zmm registers at 8 rows, and spill (bench_kernels.py, 128 rows on a Zen 4: Q4_K 2.3x, Q6_K 2.0x).
+#define RUVLLM_KPANEL_MB 4
 
 // Activation quantization, 16 lanes at a time: division and round-to-nearest-even as the scalar
 // loop's, so the same codes.

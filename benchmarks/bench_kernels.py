@@ -1,0 +1,181 @@
+"""The native panel kernels alone, per ISA variant, and optionally against another commit's source.
+
+Compiles ``cpu_kernels_variant.cc`` once per variant with the flags the package uses
+(``native/variants.py``), links the builds into one ``kernel_bench`` (``benchmarks/kernel_bench.cc``)
+and times them call by call interleaved in that one process, single-threaded, on Gemma-3-270M's
+matrix shapes (Q5_0 q/gate/up, Q4_K o_proj, Q6_K ffn_down, the Q8_0 attn_v) at one activation row
+(decode) and 128 (a prompt chunk). With ``--base REF`` every variant is also built from the kernel
+sources at git ref REF, and the report gives each shape's time before and after: the way to measure
+a kernel change on a shared VM, whose drift between processes is larger than most changes.
+
+    python benchmarks/bench_kernels.py                      # the variants this CPU runs
+    python benchmarks/bench_kernels.py --base HEAD~1 --isa avx2
+
+Needs a C++17 compiler (``$CXX``, else ``g++``); x86-64 or aarch64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import runpy
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE_REL = "packages/ruvllm-backend-jax/src/ruvllm_jax/native"
+NATIVE = ROOT / NATIVE_REL
+SOURCES = ("cpu_kernels_variant.cc", "cpu_kernels.h", "cpu_kernels_neon.inc")
+
+#: (name, bits, rows N, inputs K, k-quant): Gemma-3-270M Q4_K_M's matrices.
+SHAPES = [
+    ("q5_0 gate/up 2048x640", 5, 2048, 640, False),
+    ("q4_k o_proj 640x1024", 4, 640, 1024, True),
+    ("q6_k ffn_down 640x2048", 6, 640, 2048, True),
+    ("q8_0 attn_v 256x640", 8, 256, 640, False),
+]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def runnable(machine: str, flags: set[str]) -> list[str]:
+    """The vector variants this CPU runs (variant symbols)."""
+    if machine == "x86_64":
+        out = ["avx2"] if "avx2" in flags else []
+        if "avx_vnni" in flags:
+            out.append("avxvnni")
+        elif "avx512_vnni" in flags:
+            out.append("avxvnni_evex")
+        if "avx512_vnni" in flags:
+            out.append("avx512vnni")
+        return out
+    out = ["neon"]
+    if "asimddp" in flags:
+        out.append("neon_dotprod")
+    if "i8mm" in flags:
+        out.append("neon_i8mm")
+    return out
+
+
+def source_tree(ref: str | None, into: Path) -> Path:
+    """The kernel sources of git ref ``ref`` (None: this working tree)."""
+    if ref is None:
+        return NATIVE
+    into.mkdir(parents=True)
+    for name in SOURCES:
+        shown = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{ref}:{NATIVE_REL}/{name}"], capture_output=True, check=False
+        )
+        if shown.returncode != 0:
+            raise SystemExit(f"--base {ref}: no {NATIVE_REL}/{name} there ({shown.stderr.decode().strip()})")
+        (into / name).write_bytes(shown.stdout)
+    return into
+
+
+def build(cxx: str, work: Path, builds: list[tuple[str, Path, list[str]]], common: list[str]) -> Path:
+    """Compile each (label, source dir, flags) as variant ``label`` and link kernel_bench."""
+
+    def one(label: str, src: Path, flags: list[str]) -> Path:
+        obj = work / f"{label}.o"
+        cmd = [cxx, *common, *flags, f"-I{src}", f"-DRUVLLM_VARIANT={label}", "-c", str(src / SOURCES[0])]
+        cmd += ["-o", str(obj)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"compiling {label} failed:\n{done.stderr[-2000:]}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objs = list(pool.map(lambda b: one(*b), builds))
+    exe = work / "kernel_bench"
+    tables = " ".join(f"X({label})" for label, _, _ in builds)
+    cmd = [cxx, *common, f"-I{NATIVE}", f"-DRUVLLM_TABLES={tables}", str(ROOT / "benchmarks/kernel_bench.cc"),
+           *map(str, objs), "-o", str(exe)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"linking kernel_bench failed:\n{done.stderr[-2000:]}")
+    return exe
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--isa", help="comma-separated variant symbols (default: the vector variants this CPU runs)")
+    ap.add_argument("--base", help="also build the kernels of this git ref and report before/after")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 128], help="activation rows (default: 1 128)")
+    ap.add_argument("--rounds", type=int, default=21, help="interleaved rounds per shape; medians (default 21)")
+    ap.add_argument("--json", type=Path, help="write the rows here too")
+    args = ap.parse_args(argv)
+
+    variants_py = runpy.run_path(str(NATIVE / "variants.py"))
+    machine = variants_py["normalise_machine"](platform.machine())
+    if machine is None:
+        raise SystemExit(f"no kernel variants for machine {platform.machine()}")
+    flags = cpu_flags()
+    isas = args.isa.split(",") if args.isa else runnable(machine, flags)
+    known = variants_py["VARIANTS"][machine]
+    unknown = [i for i in isas if i not in known or i == "scalar"]
+    if unknown or not isas:
+        raise SystemExit(f"--isa: {', '.join(unknown) or 'none'} (this machine's vector variants: "
+                         f"{', '.join(v for v in known if v != 'scalar')})")  # fmt: skip
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise SystemExit("no C++ compiler (set CXX or install g++)")
+    common = list(variants_py["COMMON_FLAGS"])
+
+    with tempfile.TemporaryDirectory(prefix="ruvllm-kernels-") as tmp:
+        work = Path(tmp)
+        base_src = source_tree(args.base, work / "base") if args.base else None
+        builds: list[tuple[str, Path, list[str]]] = []
+        for isa in isas:
+            if base_src is not None:
+                builds.append((f"{isa}_base", base_src, known[isa]))
+            builds.append((isa, NATIVE, known[isa]))
+        exe = build(cxx, work, builds, common)
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), platform.processor() or machine)  # fmt: skip
+        print(f"cpu: {model}, {os.cpu_count()} CPUs; one thread; medians of {args.rounds} interleaved rounds")
+        print(f"builds: {', '.join(label for label, _, _ in builds)}" + (f" (base: {args.base})" if args.base else ""))
+        rows = []
+        for name, bits, n, k, kq in SHAPES:
+            for m in args.rows:
+                reps = max(1, int(3e7 // (n * k * m)))
+                out = subprocess.run(
+                    [str(exe), str(bits), str(n), str(k), str(m), str(int(kq)), str(reps), str(args.rounds)],
+                    capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+                us = {label: float(t) for label, t in (line.split() for line in out.splitlines())}
+                row = {"shape": name, "rows": m, "us": us, "gprod_s": {b: n * k * m / t / 1e3 for b, t in us.items()}}
+                rows.append(row)
+                cells = []
+                for isa in isas:
+                    cell = f"{isa} {us[isa]:.1f} us ({row['gprod_s'][isa]:.1f} Gprod/s)"
+                    if args.base:
+                        cell += f", base {us[isa + '_base']:.1f} us: {us[isa + '_base'] / us[isa]:.2f}x"
+                    cells.append(cell)
+                print(f"{name:26s} M={m:<4d} " + "; ".join(cells))
+        if args.base:
+            for isa in isas:
+                ratios = [r["us"][isa + "_base"] / r["us"][isa] for r in rows]
+                print(f"{isa}: median speed-up over {args.base}: {statistics.median(ratios):.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps({"cpu": model, "base": args.base, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
