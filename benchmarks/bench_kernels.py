@@ -2,11 +2,12 @@
 
 Compiles ``cpu_kernels_variant.cc`` once per variant with the flags the package uses
 (``native/variants.py``), links the builds into one ``kernel_bench`` (``benchmarks/kernel_bench.cc``)
-and times them call by call interleaved in that one process, single-threaded, on Gemma-3-270M's
-matrix shapes (Q5_0 q/gate/up, Q4_K o_proj, Q6_K ffn_down, the Q8_0 attn_v) at one activation row
-(decode) and 128 (a prompt chunk). With ``--base REF`` every variant is also built from the kernel
-sources at git ref REF, and the report gives each shape's time before and after: the way to measure
-a kernel change on a shared VM, whose drift between processes is larger than most changes.
+and times them call by call interleaved in that one process, single-threaded: SmolLM2's Q4_1 gate
+and Gemma-3-270M Q4_K_M's matrix shapes (Q5_0 q/gate/up, Q4_K o_proj, Q6_K ffn_down, the Q8_0
+attn_v), at one activation row (decode) and 128 (a prompt chunk). With ``--base REF`` every variant
+is also built from the kernel sources at git ref REF, and the report gives each shape's time before
+and after: the way to measure a kernel change on a shared VM, whose drift between processes is
+larger than most changes.
 
     python benchmarks/bench_kernels.py                      # the variants this CPU runs
     python benchmarks/bench_kernels.py --base HEAD~1 --isa avx2
@@ -34,8 +35,9 @@ NATIVE_REL = "packages/ruvllm-backend-jax/src/ruvllm_jax/native"
 NATIVE = ROOT / NATIVE_REL
 SOURCES = ("cpu_kernels_variant.cc", "cpu_kernels.h", "cpu_kernels_neon.inc")
 
-#: (name, bits, rows N, inputs K, k-quant): Gemma-3-270M Q4_K_M's matrices.
+#: (name, bits, rows N, inputs K, k-quant): Gemma-3-270M Q4_K_M's matrices, and SmolLM2's Q4_1 gate/up.
 SHAPES = [
+    ("q4_1 smollm2 gate 1536x576", 4, 1536, 576, False),
     ("q5_0 gate/up 2048x640", 5, 2048, 640, False),
     ("q4_k o_proj 640x1024", 4, 640, 1024, True),
     ("q6_k ffn_down 640x2048", 6, 640, 2048, True),
