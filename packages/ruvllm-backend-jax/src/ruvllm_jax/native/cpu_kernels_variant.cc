@@ -596,7 +596,8 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
   return group_rows_bits<8>(x, w, n0, n1);
 }
 
-// v | (bit `from` of every byte of h moved to bit `to`): a byte test into a mask, then a masked or.
+// v | (bit `from` of every byte of h moved to bit `to`): a byte test into a mask, then a masked add of
+// bit `to`, which no caller has set yet (the nibbles hold bits 0-3, and bit 4 is set before bit 5).
 inline __m512i or_bit_512(__m512i v, __m512i h, int from, int to) {
   const __mmask64 k = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << from)));
   return _mm512_mask_add_epi8(v, k, v, _mm512_set1_epi8(static_cast<char>(1 << to)));
