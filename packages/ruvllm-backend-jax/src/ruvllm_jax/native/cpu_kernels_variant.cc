@@ -1044,10 +1044,13 @@ void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
   for (int r = 0; r < 2; ++r) {
     __m256 facc[MB];
     for (int m = 0; m < MB; ++m) facc[m] = _mm256_setzero_ps();
+    __m256 Dv = _mm256_setzero_ps(), Dmv = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* gp = base + g * GB * 16;
-      const __m256 Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.D + (p * SB + g / 8) * 16 + r * 8)));
-      const __m256 Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
+      if (g % 8 == 0) {  // a super-block's factors, once for its 8 groups
+        Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.D + (p * SB + g / 8) * 16 + r * 8)));
+        Dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
+      }
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
         for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS, UN>(un, gp, g, t, r, h);
