@@ -30,6 +30,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from provenance import cpu_summary
+
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE_REL = "packages/ruvllm-backend-jax/src/ruvllm_jax/native"
 NATIVE = ROOT / NATIVE_REL
@@ -45,34 +47,17 @@ SHAPES = [
 ]
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def default_builds() -> list[str]:
+    """The vector variants this CPU runs, as the installed library chooses them (its own CPU
+    detection), named by the build each runs (``avxvnni_evex`` on AVX-512 VNNI without AVX-VNNI)."""
+    from ruvllm_jax import native
 
-
-def runnable(machine: str, flags: set[str]) -> list[str]:
-    """The vector variants this CPU runs (variant symbols)."""
-    if machine == "x86_64":
-        out = ["avx2"] if "avx2" in flags else []
-        if "avx_vnni" in flags:
-            out.append("avxvnni")
-        elif "avx512_vnni" in flags:
-            out.append("avxvnni_evex")
-        if "avx512_vnni" in flags:
-            out.append("avx512vnni")
-        return out
-    out = ["neon"]
-    if "asimddp" in flags:
-        out.append("neon_dotprod")
-    if "i8mm" in flags:
-        out.append("neon_i8mm")
-    return out
+    builds = []
+    for isa in native.supported_isas():
+        if isa != "scalar":
+            with native.use_isa(isa):
+                builds.append(native.isa_build())
+    return builds
 
 
 def source_tree(ref: str | None, into: Path) -> Path:
@@ -116,7 +101,9 @@ def build(cxx: str, work: Path, builds: list[tuple[str, Path, list[str]]], commo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--isa", help="comma-separated variant symbols (default: the vector variants this CPU runs)")
+    ap.add_argument(
+        "--isa", help="comma-separated variant builds, e.g. avx2,avxvnni_evex (default: the vector ones this CPU runs)"
+    )
     ap.add_argument("--base", help="also build the kernels of this git ref and report before/after")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 128], help="activation rows (default: 1 128)")
     ap.add_argument("--rounds", type=int, default=21, help="interleaved rounds per shape; medians (default 21)")
@@ -127,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = variants_py["normalise_machine"](platform.machine())
     if machine is None:
         raise SystemExit(f"no kernel variants for machine {platform.machine()}")
-    flags = cpu_flags()
-    isas = args.isa.split(",") if args.isa else runnable(machine, flags)
+    isas = args.isa.split(",") if args.isa else default_builds()
     known = variants_py["VARIANTS"][machine]
     unknown = [i for i in isas if i not in known or i == "scalar"]
     if unknown or not isas:
@@ -148,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 builds.append((f"{isa}_base", base_src, known[isa]))
             builds.append((isa, NATIVE, known[isa]))
         exe = build(cxx, work, builds, common)
-        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("model name")), platform.processor() or machine)  # fmt: skip
-        print(f"cpu: {model}, {os.cpu_count()} CPUs; one thread; medians of {args.rounds} interleaved rounds")
+        print(f"cpu: {cpu_summary()}; one thread; medians of {args.rounds} interleaved rounds")
         print(f"builds: {', '.join(label for label, _, _ in builds)}" + (f" (base: {args.base})" if args.base else ""))
         rows = []
         for name, bits, n, k, kq in SHAPES:
@@ -175,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratios = [r["us"][isa + "_base"] / r["us"][isa] for r in rows]
                 print(f"{isa}: median speed-up over {args.base}: {statistics.median(ratios):.2f}x")
         if args.json:
-            args.json.write_text(json.dumps({"cpu": model, "base": args.base, "rows": rows}, indent=1))
+            args.json.write_text(json.dumps({"cpu": cpu_summary(), "base": args.base, "rows": rows}, indent=1))
     return 0
 
 

@@ -204,6 +204,12 @@ def isa() -> str | None:
     return _lib().ruvllm_isa().decode() if available() else None
 
 
+def isa_build() -> str | None:
+    """The build of the variant that runs: its symbol in the library (``avxvnni_evex`` where the
+    ``avxvnni`` code runs EVEX-encoded, on AVX-512 VNNI CPUs without AVX-VNNI), None when not loaded."""
+    return _lib().ruvllm_isa_build().decode() if available() else None
+
+
 def has_vector_path() -> bool:
     """Whether the kernels run a vector variant (the scalar loops are no faster than XLA's float32)."""
     return available() and isa() != "scalar"

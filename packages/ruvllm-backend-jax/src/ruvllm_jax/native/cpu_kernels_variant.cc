@@ -449,6 +449,7 @@ void lora_rows(const LoraJob& j, int64_t t0, int64_t t1) {
 // 16 rows at g * 512 + t * 64, codes 16+4t .. at g * 512 + (4 + t) * 64), so later blocks load them
 // instead of unpacking them again. The buffer is the calling thread's, grown as needed (null if it
 // cannot be: the caller then unpacks in place).
+#if RUVLLM_AVX512 || RUVLLM_AVX2
 struct UnpackBuffer {
   uint8_t* p = nullptr;
   int64_t cap = 0;
@@ -464,6 +465,7 @@ inline uint8_t* unpack_buffer(int64_t bytes) {
   }
   return buf.p;
 }
+#endif
 
 #if RUVLLM_AVX512
 // w8a8, 4 weight rows x MB activation rows. vpdpbusd multiplies unsigned by signed bytes: with
@@ -1155,7 +1157,7 @@ const uint8_t* unpack_panel(const uint8_t* q, int64_t G, int64_t p) {
   if constexpr (BITS == 8) {
     return nullptr;
   } else {
-    constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+    const int64_t GB = ruvllm::group_bytes(BITS);
     uint8_t* out = unpack_buffer(G * 512);
     if (out == nullptr) return nullptr;
     const uint8_t* base = q + p * 16 * G * GB;
