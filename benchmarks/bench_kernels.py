@@ -4,10 +4,10 @@ Compiles ``cpu_kernels_variant.cc`` once per variant with the flags the package 
 (``native/variants.py``), links the builds into one ``kernel_bench`` (``benchmarks/kernel_bench.cc``)
 and times them call by call interleaved in that one process, single-threaded: SmolLM2's Q4_1 gate
 and Gemma-3-270M Q4_K_M's matrix shapes (Q5_0 q/gate/up, Q4_K o_proj, Q6_K ffn_down, the Q8_0
-attn_v), at one activation row (decode) and 128 (a prompt chunk). With ``--base REF`` every variant
-is also built from the kernel sources at git ref REF, and the report gives each shape's time before
-and after: the way to measure a kernel change on a shared VM, whose drift between processes is
-larger than most changes.
+attn_v) at one activation row (decode) and 128 (a prompt chunk), and the tied Q8_0 LM head (168 MB,
+memory-bound) at one row. With ``--base REF`` every variant is also built from the kernel sources at
+git ref REF, and the report gives each shape's time before and after: the way to measure a kernel
+change on a shared VM, whose drift between processes is larger than most changes.
 
     python benchmarks/bench_kernels.py                      # the variants this CPU runs
     python benchmarks/bench_kernels.py --base HEAD~1 --isa avx2
@@ -37,13 +37,15 @@ NATIVE_REL = "packages/ruvllm-backend-jax/src/ruvllm_jax/native"
 NATIVE = ROOT / NATIVE_REL
 SOURCES = ("cpu_kernels_variant.cc", "cpu_kernels.h", "cpu_kernels_neon.inc")
 
-#: (name, bits, rows N, inputs K, k-quant): Gemma-3-270M Q4_K_M's matrices, and SmolLM2's Q4_1 gate/up.
+#: (name, bits, rows N, inputs K, k-quant, most activation rows timed): Gemma-3-270M Q4_K_M's matrices, and
+#: SmolLM2's Q4_1 gate/up.
 SHAPES = [
-    ("q4_1 smollm2 gate 1536x576", 4, 1536, 576, False),
-    ("q5_0 gate/up 2048x640", 5, 2048, 640, False),
-    ("q4_k o_proj 640x1024", 4, 640, 1024, True),
-    ("q6_k ffn_down 640x2048", 6, 640, 2048, True),
-    ("q8_0 attn_v 256x640", 8, 256, 640, False),
+    ("q4_1 smollm2 gate 1536x576", 4, 1536, 576, False, None),
+    ("q5_0 gate/up 2048x640", 5, 2048, 640, False, None),
+    ("q4_k o_proj 640x1024", 4, 640, 1024, True, None),
+    ("q6_k ffn_down 640x2048", 6, 640, 2048, True, None),
+    ("q8_0 attn_v 256x640", 8, 256, 640, False, None),
+    ("q8_0 lm_head 262144x640", 8, 262144, 640, False, 1),
 ]
 
 
@@ -137,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cpu: {cpu_summary()}; one thread; medians of {args.rounds} interleaved rounds")
         print(f"builds: {', '.join(label for label, _, _ in builds)}" + (f" (base: {args.base})" if args.base else ""))
         rows = []
-        for name, bits, n, k, kq in SHAPES:
-            for m in args.rows:
+        for name, bits, n, k, kq, most in SHAPES:
+            for m in (m for m in args.rows if most is None or m <= most):
                 reps = max(1, int(3e7 // (n * k * m)))
                 out = subprocess.run(
                     [str(exe), str(bits), str(n), str(k), str(m), str(int(kq)), str(reps), str(args.rounds)],

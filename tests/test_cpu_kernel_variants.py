@@ -293,7 +293,9 @@ def _random_kquant(rng: np.random.Generator, out: int, cols: int, bits: int, q6k
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes ``[N, K]`` in cpu_kernels.h's row-major layout: per group of 32, 4-bit: byte j = code j
     (low nibble) | code j + 16 (high nibble); 5-bit: those nibbles, then 4 bytes of the codes' bit 4,
-    bit i of byte k being code 4 i + k's; 6-bit: then 4 more of their bit 5; 8-bit: one byte per code."""
+    bit i of byte k being code 4 i + k's; 6-bit: those nibbles, then 8 bytes of the codes' bits 4-5,
+    code j's at bits 2 ((j % 16) // 4) and the next of byte 4 (j // 16) + j % 4; 8-bit: one byte per
+    code."""
     out, cols = codes.shape
     if bits == 8:
         return codes
@@ -302,10 +304,14 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     if bits == 4:
         return nibbles.reshape(out, -1).astype(np.uint8)
     planes = [nibbles.astype(np.uint8)]
-    for bit in range(4, bits):
-        j = np.arange(32)
-        high = ((c >> bit) & 1).astype(np.uint8) << (j // 4).astype(np.uint8)  # code j: bit j // 4 of byte j % 4
+    j = np.arange(32)
+    if bits == 5:
+        high = ((c >> 4) & 1).astype(np.uint8) << (j // 4).astype(np.uint8)  # code j: bit j // 4 of byte j % 4
         planes.append(np.stack([high[..., j % 4 == k].sum(-1) for k in range(4)], -1).astype(np.uint8))
+    else:
+        high = ((c >> 4) & 3).astype(np.int64) << (2 * ((j % 16) // 4))
+        byte = 4 * (j // 16) + j % 4
+        planes.append(np.stack([high[..., byte == b].sum(-1) for b in range(8)], -1).astype(np.uint8))
     return np.concatenate(planes, -1).reshape(out, -1)
 
 
@@ -402,8 +408,8 @@ def test_activation_quantization_equals_scalar(isa):
 @pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
 @pytest.mark.parametrize("bits", [5, 6])
 def test_packed_5_and_6_bit_panel_kernel_matches_reference_and_scalar(isa, bits):
-    """Codes packed as nibbles plus one or two planes of high bits (cpu_kernels.h): every code of
-    0..2^bits - 1, in plain groups (d * code + m per 32)."""
+    """Codes packed as nibbles plus a plane of fifth bits or the bytes of bit pairs 4-5
+    (cpu_kernels.h): every code of 0..2^bits - 1, in plain groups (d * code + m per 32)."""
     _supported(isa)
     rng = np.random.default_rng(55 + bits)
     for out, cols in ((16, 32), (48, 576), (32, 1536)):

@@ -131,17 +131,19 @@ def test_memory_stays_close_to_the_files():
 def _codes(w: QuantArray) -> np.ndarray:
     """int64 codes ``[out, in]`` of a row-major matrix, unpacked here from the layout (low nibble:
     value ``j`` of a group of 32, high: ``j + 16``; 5-bit: 16 such bytes, then 4 bytes whose byte
-    ``j % 4`` holds value ``j``'s fifth bit at bit ``j // 4``; 6-bit: then 4 more of the sixth bits)."""
+    ``j % 4`` holds value ``j``'s fifth bit at bit ``j // 4``; 6-bit: 16 such bytes, then 8 whose byte
+    ``4 (j // 16) + j % 4`` holds value ``j``'s bits 4-5 at bits ``2 ((j % 16) // 4)`` and the next)."""
     q = np.asarray(w.quant).astype(np.int64)
     out = q.shape[0]
     if w.bits == 8:
         return q
     g = q.reshape(out, -1, 4 * w.bits)
     codes = np.concatenate([g[..., :16] & 15, g[..., :16] >> 4], axis=-1)
-    for bit in range(4, w.bits):
-        at = 16 + 4 * (bit - 4)
-        j = np.arange(32)
-        codes |= ((g[..., at + j % 4] >> (j // 4)) & 1) << bit
+    j = np.arange(32)
+    if w.bits == 5:
+        codes |= ((g[..., 16 + j % 4] >> (j // 4)) & 1) << 4
+    elif w.bits == 6:
+        codes |= ((g[..., 16 + 4 * (j // 16) + j % 4] >> (2 * ((j % 16) // 4))) & 3) << 4
     return codes.reshape(out, -1)
 
 

@@ -218,8 +218,9 @@ std::vector<uint8_t> codes(Rng& r, int64_t N, int64_t K, int bits) {
 }
 
 // Row-major storage (cpu_kernels.h): per group, 4-bit byte j holds codes j (low nibble) and 16 + j
-// (high nibble); 5- and 6-bit add 4 bytes of the codes' bits 4 (and 4 of bits 5), code j's at bit
-// j / 4 of byte j % 4; 8-bit is a byte per code.
+// (high nibble); 5-bit adds 4 bytes of the codes' bits 4, code j's at bit j / 4 of byte j % 4; 6-bit
+// adds 8 bytes of their bits 4-5, code j's at bits 2 ((j % 16) / 4) and the next of byte
+// 4 (j / 16) + j % 4; 8-bit is a byte per code.
 std::vector<uint8_t> row_major(const std::vector<uint8_t>& c, int64_t N, int64_t K, int bits) {
   if (bits == 8) return c;
   const int64_t G = K / 32, gb = ruvllm::group_bytes(bits);
@@ -229,9 +230,10 @@ std::vector<uint8_t> row_major(const std::vector<uint8_t>& c, int64_t N, int64_t
       const uint8_t* cg = c.data() + n * K + g * 32;
       uint8_t* qg = q.data() + (n * G + g) * gb;
       for (int j = 0; j < 16; ++j) qg[j] = static_cast<uint8_t>((cg[j] & 15) | ((cg[16 + j] & 15) << 4));
-      for (int b = 4; b < bits; ++b)
-        for (int j = 0; j < 32; ++j)
-          qg[16 + 4 * (b - 4) + j % 4] |= static_cast<uint8_t>(((cg[j] >> b) & 1) << (j / 4));
+      for (int j = 0; j < 32 && bits == 5; ++j)
+        qg[16 + j % 4] |= static_cast<uint8_t>(((cg[j] >> 4) & 1) << (j / 4));
+      for (int j = 0; j < 32 && bits == 6; ++j)
+        qg[16 + 4 * (j / 16) + j % 4] |= static_cast<uint8_t>(((cg[j] >> 4) & 3) << (2 * ((j % 16) / 4)));
     }
   return q;
 }

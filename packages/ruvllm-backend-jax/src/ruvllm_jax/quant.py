@@ -18,7 +18,10 @@ Layouts (``W`` is ``[out, in]``, Hugging Face layout; groups run along ``in``):
   at a time, so a vector of nibble bytes gets its fifth bits with one shift and one mask. See
   :func:`unpack_codes`.
 * 6-bit (``bits=6``, ``w4a8`` only, GGUF Q6_K's codes): ``quant`` uint8 ``[out, in // 32 * 24]``, the
-  5-bit form's 20 bytes per group, then another such plane of the codes' sixth bits.
+  low 4 bits as in the 4- and 5-bit forms (16 bytes), then 4 bytes of the bit pairs 4-5 of codes 0..15
+  and 4 of codes 16..31: bits ``2 t, 2 t + 1`` of pair byte ``k`` are those of code ``4 t + k`` (or
+  ``16 + 4 t + k``). Byte ``k`` again sits beside the nibble bytes whose codes it completes, so a
+  vector of nibble bytes gets both high bits with one shift and one mask.
 * k-quants (GGUF Q4_K / Q5_K / Q6_K, ``sub_group`` > 0): two-level scales, as in the file. ``scale``
   (and ``offset``) are float16 ``[out, in // 256]``, one per super-block; ``sub_scale`` (and
   ``sub_offset``) are small integers ``[out, in // sub_group]``; ``W = scale * sub_scale * (code -
@@ -145,14 +148,20 @@ def unpack_codes(w: QuantArray) -> jax.Array | np.ndarray:
         return _unpack_nibbles(q, w.group_size)
     xp = _xp(q)
     *lead, out, nbytes = q.shape
-    gb = 4 * w.bits  # bytes per group of 32: 16 of low nibbles, then a 4-byte plane per higher bit
+    gb = 4 * w.bits  # bytes per group of 32: 16 of low nibbles, then 4 (5-bit) or 8 (6-bit) of high bits
     g = q.reshape(*lead, out, nbytes // gb, gb)
     codes = _unpack_nibbles(g[..., :16], 32)
-    for plane, at in enumerate(range(16, gb, 4)):
-        # Bit i of plane byte k is code 4 i + k's bit 4 + plane: [.., k, i] -> [.., i, k] -> code order.
-        bit = xp.swapaxes((g[..., at : at + 4, None] >> xp.arange(8, dtype=xp.uint8)) & 1, -1, -2)
-        codes = codes | (bit.reshape(codes.shape) << (4 + plane))
-    return codes.reshape(*lead, out, nbytes // gb * 32)
+    if w.bits == 5:
+        # Bit i of plane byte k is code 4 i + k's bit 4: [.., k, i] -> [.., i, k] -> code order.
+        bit = xp.swapaxes((g[..., 16:20, None] >> xp.arange(8, dtype=xp.uint8)) & 1, -1, -2)
+        high = bit.reshape(codes.shape) << 4
+    else:
+        # Bits 2 t, 2 t + 1 of pair byte k (of codes 0..15, then 16..31) are code 4 t + k's bits 4-5:
+        # [.., half, k, t] -> [.., half, t, k] -> code order.
+        pairs = g[..., 16:24].reshape(*g.shape[:-1], 2, 4, 1)
+        two = (pairs >> (2 * xp.arange(4, dtype=xp.uint8))) & 3
+        high = xp.swapaxes(two, -1, -2).reshape(codes.shape) << 4
+    return (codes | high).reshape(*lead, out, nbytes // gb * 32)
 
 
 def bit_plane(bits: np.ndarray) -> np.ndarray:
@@ -162,6 +171,15 @@ def bit_plane(bits: np.ndarray) -> np.ndarray:
     return np.packbits(by_byte, axis=-1, bitorder="little").reshape(*bits.shape[:-1], 4)
 
 
+def bit_pairs(pairs: np.ndarray) -> np.ndarray:
+    """Bits 4-5 of the codes of groups ``[..., 32]`` (code order, values 0..3) -> the 6-bit form's 8
+    pair bytes ``[..., 8]`` (bits ``2 t, 2 t + 1`` of byte ``k``: code ``4 t + k``'s; of byte ``4 + k``:
+    code ``16 + 4 t + k``'s; see the module docstring)."""
+    p = np.asarray(pairs, np.uint8).reshape(*pairs.shape[:-1], 2, 4, 4).astype(np.uint16)  # [.., half, t, k]
+    shifted = p << (2 * np.arange(4, dtype=np.uint16))[:, None]
+    return shifted.sum(-2).astype(np.uint8).reshape(*pairs.shape[:-1], 8)
+
+
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint8 codes below ``2**bits``, ``[..., out, in]`` -> the ``bits``-wide form of groups of 32
     (host side; the inverse of :func:`unpack_codes`)."""
@@ -169,8 +187,8 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
         return codes
     *lead, out, cols = codes.shape
     g = codes.reshape(*lead, out, cols // 32, 32)
-    planes = [bit_plane((g >> b) & 1) for b in range(4, bits)]
-    packed = np.concatenate([_pack_nibbles(g & 0x0F, 32), *planes], axis=-1)
+    high = [] if bits == 4 else [bit_plane((g >> 4) & 1)] if bits == 5 else [bit_pairs(g >> 4)]
+    packed = np.concatenate([_pack_nibbles(g & 0x0F, 32), *high], axis=-1)
     return packed.reshape(*lead, out, cols // 8 * bits)
 
 
@@ -468,8 +486,8 @@ def to_panels(w: QuantArray) -> QuantArray:
     """A group-quantized (``w4a8``-format) matrix in the native kernels' panel layout, host side:
     for each 16 output rows and group of 32 inputs, the rows' code bytes become ``gb / 4`` runs of 16
     dwords (dword ``r`` of run ``t`` = bytes ``4t .. 4t+3`` of row ``r``'s group; ``gb`` = 16 code bytes
-    per group for 4-bit, 20 for 5-bit (runs 0-3 the nibbles, run 4 the fifth bits), 24 for 6-bit (run
-    5 the sixth bits), 32 for 8-bit),
+    per group for 4-bit, 20 for 5-bit (runs 0-3 the nibbles, run 4 the fifth bits), 24 for 6-bit (runs
+    4 and 5 the bit pairs of codes 0..15 and 16..31), 32 for 8-bit),
     and in every per-row field (scales, offsets, k-quant sub-scales) the 16 rows' values of a column
     are consecutive. A permutation only: the same bytes,
     the same size. Matrices whose row count is not a multiple of 16 are returned as they are."""

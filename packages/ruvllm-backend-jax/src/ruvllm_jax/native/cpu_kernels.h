@@ -33,10 +33,13 @@ struct RowMatrix {
 // group of 32 (dx = max|x| / 127). A weight is d * code + m with an unsigned 4-, 5- or 8-bit code.
 // Code bytes per row and group (gb): 4-bit 16 (byte j: code j low nibble, code j + 16 high nibble),
 // 8-bit 32 (one per code), 5-bit 20 (the 4-bit layout of the low 4 bits, then a 4-byte plane of the
-// codes' bit 4: bit i of plane byte k is code 4i + k's), 6-bit 24 (the same, then a plane of bit 5).
-// A plane byte k holds the bits of the codes in nibble bytes k, 4 + k, 8 + k, 12 + k, so a vector of
-// 4-byte slices of nibble bytes (codes 4t .. 4t+3, or 16+4t ..) and the same slices of the plane line
-// up byte for byte: the slice's bits are bit t (or 4 + t) of each plane byte, one shift and one mask.
+// codes' bit 4: bit i of plane byte k is code 4i + k's), 6-bit 24 (the 4-bit layout of the low 4
+// bits, then 4 bytes of the bit pairs 4-5 of codes 0..15 and 4 of codes 16..31: bits 2t, 2t + 1 of
+// pair byte k are those of code 4t + k, or 16 + 4t + k). A plane or pair byte k holds the bits of
+// the codes in nibble bytes k, 4 + k, 8 + k, 12 + k, so a vector of 4-byte slices of nibble bytes
+// (codes 4t .. 4t+3, or 16+4t ..) and the same slices of the high bytes line up byte for byte: the
+// slice's high bits are bit t (or 4 + t) of each plane byte, or bits 2t, 2t + 1 of each pair byte,
+// one shift and one mask.
 //   y[m, n] = sum_g (p[m, n, g] * (d[n, g] * dx[m, g]) + m[n, g] * sx[m, g]),  p = codes . xq
 // the integer dot p exact in int32, then the two float multiply-adds per group in that order, so
 // every variant's panel kernel gives the same float32 result, bit for bit.
@@ -183,9 +186,8 @@ static inline int32_t code_at(const uint8_t* q, int bits, bool panel, int64_t n,
   const uint8_t b = byte(j & 15);
   const int32_t low = j < 16 ? (b & 0x0F) : (b >> 4);
   if (bits == 4) return low;
-  const int32_t b4 = ((byte(16 + j % 4) >> (j / 4)) & 1) << 4;
-  if (bits == 5) return low | b4;
-  return low | b4 | (((byte(20 + j % 4) >> (j / 4)) & 1) << 5);
+  if (bits == 5) return low | (((byte(16 + j % 4) >> (j / 4)) & 1) << 4);
+  return low | (((byte(16 + 4 * (j / 16) + j % 4) >> (2 * ((j % 16) / 4))) & 3) << 4);
 }
 
 }  // namespace ruvllm

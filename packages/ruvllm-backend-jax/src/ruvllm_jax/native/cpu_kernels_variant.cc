@@ -599,24 +599,35 @@ void group_vec(const GroupActs& x, const GroupMatrix& w, int64_t n0, int64_t n1)
 }
 
 // v | (bit `from` of every byte of h moved to bit `to`): a byte test into a mask, then a masked add of
-// bit `to`, which no caller has set yet (the nibbles hold bits 0-3, and bit 4 is set before bit 5).
+// bit `to`, which no caller has set yet (the nibbles hold bits 0-3).
 inline __m512i or_bit_512(__m512i v, __m512i h, int from, int to) {
   const __mmask64 k = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << from)));
   return _mm512_mask_add_epi8(v, k, v, _mm512_set1_epi8(static_cast<char>(1 << to)));
 }
 
+// v | (bits 2t and 2t + 1 of every byte of h moved to bits 4 and 5): one shift, and one ternary
+// logic op for the mask and the or (A | (B & C) is 0xF8).
+inline __m512i or_pair_512(__m512i v, __m512i h, int t) {
+  const __m512i s = t < 2 ? _mm512_slli_epi16(h, 4 - 2 * t) : t > 2 ? _mm512_srli_epi16(h, 2 * t - 4) : h;
+  return _mm512_ternarylogic_epi32(v, s, _mm512_set1_epi8(0x30), 0xF8);
+}
+
 // Codes 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) of the 16 rows of a 4-, 5- or 6-bit panel group:
-// the nibbles, and bits 4 (5) from bit t (lo) or 4 + t (hi) of the plane's bytes (cpu_kernels.h).
+// the nibbles; 5-bit: bit 4 from bit t (lo) or 4 + t (hi) of the plane's bytes; 6-bit: bits 4 and 5
+// from bits 2t and 2t + 1 of the lower (lo) or upper (hi) pairs' bytes (cpu_kernels.h).
 template <int BITS>
 inline void nibble_codes_512(const uint8_t* gp, int t, __m512i& lo, __m512i& hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i z = _mm512_loadu_si512(gp + t * 64);
   lo = _mm512_and_si512(z, low4);
   hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
-  for (int b = 4; b < BITS; ++b) {
-    const __m512i h = _mm512_loadu_si512(gp + 256 + (b - 4) * 64);
-    lo = or_bit_512(lo, h, t, b);
-    hi = or_bit_512(hi, h, 4 + t, b);
+  if constexpr (BITS == 5) {
+    const __m512i h = _mm512_loadu_si512(gp + 256);
+    lo = or_bit_512(lo, h, t, 4);
+    hi = or_bit_512(hi, h, 4 + t, 4);
+  } else if constexpr (BITS == 6) {
+    lo = or_pair_512(lo, _mm512_loadu_si512(gp + 256), t);
+    hi = or_pair_512(hi, _mm512_loadu_si512(gp + 320), t);
   }
 }
 
@@ -802,6 +813,12 @@ inline __m256i bit_to_256(__m256i v, int from, int to) {
   return _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(1 << to)));
 }
 
+// Bits 2t and 2t + 1 of every byte moved to bits 4 and 5 and nothing else kept (t = 0..3).
+inline __m256i pair_to_256(__m256i v, int t) {
+  const __m256i s = t < 2 ? _mm256_slli_epi16(v, 4 - 2 * t) : t > 2 ? _mm256_srli_epi16(v, 2 * t - 4) : v;
+  return _mm256_and_si256(s, _mm256_set1_epi8(0x30));
+}
+
 // w8a8, 4 weight rows x MB activation rows; signed x signed as |w| times x with w's sign (weights
 // are in [-127, 127], so |w| fits a byte and no pair sum saturates).
 template <int MB>
@@ -950,15 +967,19 @@ void kpanel_block_8(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0)
 template <int BITS>
 constexpr int kI16Sums = 32767 / (2 * 127 * ((1 << BITS) - 1));
 
-// Codes 4t .. 4t+3 (upper: 16+4t ..) of the 8 rows of half r of a 4-, 5- or 6-bit panel group.
+// Codes 4t .. 4t+3 (upper: 16+4t ..) of the 8 rows of half r of a 4-, 5- or 6-bit panel group (the
+// high bits' layout: cpu_kernels.h).
 template <int BITS>
 inline __m256i half_codes_256(const uint8_t* gp, int t, int r, bool upper) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + r * 32));
-  __m256i c = upper ? _mm256_and_si256(_mm256_srli_epi16(z, 4), low4) : _mm256_and_si256(z, low4);
-  for (int b = 4; b < BITS; ++b) {  // bit b: bit t (upper: 4 + t) of the plane's bytes (cpu_kernels.h)
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + (b - 4) * 64 + r * 32));
-    c = _mm256_or_si256(c, bit_to_256(h, t + (upper ? 4 : 0), b));
+  const __m256i c = upper ? _mm256_and_si256(_mm256_srli_epi16(z, 4), low4) : _mm256_and_si256(z, low4);
+  if constexpr (BITS == 5) {  // bit 4: bit t (upper: 4 + t) of the plane's bytes (cpu_kernels.h)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + r * 32));
+    return _mm256_or_si256(c, bit_to_256(h, t + (upper ? 4 : 0), 4));
+  } else if constexpr (BITS == 6) {  // bits 4 and 5: bits 2t, 2t + 1 of the lower (upper) pairs' bytes
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256 + (upper ? 64 : 0) + r * 32));
+    return _mm256_or_si256(c, pair_to_256(h, t));
   }
   return c;
 }
