@@ -33,7 +33,10 @@ def test_bench_kernels_builds_both_trees_and_times_every_shape(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["shape"], r["rows"]) for r in rows} == {(s[0], m) for s in bench_kernels.SHAPES for m in (1, 3)}
+    # Every shape at every row count asked for, up to its own limit (the 168 MB LM head: one row).
+    want = {(s[0], m) for s in bench_kernels.SHAPES for m in (1, 3) if s[5] is None or m <= s[5]}
+    assert {(r["shape"], r["rows"]) for r in rows} == want
+    assert ("q8_0 lm_head 262144x640", 1) in want and ("q8_0 lm_head 262144x640", 3) not in want
     assert all(set(r["us"]) == {isa[0], isa[0] + "_base"} and min(r["us"].values()) > 0 for r in rows)
     assert f"{isa[0]}: median speed-up over HEAD" in proc.stdout
 
