@@ -230,10 +230,11 @@ std::vector<uint8_t> row_major(const std::vector<uint8_t>& c, int64_t N, int64_t
       const uint8_t* cg = c.data() + n * K + g * 32;
       uint8_t* qg = q.data() + (n * G + g) * gb;
       for (int j = 0; j < 16; ++j) qg[j] = static_cast<uint8_t>((cg[j] & 15) | ((cg[16 + j] & 15) << 4));
-      for (int j = 0; j < 32 && bits == 5; ++j)
-        qg[16 + j % 4] |= static_cast<uint8_t>(((cg[j] >> 4) & 1) << (j / 4));
-      for (int j = 0; j < 32 && bits == 6; ++j)
-        qg[16 + 4 * (j / 16) + j % 4] |= static_cast<uint8_t>(((cg[j] >> 4) & 3) << (2 * ((j % 16) / 4)));
+      for (int j = 0; j < 32; ++j) {
+        if (bits == 5) qg[16 + j % 4] |= static_cast<uint8_t>(((cg[j] >> 4) & 1) << (j / 4));
+        if (bits == 6)
+          qg[16 + 4 * (j / 16) + j % 4] |= static_cast<uint8_t>(((cg[j] >> 4) & 3) << (2 * ((j % 16) / 4)));
+      }
     }
   return q;
 }
