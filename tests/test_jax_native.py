@@ -266,6 +266,27 @@ def test_paged_decode_sliding_window_and_scale(window):
     assert np.abs(got[3:] - np.asarray(no_window)[3:]).max() > 1e-2  # the window changed something
 
 
+@pytest.mark.parametrize(("context", "first"), [(300, 0), (257, 0), (300, 41), (129, 0), (64, 0)])
+def test_paged_decode_one_kv_head_split_across_threads(context, first):
+    """One sequence of a model with one kv head (Gemma-3 270M decoding alone) is one task: with two or
+    more kernel threads its keys are split into ranges, one per thread, and the ranges merged (from 128
+    keys; 64 stay whole). Whatever the split, it equals float64 attention over the same keys."""
+    rng = np.random.default_rng(context + first)
+    layers, blocks, bs, heads, head_dim, scale = 2, 24, 16, 4, 256, 0.0625
+    k = rng.standard_normal((layers, blocks, bs, 1, head_dim)).astype(np.float32)
+    v = rng.standard_normal((layers, blocks, bs, 1, head_dim)).astype(np.float32)
+    table = rng.permutation(blocks)[None, :20].astype(np.int32)
+    q = rng.standard_normal((1, heads, head_dim)).astype(np.float32)
+    ctx, start = np.array([context], np.int32), np.array([first], np.int32)
+    got = np.asarray(native.paged_decode(*map(jnp.asarray, (q, k, v)), jnp.int32(1), table, ctx, start, scale=scale))
+    keys = np.concatenate([k[1, b, :, 0] for b in table[0]])[first:context].astype(np.float64)
+    vals = np.concatenate([v[1, b, :, 0] for b in table[0]])[first:context].astype(np.float64)
+    sc = q[0].astype(np.float64) @ keys.T * scale
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vals
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=2e-6)
+
+
 # -- paged prefill attention ------------------------------------------------------------------------------------
 
 

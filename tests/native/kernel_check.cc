@@ -6,10 +6,12 @@
 // (written out here), and checks each variant the CPU supports:
 //   quantize_groups, w8a8_rows, panel_rows, kpanel_rows  bit for bit (the same integers, then the
 //                                                         same float operations in the same order);
-//   group_rows, decode                                   within float rounding (other summation order).
+//   group_rows, decode                                   within float rounding (other summation order);
+//   decode_part                                          two key ranges merged = decode, within rounding.
 // Prints one line per (variant, kernel): PASS, FAIL (with the first mismatch), SKIP (the CPU lacks the
 // variant's instructions) or MISSING (not linked); exits 1 on any FAIL.
 // `kernel_check --list` prints the variants this CPU runs, comma-separated.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -497,11 +499,45 @@ void check_decode(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
     };
     std::vector<float> want(q.size(), NAN);
     run(ref, want);
+    // decode_part: each task's keys in two ranges, merged here as the FFI handler merges them (the
+    // larger m rescales the other range's weights), against the reference's whole-range decode.
+    const int64_t group = c.H / c.KVH;
+    auto run_split = [&](const KernelTable* t, std::vector<float>& out) {
+      ruvllm::DecodeJob j{q.data(), k.data(), vv.data(), tables.data(), c.context.data(), c.first.data(),
+                          out.data(),
+                          S, c.H, c.D, c.NB, c.BS, c.KVH, c.Bd, c.L - 1, 1.f / std::sqrt(static_cast<float>(c.D))};
+      std::vector<float> o[2], st[2];
+      for (int i = 0; i < 2; ++i) o[i].assign(group * c.D, NAN), st[i].assign(2 * group, NAN);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t end = std::max<int64_t>(0, std::min<int64_t>(c.context[s], c.Bd * c.BS));
+        const int64_t t0 = std::max<int64_t>(0, std::min<int64_t>(c.first[s], end)), mid = t0 + (end - t0) / 3;
+        for (int64_t g = 0; g < c.KVH; ++g) {
+          t->decode_part(j, s, g, t0, mid, scratch.data(), o[0].data(), st[0].data());
+          t->decode_part(j, s, g, mid, end, scratch.data(), o[1].data(), st[1].data());
+          for (int64_t hh = 0; hh < group; ++hh) {
+            const float m = std::fmax(st[0][hh], st[1][hh]);
+            float w[2], l = 0.f;
+            for (int i = 0; i < 2; ++i) {
+              w[i] = st[i][group + hh] > 0.f ? std::exp(st[i][hh] - m) : 0.f;
+              l += w[i] * st[i][group + hh];
+            }
+            float* dst = out.data() + (s * c.H + g * group + hh) * c.D;
+            for (int64_t d = 0; d < c.D; ++d)
+              dst[d] = l > 0.f ? (w[0] * o[0][hh * c.D + d] + w[1] * o[1][hh * c.D + d]) / l : 0.f;
+          }
+        }
+      }
+    };
     for (auto& v : vs) {
-      if (!v.runs || v.ref) continue;
+      if (!v.runs) continue;
       std::vector<float> got(q.size(), NAN);
-      run(v.table(), got);
-      record(v.out[kDecode], shape("decode", S, c.H, c.D), mismatch(got, want, 1e-5));
+      if (!v.ref) {
+        run(v.table(), got);
+        record(v.out[kDecode], shape("decode", S, c.H, c.D), mismatch(got, want, 1e-5));
+      }
+      std::fill(got.begin(), got.end(), NAN);
+      run_split(v.table(), got);
+      record(v.out[kDecode], shape("decode_part", S, c.H, c.D), mismatch(got, want, 1e-5));
     }
   }
 }

@@ -603,6 +603,11 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+// Decode attention splits a task's keys across threads only in ranges of this many keys or more, and
+// in at most kMaxSplits ranges.
+constexpr int64_t kMinSplitKeys = 64;
+constexpr int64_t kMaxSplits = 64;
+
 // Per-thread room for one (sequence, kv head)'s attention probabilities.
 float* scratch(const DecodeJob& j, int64_t s) {
   thread_local std::vector<float> p;
@@ -665,9 +670,57 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
     for (int64_t t = 0; t < tasks; ++t) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
     return ffi::Error::Success();
   }
+  // Fewer (sequence, kv head) tasks than threads (one sequence of a model with one kv head: Gemma-3
+  // 270M decoding alone): each task's keys split into ranges, one per thread, merged after.
+  int64_t longest = 0;
+  for (int64_t s = 0; s < j.S; ++s) longest = std::max<int64_t>(longest, j.context[s] - std::max(0, j.first[s]));
+  const int64_t splits =
+      std::min({(parts + tasks - 1) / tasks, std::max<int64_t>(1, longest / kMinSplitKeys), kMaxSplits});
+  if (splits == 1) {
+    pool.run([&](int part) {
+      for (int64_t t = part; t < tasks; t += parts) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
+    });
+    return ffi::Error::Success();
+  }
+  const int64_t group = j.H / j.KVH, stride = group * j.D + 2 * group, units = tasks * splits;
+  thread_local std::vector<float> partial;
+  if (partial.size() < static_cast<size_t>(units * stride)) partial.resize(units * stride);
+  auto keys = [&](int64_t s, int64_t i) {  // split i of sequence s's keys
+    const int64_t end = std::max<int64_t>(0, std::min<int64_t>(j.context[s], j.Bd * j.BS));
+    const int64_t t0 = std::max<int64_t>(0, std::min<int64_t>(j.first[s], end));
+    return std::pair<int64_t, int64_t>{t0 + (end - t0) * i / splits, t0 + (end - t0) * (i + 1) / splits};
+  };
+  float* part_out = partial.data();
   pool.run([&](int part) {
-    for (int64_t t = part; t < tasks; t += parts) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
+    for (int64_t u = part; u < units; u += parts) {
+      const int64_t t = u / splits, s = t / j.KVH;
+      const auto [a, b] = keys(s, u % splits);
+      float* o = part_out + u * stride;
+      kt->decode_part(j, s, t % j.KVH, a, b, scratch(j, s), o, o + group * j.D);
+    }
   });
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t s = t / j.KVH, g = t % j.KVH;
+    float* out = j.out + (s * j.H + g * group) * j.D;
+    for (int64_t hh = 0; hh < group; ++hh) {
+      float m = -INFINITY;
+      for (int64_t i = 0; i < splits; ++i) m = std::max(m, part_out[(t * splits + i) * stride + group * j.D + hh]);
+      float l = 0.f;
+      float w[kMaxSplits];
+      for (int64_t i = 0; i < splits; ++i) {
+        const float* st = part_out + (t * splits + i) * stride + group * j.D;
+        w[i] = st[group + hh] > 0.f ? std::exp(st[hh] - m) : 0.f;
+        l += w[i] * st[group + hh];
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float* oh = out + hh * j.D;
+      for (int64_t d = 0; d < j.D; ++d) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < splits; ++i) acc += w[i] * part_out[(t * splits + i) * stride + hh * j.D + d];
+        oh[d] = acc * inv;
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 

@@ -158,6 +158,12 @@ struct KernelTable {
   void (*kpanel_rows)(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1);
   // Sequence s, kv head g; scratch holds at least (H / KVH) * context[s] floats.
   void (*decode)(const DecodeJob& j, int64_t s, int64_t g, float* scratch);
+  // Keys a .. b - 1 of sequence s, kv head g, unnormalised: o [H / KVH, D] the exp(score - m)-weighted
+  // sum of values, stats [2 H / KVH] each head's m (the largest score) then l (the sum of the weights);
+  // scratch holds (H / KVH) * (b - a) floats. Ranges of one task merge into its attention (what a
+  // sequence with fewer kv heads than threads splits into).
+  void (*decode_part)(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* scratch, float* o,
+                      float* stats);
   // Queries q0 .. q1 - 1 (one sequence, (q1 - q0) * H / KVH <= kPrefillRows), kv head g; scratch
   // holds prefill_scratch(rows, keys they see, D) floats.
   void (*prefill)(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch);

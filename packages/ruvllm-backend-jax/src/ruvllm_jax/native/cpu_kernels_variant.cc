@@ -198,50 +198,6 @@ void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1)
   }
 }
 
-void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
-  const int64_t group = j.H / j.KVH;
-  const int64_t end = imax(0, imin(j.context[s], j.Bd * j.BS));
-  const int64_t t0 = imax(0, imin(j.first[s], end));
-  const int64_t ctx = end - t0;  // keys t0 .. end - 1; p[hh * ctx + t - t0] their weights
-  float* out = j.out + (s * j.H + g * group) * j.D;
-  for (int64_t i = 0; i < group * j.D; ++i) out[i] = 0.f;
-  if (ctx == 0) return;
-  const float* q = j.q + (s * j.H + g * group) * j.D;
-  for (int64_t t = t0; t < end; ++t) {
-    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
-    const float* kr = j.k + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const float* qh = q + hh * j.D;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < j.D; ++d) acc += qh[d] * kr[d];
-      p[hh * ctx + t - t0] = acc * j.scale;
-    }
-  }
-  for (int64_t hh = 0; hh < group; ++hh) {
-    float* ph = p + hh * ctx;
-    float mx = ph[0];
-    for (int64_t t = 1; t < ctx; ++t) mx = ph[t] > mx ? ph[t] : mx;
-    float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      ph[t] = expf(ph[t] - mx);
-      sum += ph[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < ctx; ++t) ph[t] *= inv;
-  }
-  for (int64_t t = t0; t < end; ++t) {
-    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
-    const float* vr = j.v + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const float wgt = p[hh * ctx + t - t0];
-      float* oh = out + hh * j.D;
-#pragma omp simd
-      for (int64_t d = 0; d < j.D; ++d) oh[d] += wgt * vr[d];
-    }
-  }
-}
-
 // exp(x) for x <= 0 (softmax weights) in a form every variant vectorises: 2^n * p(r) with
 // x = n ln2 + r, |r| <= ln2 / 2, p a degree-7 Taylor polynomial (truncation below 5e-9 relative: what
 // is left is float rounding, as in expf); below -87 it returns 0.
@@ -263,6 +219,90 @@ inline float exp_neg(float x) {
   float scale;
   memcpy(&scale, &bits, sizeof scale);
   return x < -87.f ? 0.f : p * scale;
+}
+
+// Decode attention (cpu_kernels.h, DecodeJob). Keys a .. b - 1 of sequence s, kv head g: per head hh
+// of the group, stats[hh] = the largest score m, stats[group + hh] = l = sum of exp(score - m), and
+// o[hh * D ..] = sum of exp(score - m) * value, not yet divided by l (an empty range: m = -inf, l = 0,
+// o = 0). A task's keys split into ranges and merged (the FFI handler) give its attention as one
+// range does. Rows 4 keys ahead are prefetched: a block table scatters rows across the cache.
+inline const float* cache_row(const DecodeJob& j, const float* base, int64_t s, int64_t g, int64_t t) {
+  const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
+  return base + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
+}
+
+void decode_part(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* p, float* o, float* stats) {
+  const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
+  float* mx = stats;
+  float* sum = stats + group;
+  for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
+  for (int64_t hh = 0; hh < group; ++hh) {
+    mx[hh] = -INFINITY;
+    sum[hh] = 0.f;
+  }
+  if (n <= 0) return;
+  constexpr int64_t kAhead = 4;
+  const float* q = j.q + (s * j.H + g * group) * D;
+  for (int64_t t = a; t < b; ++t) {
+    if (t + kAhead < b) {
+      const char* next = reinterpret_cast<const char*>(cache_row(j, j.k, s, g, t + kAhead));
+      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
+    }
+    const float* kr = cache_row(j, j.k, s, g, t);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float* qh = q + hh * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qh[d] * kr[d];
+      p[hh * n + t - a] = acc * j.scale;
+    }
+  }
+  for (int64_t hh = 0; hh < group; ++hh) {
+    float* ph = p + hh * n;
+    float m = ph[0];
+    for (int64_t t = 1; t < n; ++t) m = ph[t] > m ? ph[t] : m;
+    float l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t t = 0; t < n; ++t) {
+      ph[t] = exp_neg(ph[t] - m);
+      l += ph[t];
+    }
+    mx[hh] = m;
+    sum[hh] = l;
+  }
+  for (int64_t t = a; t < b; ++t) {
+    if (t + kAhead < b) {
+      const char* next = reinterpret_cast<const char*>(cache_row(j, j.v, s, g, t + kAhead));
+      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
+    }
+    const float* vr = cache_row(j, j.v, s, g, t);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float wgt = p[hh * n + t - a];
+      float* oh = o + hh * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) oh[d] += wgt * vr[d];
+    }
+  }
+}
+
+// All keys of sequence s, kv head g (first[s] .. context[s] - 1, clipped to the table), normalised.
+void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
+  const int64_t group = j.H / j.KVH;
+  const int64_t end = imax(0, imin(j.context[s], j.Bd * j.BS));
+  const int64_t t0 = imax(0, imin(j.first[s], end));
+  float* out = j.out + (s * j.H + g * group) * j.D;
+  thread_local float* stats = nullptr;
+  thread_local int64_t room = 0;
+  if (room < 2 * group) {
+    free(stats);
+    room = 2 * group;
+    stats = static_cast<float*>(malloc(sizeof(float) * room));
+  }
+  decode_part(j, s, g, t0, end, p, out, stats);
+  for (int64_t hh = 0; hh < group; ++hh) {
+    const float inv = stats[group + hh] > 0.f ? 1.f / stats[group + hh] : 0.f;
+    for (int64_t d = 0; d < j.D; ++d) out[hh * j.D + d] *= inv;
+  }
 }
 
 // Prompt-chunk attention (cpu_kernels.h, PrefillJob). Rows r = (query - q0) * group + head of the tile
@@ -1262,7 +1302,7 @@ void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { 
 #endif
 
 const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), quantize_groups_vec, w8a8_vec, group_vec, panel_vec,
-                            kpanel_vec, decode_one, prefill_tile, lora_rows};
+                            kpanel_vec, decode_one, decode_part, prefill_tile, lora_rows};
 
 }  // namespace
 
