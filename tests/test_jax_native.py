@@ -269,8 +269,9 @@ def test_paged_decode_sliding_window_and_scale(window):
 @pytest.mark.parametrize(("context", "first"), [(300, 0), (257, 0), (300, 41), (129, 0), (64, 0)])
 def test_paged_decode_one_kv_head_split_across_threads(context, first):
     """One sequence of a model with one kv head (Gemma-3 270M decoding alone) is one task: with two or
-    more kernel threads its keys are split into ranges, one per thread, and the ranges merged (from 128
-    keys; 64 stay whole). Whatever the split, it equals float64 attention over the same keys."""
+    more kernel threads its keys are split into ranges of at least 64, one per thread, and the ranges
+    merged (at these shapes from 128 keys, where the kernel starts using its threads; 64 stay whole).
+    Whatever the split, it equals float64 attention over the same keys."""
     rng = np.random.default_rng(context + first)
     layers, blocks, bs, heads, head_dim, scale = 2, 24, 16, 4, 256, 0.0625
     k = rng.standard_normal((layers, blocks, bs, 1, head_dim)).astype(np.float32)

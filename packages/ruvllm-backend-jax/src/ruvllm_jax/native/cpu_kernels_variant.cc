@@ -291,18 +291,16 @@ void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
   const int64_t end = imax(0, imin(j.context[s], j.Bd * j.BS));
   const int64_t t0 = imax(0, imin(j.first[s], end));
   float* out = j.out + (s * j.H + g * group) * j.D;
-  thread_local float* stats = nullptr;
-  thread_local int64_t room = 0;
-  if (room < 2 * group) {
-    free(stats);
-    room = 2 * group;
-    stats = static_cast<float*>(malloc(sizeof(float) * room));
-  }
+  // Each head's m and l: on the stack up to 256 heads per kv head (no std containers in this file:
+  // their inline functions, compiled per variant, could be shared across variants by the linker).
+  float local[512];
+  float* stats = 2 * group <= 512 ? local : static_cast<float*>(malloc(sizeof(float) * 2 * group));
   decode_part(j, s, g, t0, end, p, out, stats);
   for (int64_t hh = 0; hh < group; ++hh) {
     const float inv = stats[group + hh] > 0.f ? 1.f / stats[group + hh] : 0.f;
     for (int64_t d = 0; d < j.D; ++d) out[hh * j.D + d] *= inv;
   }
+  if (stats != local) free(stats);
 }
 
 // Prompt-chunk attention (cpu_kernels.h, PrefillJob). Rows r = (query - q0) * group + head of the tile
