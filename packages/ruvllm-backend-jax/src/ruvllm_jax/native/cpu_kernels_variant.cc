@@ -285,22 +285,58 @@ void decode_part(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b,
   }
 }
 
-// All keys of sequence s, kv head g (first[s] .. context[s] - 1, clipped to the table), normalised.
+// All keys of sequence s, kv head g (first[s] .. context[s] - 1, clipped to the table): the
+// weights normalised first (expf), then their sum over the values, the arithmetic this kernel has
+// always had (greedy decodes that sit on a near-tie keep their tokens); decode_part is for ranges.
 void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
   const int64_t group = j.H / j.KVH;
   const int64_t end = imax(0, imin(j.context[s], j.Bd * j.BS));
   const int64_t t0 = imax(0, imin(j.first[s], end));
+  const int64_t ctx = end - t0;  // keys t0 .. end - 1; p[hh * ctx + t - t0] their weights
   float* out = j.out + (s * j.H + g * group) * j.D;
-  // Each head's m and l: on the stack up to 256 heads per kv head (no std containers in this file:
-  // their inline functions, compiled per variant, could be shared across variants by the linker).
-  float local[512];
-  float* stats = 2 * group <= 512 ? local : static_cast<float*>(malloc(sizeof(float) * 2 * group));
-  decode_part(j, s, g, t0, end, p, out, stats);
-  for (int64_t hh = 0; hh < group; ++hh) {
-    const float inv = stats[group + hh] > 0.f ? 1.f / stats[group + hh] : 0.f;
-    for (int64_t d = 0; d < j.D; ++d) out[hh * j.D + d] *= inv;
+  for (int64_t i = 0; i < group * j.D; ++i) out[i] = 0.f;
+  if (ctx == 0) return;
+  constexpr int64_t kAhead = 4;
+  const float* q = j.q + (s * j.H + g * group) * j.D;
+  for (int64_t t = t0; t < end; ++t) {
+    if (t + kAhead < end) {
+      const char* next = reinterpret_cast<const char*>(cache_row(j, j.k, s, g, t + kAhead));
+      for (int64_t off = 0; off < j.D * 4; off += 64) __builtin_prefetch(next + off);
+    }
+    const float* kr = cache_row(j, j.k, s, g, t);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float* qh = q + hh * j.D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < j.D; ++d) acc += qh[d] * kr[d];
+      p[hh * ctx + t - t0] = acc * j.scale;
+    }
   }
-  if (stats != local) free(stats);
+  for (int64_t hh = 0; hh < group; ++hh) {
+    float* ph = p + hh * ctx;
+    float mx = ph[0];
+    for (int64_t t = 1; t < ctx; ++t) mx = ph[t] > mx ? ph[t] : mx;
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      ph[t] = expf(ph[t] - mx);
+      sum += ph[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < ctx; ++t) ph[t] *= inv;
+  }
+  for (int64_t t = t0; t < end; ++t) {
+    if (t + kAhead < end) {
+      const char* next = reinterpret_cast<const char*>(cache_row(j, j.v, s, g, t + kAhead));
+      for (int64_t off = 0; off < j.D * 4; off += 64) __builtin_prefetch(next + off);
+    }
+    const float* vr = cache_row(j, j.v, s, g, t);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float wgt = p[hh * ctx + t - t0];
+      float* oh = out + hh * j.D;
+#pragma omp simd
+      for (int64_t d = 0; d < j.D; ++d) oh[d] += wgt * vr[d];
+    }
+  }
 }
 
 // Prompt-chunk attention (cpu_kernels.h, PrefillJob). Rows r = (query - q0) * group + head of the tile
