@@ -225,27 +225,21 @@ inline float exp_neg(float x) {
 // of the group, stats[hh] = the largest score m, stats[group + hh] = l = sum of exp(score - m), and
 // o[hh * D ..] = sum of exp(score - m) * value, not yet divided by l (an empty range: m = -inf, l = 0,
 // o = 0). A task's keys split into ranges and merged (the FFI handler) give its attention as one
-// range does. Rows 4 keys ahead are prefetched: a block table scatters rows across the cache.
+// range does. Rows kDecodeAhead keys ahead are prefetched: a block table scatters rows across the cache.
 inline const float* cache_row(const DecodeJob& j, const float* base, int64_t s, int64_t g, int64_t t) {
   const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
   return base + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
 }
 
-void decode_part(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* p, float* o, float* stats) {
+constexpr int64_t kDecodeAhead = 4;
+
+// p[hh * (b - a) + t - a] = scale * q_hh . k_t for keys a .. b - 1, each head hh of the group.
+void decode_scores(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* p) {
   const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
-  float* mx = stats;
-  float* sum = stats + group;
-  for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
-  for (int64_t hh = 0; hh < group; ++hh) {
-    mx[hh] = -INFINITY;
-    sum[hh] = 0.f;
-  }
-  if (n <= 0) return;
-  constexpr int64_t kAhead = 4;
   const float* q = j.q + (s * j.H + g * group) * D;
   for (int64_t t = a; t < b; ++t) {
-    if (t + kAhead < b) {
-      const char* next = reinterpret_cast<const char*>(cache_row(j, j.k, s, g, t + kAhead));
+    if (t + kDecodeAhead < b) {
+      const char* next = reinterpret_cast<const char*>(cache_row(j, j.k, s, g, t + kDecodeAhead));
       for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
     }
     const float* kr = cache_row(j, j.k, s, g, t);
@@ -257,6 +251,37 @@ void decode_part(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b,
       p[hh * n + t - a] = acc * j.scale;
     }
   }
+}
+
+// o[hh * D ..] += sum over keys a .. b - 1 of p[hh * (b - a) + t - a] * v_t.
+void decode_values(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, const float* p, float* o) {
+  const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
+  for (int64_t t = a; t < b; ++t) {
+    if (t + kDecodeAhead < b) {
+      const char* next = reinterpret_cast<const char*>(cache_row(j, j.v, s, g, t + kDecodeAhead));
+      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
+    }
+    const float* vr = cache_row(j, j.v, s, g, t);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float wgt = p[hh * n + t - a];
+      float* oh = o + hh * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) oh[d] += wgt * vr[d];
+    }
+  }
+}
+
+void decode_part(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* p, float* o, float* stats) {
+  const int64_t group = j.H / j.KVH, n = b - a;
+  float* mx = stats;
+  float* sum = stats + group;
+  for (int64_t i = 0; i < group * j.D; ++i) o[i] = 0.f;
+  for (int64_t hh = 0; hh < group; ++hh) {
+    mx[hh] = -INFINITY;
+    sum[hh] = 0.f;
+  }
+  if (n <= 0) return;
+  decode_scores(j, s, g, a, b, p);
   for (int64_t hh = 0; hh < group; ++hh) {
     float* ph = p + hh * n;
     float m = ph[0];
@@ -270,19 +295,7 @@ void decode_part(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b,
     mx[hh] = m;
     sum[hh] = l;
   }
-  for (int64_t t = a; t < b; ++t) {
-    if (t + kAhead < b) {
-      const char* next = reinterpret_cast<const char*>(cache_row(j, j.v, s, g, t + kAhead));
-      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
-    }
-    const float* vr = cache_row(j, j.v, s, g, t);
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const float wgt = p[hh * n + t - a];
-      float* oh = o + hh * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) oh[d] += wgt * vr[d];
-    }
-  }
+  decode_values(j, s, g, a, b, p, o);
 }
 
 // All keys of sequence s, kv head g (first[s] .. context[s] - 1, clipped to the table): the
@@ -296,22 +309,7 @@ void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
   float* out = j.out + (s * j.H + g * group) * j.D;
   for (int64_t i = 0; i < group * j.D; ++i) out[i] = 0.f;
   if (ctx == 0) return;
-  constexpr int64_t kAhead = 4;
-  const float* q = j.q + (s * j.H + g * group) * j.D;
-  for (int64_t t = t0; t < end; ++t) {
-    if (t + kAhead < end) {
-      const char* next = reinterpret_cast<const char*>(cache_row(j, j.k, s, g, t + kAhead));
-      for (int64_t off = 0; off < j.D * 4; off += 64) __builtin_prefetch(next + off);
-    }
-    const float* kr = cache_row(j, j.k, s, g, t);
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const float* qh = q + hh * j.D;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < j.D; ++d) acc += qh[d] * kr[d];
-      p[hh * ctx + t - t0] = acc * j.scale;
-    }
-  }
+  decode_scores(j, s, g, t0, end, p);
   for (int64_t hh = 0; hh < group; ++hh) {
     float* ph = p + hh * ctx;
     float mx = ph[0];
@@ -324,19 +322,7 @@ void decode_one(const DecodeJob& j, int64_t s, int64_t g, float* p) {
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < ctx; ++t) ph[t] *= inv;
   }
-  for (int64_t t = t0; t < end; ++t) {
-    if (t + kAhead < end) {
-      const char* next = reinterpret_cast<const char*>(cache_row(j, j.v, s, g, t + kAhead));
-      for (int64_t off = 0; off < j.D * 4; off += 64) __builtin_prefetch(next + off);
-    }
-    const float* vr = cache_row(j, j.v, s, g, t);
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const float wgt = p[hh * ctx + t - t0];
-      float* oh = out + hh * j.D;
-#pragma omp simd
-      for (int64_t d = 0; d < j.D; ++d) oh[d] += wgt * vr[d];
-    }
-  }
+  decode_values(j, s, g, t0, end, p, out);
 }
 
 // Prompt-chunk attention (cpu_kernels.h, PrefillJob). Rows r = (query - q0) * group + head of the tile
