@@ -102,6 +102,39 @@ def test_wxa8_kernel_matches_float64_reference(bits, rows, out, cols):
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_products_of_many_rows_are_split_across_every_thread(bits):
+    """A call of 16 rows or more is split into several parts per kernel thread, claimed by the pool's
+    threads and by XLA's own as helpers (cpu_ffi.cc, the pool). However the parts fall, the product
+    equals float64, and each row equals the same row multiplied alone (one part per thread, no
+    helpers) bit for bit, call after call (a part run twice or skipped would show); the w8a8
+    products split the same way."""
+    rng = np.random.default_rng(bits)
+    rows, out, cols = 40, 320, 512
+    w = quantize_wxa8(rng.standard_normal((out, cols)).astype(np.float32), bits)
+    stored = to_panels(w)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    operands = [(jnp.asarray(stored.quant), jnp.asarray(stored.scale), _optional(stored.offset))]
+    call = jax.jit(lambda x: native.wxa8_group(x, jnp.int32(0), operands, panel=True)[0])
+    got = np.asarray(call(x))
+    want = _reference_wxa8(x, w)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    for r in (0, 17, rows - 1):
+        np.testing.assert_array_equal(np.asarray(call(x[r : r + 1]))[0], got[r])
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(call(x)), got)
+
+    s = rng.uniform(0.5, 2.0, cols).astype(np.float32)
+    q8 = quantize_w8a8(rng.standard_normal((out, cols)).astype(np.float32), s)
+    call8 = jax.jit(lambda x: native.w8a8_group(x, jnp.int32(0), jnp.asarray(q8.in_scale[None]), [
+        (jnp.asarray(q8.quant[None]), jnp.asarray(q8.scale[None]))
+    ])[0])
+    got8 = np.asarray(call8(x))
+    np.testing.assert_allclose(got8, np.asarray(jax.jit(lambda x: _linear_w8a8(x, q8))(x)), rtol=1e-6, atol=0)
+    for r in (0, rows - 1):
+        np.testing.assert_array_equal(np.asarray(call8(x[r : r + 1]))[0], got8[r])
+
+
 def test_wxa8_group_indexes_stacked_layers_and_shares_the_input():
     rng = np.random.default_rng(3)
     layers = [[quantize_wxa8(rng.standard_normal((n, 64)).astype(np.float32), 4) for n in (40, 24)] for _ in range(3)]

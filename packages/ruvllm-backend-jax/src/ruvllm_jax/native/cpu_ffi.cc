@@ -150,8 +150,18 @@ inline void cpu_relax() {
 // up. These workers spin for a short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 50) and then sleep, so they are
 // hot during a step and idle between requests. The thread count is set from Python before the pool
 // starts (ruvllm_set_threads: --threads / RUVLLM_THREADS, else the CPUs this process may use).
+//
+// Calls of many rows (prompt chunks) also hand parts to XLA's own intra-op threads (the FFI call's
+// ffi::ThreadPool), as helpers that claim parts exactly as our workers do. While one of XLA's
+// threads runs the call, its others have nothing to do and share the cores with our workers; a
+// helper puts such a thread to work on the call instead. On a 2-core Zen 4 (docs/jax-backend.md)
+// a 128-token Gemma-3-270M prefill took 15-25% less time with them; decode batches of 16 and 32
+// rows were neither faster nor slower, batches of 8 about 3% slower, so calls of fewer than
+// kHelperRows rows (and every one-row decode call) do not use them.
 class Pool {
  public:
+  static constexpr int kMaxParts = 0xffff;
+
   static Pool& get() {
     // Never destroyed: workers may outlive static destruction. A forked child has none of the
     // parent's threads, so it builds its own pool.
@@ -170,25 +180,34 @@ class Pool {
   }
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Calls fn(part) once for each part in [0, threads()). Parts are claimed, not assigned: the
-  // calling thread takes every part no worker has claimed yet, so a worker that is not on a core
-  // (XLA's own threads may hold them) never stalls the call; the caller waits only for parts a
-  // worker is running.
+  // Calls fn(part) once for each part in [0, parts) (default: one per thread). Parts are claimed,
+  // not assigned: the calling thread takes every part no worker has claimed yet, so a worker that is
+  // not on a core (XLA's own threads may hold them) never stalls the call; the caller waits only for
+  // parts a worker is running. helpers: XLA's intra-op pool, given up to threads() - 1 tasks that
+  // claim parts too (one that starts after the job is over finds none left and returns).
   template <typename F>
-  void run(F&& fn) {
-    if (workers_.empty()) { fn(0); return; }
+  void run(F&& fn, int parts = 0, ffi::ThreadPool* helpers = nullptr) {
+    if (parts <= 0) parts = threads();
+    parts = std::min(parts, kMaxParts);
+    if (workers_.empty() || parts == 1) {
+      for (int p = 0; p < parts; ++p) fn(p);
+      return;
+    }
     std::lock_guard<std::mutex> serial(run_mutex_);  // one job at a time (XLA may call concurrently)
     std::function<void(int)> job = fn;
-    const int parts = threads();
     job_ = &job;
     done_.store(0, std::memory_order_relaxed);
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lk(mu_);
       gen = generation_.fetch_add(1, std::memory_order_relaxed) + 1;
-      claim_.store((gen & 0xffffffffu) << 32, std::memory_order_release);
+      claim_.store(((gen & 0xffffffffu) << 32) | (static_cast<uint64_t>(parts) << 16), std::memory_order_release);
     }
     cv_.notify_all();
+    if (helpers != nullptr) {
+      const int64_t n = std::min<int64_t>(helpers->num_threads(), threads()) - 1;
+      for (int64_t i = 0; i < n; ++i) helpers->Schedule([this, gen] { work_on(gen); });
+    }
     for (int p; (p = claim(gen)) >= 0;) {
       fn(p);
       done_.fetch_add(1, std::memory_order_acq_rel);
@@ -219,8 +238,8 @@ class Pool {
   int claim(uint64_t gen) {
     uint64_t v = claim_.load(std::memory_order_acquire);
     for (;;) {
-      if ((v >> 32) != (gen & 0xffffffffu) || static_cast<int>(v & 0xffffffffu) >= threads()) return -1;
-      if (claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return static_cast<int>(v & 0xffffffffu);
+      if ((v >> 32) != (gen & 0xffffffffu) || (v & 0xffff) >= ((v >> 16) & 0xffff)) return -1;
+      if (claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return static_cast<int>(v & 0xffff);
     }
   }
 
@@ -242,10 +261,15 @@ class Pool {
         }
       }
       seen = gen;
-      for (int p; (p = claim(gen)) >= 0;) {
-        (*job_)(p);
-        done_.fetch_add(1, std::memory_order_acq_rel);
-      }
+      work_on(gen);
+    }
+  }
+
+  // Runs parts of job `gen` until none is left. job_ stays set while a claimed part is unfinished.
+  void work_on(uint64_t gen) {
+    for (int p; (p = claim(gen)) >= 0;) {
+      (*job_)(p);
+      done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
 
@@ -253,7 +277,8 @@ class Pool {
   std::mutex run_mutex_, mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
-  // (job generation << 32) | next part to claim; job_ is written before it is stored.
+  // (job generation << 32) | (parts << 16) | next part to claim, one word so that a claim checks the
+  // job, its part count and the next part at once; job_ is written before it is stored.
   std::atomic<uint64_t> claim_{0};
   std::atomic<int> done_{0};
   std::function<void(int)>* volatile job_ = nullptr;
@@ -344,34 +369,52 @@ struct GroupActsBuf {
   }
 };
 
+// How a product of `rows` activation rows and `work` multiply-adds is split: parts (runs of every
+// matrix's panels or row blocks), and XLA's pool as helpers or not. One part per thread, except for
+// calls of kHelperRows rows or more: kPartsPerThread per thread with helpers (see the pool), so that
+// whichever threads are on the cores take the parts.
+constexpr int64_t kHelperRows = 16;
+constexpr int kPartsPerThread = 4;
+
+struct Split {
+  int parts = 1;
+  ffi::ThreadPool* helpers = nullptr;
+};
+
+Split product_split(int64_t rows, int64_t work, ffi::ThreadPool* xla_pool) {
+  const int threads = Pool::get().threads();
+  if (work < (int64_t{1} << 16) || threads == 1) return {};
+  if (rows < kHelperRows || xla_pool == nullptr) return {threads, nullptr};
+  return {threads * kPartsPerThread, xla_pool};
+}
+
 // w8a8_rows over every matrix, each split into equal runs of 4-row blocks across the pool's threads.
-void run_split(const ruvllm::RowActs& x, const std::vector<RowMatrix>& mats) {
+void run_split(const ruvllm::RowActs& x, ffi::ThreadPool* xla_pool, const std::vector<RowMatrix>& mats) {
   const KernelTable* kt = kernels();
   int64_t total = 0;
   for (const auto& m : mats) total += m.N;
-  Pool& pool = Pool::get();
-  const int parts = total * x.K < (int64_t{1} << 16) ? 1 : pool.threads();
-  if (parts == 1) {
-    for (const auto& m : mats) kt->w8a8_rows(x, m, 0, m.N);
-    return;
-  }
-  pool.run([&](int part) {
-    for (const auto& m : mats) {
-      const int64_t blocks = (m.N + 3) / 4;
-      const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
-      kt->w8a8_rows(x, m, std::min(m.N, b0 * 4), std::min(m.N, b1 * 4));
-    }
-  });
+  const Split split = product_split(x.M, total * x.K * x.M, xla_pool);
+  const int parts = split.parts;
+  Pool::get().run(
+      [&](int part) {
+        for (const auto& m : mats) {
+          const int64_t blocks = (m.N + 3) / 4;
+          const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
+          kt->w8a8_rows(x, m, std::min(m.N, b0 * 4), std::min(m.N, b1 * 4));
+        }
+      },
+      parts, split.helpers);
 }
 
-void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>& mats,
+void run_group_split(const ruvllm::GroupActs& x, ffi::ThreadPool* xla_pool, const std::vector<GroupMatrix>& mats,
                      const std::vector<ruvllm::KMatrix>& kmats = {}) {
   const KernelTable* kt = kernels();
   int64_t work = 0;
   for (const auto& m : mats) work += m.N * x.K * x.M;
   for (const auto& m : kmats) work += m.N * x.K * x.M;
   Pool& pool = Pool::get();
-  const int parts = work < (int64_t{1} << 16) ? 1 : pool.threads();
+  const Split split = product_split(x.M, work, xla_pool);
+  const int parts = split.parts;
   auto run_part = [&](int part) {
     for (const auto& m : mats) {
       if (m.panel) {
@@ -388,11 +431,7 @@ void run_group_split(const ruvllm::GroupActs& x, const std::vector<GroupMatrix>&
       kt->kpanel_rows(x, m, panels * part / parts, panels * (part + 1) / parts);
     }
   };
-  if (parts == 1) {
-    run_part(0);
-    return;
-  }
-  pool.run(run_part);
+  pool.run(run_part, parts, split.helpers);
 }
 
 // Rows, stacked layers and code width of a grouped matrix's codes [L?, N, bytes] for K inputs
@@ -429,7 +468,7 @@ void zero_rows(float* y, int64_t live, int64_t M, int64_t N) {
   if (live < M) std::memset(y + live * N, 0, static_cast<size_t>((M - live) * N) * sizeof(float));
 }
 
-ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+ffi::Error WxA8Common(bool panel, ffi::ThreadPool& xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                       ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_wxa8: x must be [rows, features]");
@@ -475,25 +514,25 @@ ffi::Error WxA8Common(bool panel, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32>
   bool row_major_4bit = false;
   for (const auto& m : mats) row_major_4bit |= !m.panel && m.bits == 4;
   acts.quantize(x.typed_data(), live, K, row_major_4bit);
-  run_group_split(acts.view(), mats);
+  run_group_split(acts.view(), &xla_pool, mats);
   return ffi::Error::Success();
 }
 
-ffi::Error WxA8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
-                    ffi::RemainingRets outs) {
-  return WxA8Common(false, x, layer, weights, outs);
+ffi::Error WxA8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                    ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  return WxA8Common(false, xla_pool, x, layer, weights, outs);
 }
 
-ffi::Error WxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
-                         ffi::RemainingRets outs) {
-  return WxA8Common(true, x, layer, weights, outs);
+ffi::Error WxA8PanelImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                         ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  return WxA8Common(true, xla_pool, x, layer, weights, outs);
 }
 
 // ruvllm_kxa8_panel: like ruvllm_wxa8_panel, with operand 5-tuples (codes, a, b, sc, mn) per output:
 // a k-quant matrix (cpu_kernels.h, KMatrix: D, Dm float16, sc and mn int8) or, with sc and mn
 // empty, a plain group-quantized one (d, m float16), so a group sharing an input may mix both.
-ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
-                         ffi::RemainingRets outs) {
+ffi::Error KxA8PanelImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                         ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_kxa8: x must be [rows, features]");
   const int64_t M = xd[0], K = xd[1];
@@ -551,11 +590,11 @@ ffi::Error KxA8PanelImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, f
   if (live == 0) return ffi::Error::Success();
   thread_local GroupActsBuf acts;
   acts.quantize(x.typed_data(), live, K, false);
-  run_group_split(acts.view(), mats, kmats);
+  run_group_split(acts.view(), &xla_pool, mats, kmats);
   return ffi::Error::Success();
 }
 
-ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+ffi::Error W8A8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                     ffi::Buffer<ffi::F32> in_scale, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("ruvllm_w8a8: x must be [rows, features]");
@@ -599,7 +638,7 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   if (live == 0) return ffi::Error::Success();
   thread_local RowActsBuf acts;
   acts.quantize(x.typed_data(), is, live, K);
-  run_split(acts.view(), mats);
+  run_split(acts.view(), &xla_pool, mats);
   return ffi::Error::Success();
 }
 
@@ -741,7 +780,7 @@ std::vector<std::pair<int64_t, int64_t>> prefill_tiles(const PrefillJob& j, int6
   return tiles;
 }
 
-ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error PagedPrefillImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
                             ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
                             ffi::ResultBuffer<ffi::F32> out) {
@@ -782,20 +821,24 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
   const size_t need = static_cast<size_t>(ruvllm::prefill_scratch(tq * group, keys, j.D));
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * j.KVH;
   const KernelTable* kt = kernels();
-  auto part_of = [&](int part, int parts) {
+  // One task per part, claimed last tile first: under the causal mask a later tile sees more keys, so
+  // the longest tasks start first and the short ones fill in at the end; with helpers when the call
+  // has the rows for them (see the pool).
+  auto task = [&](int part) {
     thread_local std::vector<float> p;
     if (p.size() < need) p.resize(need);
-    for (int64_t t = part; t < tasks; t += parts) {
-      const auto& tile = tiles[t / j.KVH];
-      kt->prefill(j, tile.first, tile.second, t % j.KVH, p.data());
-    }
+    const int64_t t = tasks - 1 - part;
+    const auto& tile = tiles[t / j.KVH];
+    kt->prefill(j, tile.first, tile.second, t % j.KVH, p.data());
   };
-  if (tasks == 1 || pool.threads() == 1) {
-    part_of(0, 1);
+  if (tasks > Pool::kMaxParts) {  // more tasks than one job takes: in jobs of at most that many
+    for (int64_t first = 0; first < tasks; first += Pool::kMaxParts) {
+      const int n = static_cast<int>(std::min<int64_t>(Pool::kMaxParts, tasks - first));
+      pool.run([&](int part) { task(static_cast<int>(first) + part); }, n);
+    }
     return ffi::Error::Success();
   }
-  const int parts = pool.threads();
-  pool.run([&](int part) { part_of(part, parts); });
+  pool.run(task, static_cast<int>(tasks), j.N >= kHelperRows ? &xla_pool : nullptr);
   return ffi::Error::Success();
 }
 
@@ -840,6 +883,7 @@ ffi::Error LoraImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::B
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -850,6 +894,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
 #define RUVLLM_GROUPED_HANDLER(name, impl)                                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                            \
                                 ffi::Ffi::Bind()                                                       \
+                                    .Ctx<ffi::ThreadPool>()                                            \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                      \
                                     .Arg<ffi::Buffer<ffi::S32>>()                                      \
                                     .RemainingArgs()                                                   \
@@ -920,6 +965,7 @@ extern "C" int ruvllm_threads() { return Pool::get().threads(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
