@@ -151,13 +151,13 @@ inline void cpu_relax() {
 // hot during a step and idle between requests. The thread count is set from Python before the pool
 // starts (ruvllm_set_threads: --threads / RUVLLM_THREADS, else the CPUs this process may use).
 //
-// Calls of many rows (prompt chunks) also hand parts to XLA's own intra-op threads (the FFI call's
-// ffi::ThreadPool), as helpers that claim parts exactly as our workers do. While one of XLA's
-// threads runs the call, its others have nothing to do and share the cores with our workers; a
-// helper puts such a thread to work on the call instead. On a 2-core Zen 4 (docs/jax-backend.md)
-// a 128-token Gemma-3-270M prefill took 15-25% less time with them; decode batches of 16 and 32
-// rows were neither faster nor slower, batches of 8 about 3% slower, so calls of fewer than
-// kHelperRows rows (and every one-row decode call) do not use them.
+// Calls of many rows (prompt chunks, large decode batches) also hand parts to XLA's own intra-op
+// threads (the FFI call's ffi::ThreadPool), as helpers that claim parts exactly as our workers do.
+// While one of XLA's threads runs the call, its others have nothing to do and share the cores with
+// our workers; a helper puts such a thread to work on the call instead. On a 2-core Zen 4
+// (docs/jax-backend.md) a 128-token Gemma-3-270M prefill took 15-25% less time with them, a decode
+// batch of 32 about 6% less, one of 16 the same, and one of 8 about 3% more, so calls of fewer than
+// kHelperRows rows (every one-row decode call among them) do not use them.
 class Pool {
  public:
   static constexpr int kMaxParts = 0xffff;
