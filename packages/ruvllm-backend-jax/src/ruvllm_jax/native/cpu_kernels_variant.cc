@@ -233,15 +233,19 @@ inline const float* cache_row(const DecodeJob& j, const float* base, int64_t s, 
 
 constexpr int64_t kDecodeAhead = 4;
 
+// Prefetches key t + kDecodeAhead's row of base (the keys or the values), if that key is before b.
+inline void prefetch_ahead_row(const DecodeJob& j, const float* base, int64_t s, int64_t g, int64_t t, int64_t b) {
+  if (t + kDecodeAhead >= b) return;
+  const char* next = reinterpret_cast<const char*>(cache_row(j, base, s, g, t + kDecodeAhead));
+  for (int64_t off = 0; off < j.D * 4; off += 64) __builtin_prefetch(next + off);
+}
+
 // p[hh * (b - a) + t - a] = scale * q_hh . k_t for keys a .. b - 1, each head hh of the group.
 void decode_scores(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* p) {
   const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
   const float* q = j.q + (s * j.H + g * group) * D;
   for (int64_t t = a; t < b; ++t) {
-    if (t + kDecodeAhead < b) {
-      const char* next = reinterpret_cast<const char*>(cache_row(j, j.k, s, g, t + kDecodeAhead));
-      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
-    }
+    prefetch_ahead_row(j, j.k, s, g, t, b);
     const float* kr = cache_row(j, j.k, s, g, t);
     for (int64_t hh = 0; hh < group; ++hh) {
       const float* qh = q + hh * D;
@@ -257,10 +261,7 @@ void decode_scores(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t 
 void decode_values(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, const float* p, float* o) {
   const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
   for (int64_t t = a; t < b; ++t) {
-    if (t + kDecodeAhead < b) {
-      const char* next = reinterpret_cast<const char*>(cache_row(j, j.v, s, g, t + kDecodeAhead));
-      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
-    }
+    prefetch_ahead_row(j, j.v, s, g, t, b);
     const float* vr = cache_row(j, j.v, s, g, t);
     for (int64_t hh = 0; hh < group; ++hh) {
       const float wgt = p[hh * n + t - a];
