@@ -461,6 +461,40 @@ def median_of_rounds(rounds: list[list[Result]]) -> list[Result]:
     return out
 
 
+def paired_ratios(rounds: list[list[Result]], batches: list[int]) -> list[tuple[str, dict[str, list[float]]]]:
+    """Per engine other than llama.cpp, each figure over llama.cpp's in the same round: prefill and
+    decode over llama.cpp's own, aggregate@b over llama.cpp's single-stream decode (the targets'
+    terms). The engines of a round run back to back, so a round's ratio compares them under the same
+    conditions even when a shared VM's memory bandwidth drifts between rounds; the median of these
+    ratios is the comparison that drift moves least (the table's ratios are of medians)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for got in rounds:
+        ref = next((r for r in got if r.engine == "llama.cpp"), None)
+        if ref is None:
+            continue
+        for r in got:
+            if r is ref:
+                continue
+            keep = out.setdefault(r.engine, {})
+            pairs = [("prefill", r.prefill_tok_s, ref.prefill_tok_s), ("decode", r.decode_tok_s, ref.decode_tok_s)]
+            pairs += [(f"aggregate@{b}", r.aggregate_tok_s.get(b), ref.decode_tok_s) for b in batches]
+            for name, v, base in pairs:
+                if v is not None and base:
+                    keep.setdefault(name, []).append(v / base)
+    return list(out.items())
+
+
+def paired_table(paired: list[tuple[str, dict[str, list[float]]]]) -> str:
+    lines = []
+    for engine, figures in paired:
+        cells = []
+        for name, ratios in figures.items():
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            cells.append(f"{name} {statistics.median(ratios):.2f}x ({each})")
+        lines.append(f"  {engine}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="model reference or GGUF path (llama.cpp, transformers: GGUF)")
@@ -537,10 +571,23 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.notes:
             print(f"  {r.engine}: {r.notes}")
+    paired = paired_ratios(rounds, args.batches) if args.rounds > 1 else []
+    if paired:
+        print("paired by round, over llama.cpp in the same round (aggregate: over its single stream);")
+        print("median of the rounds, then each round's ratio:")
+        print(paired_table(paired))
     if args.json:
         per_round = [[asdict(r) for r in got] for got in rounds] if args.rounds > 1 else None
         args.json.write_text(
-            json.dumps({"meta": meta, "results": [asdict(r) for r in results], "rounds": per_round}, indent=2)
+            json.dumps(
+                {
+                    "meta": meta,
+                    "results": [asdict(r) for r in results],
+                    "rounds": per_round,
+                    "paired_ratios": {engine: figures for engine, figures in paired} or None,
+                },
+                indent=2,
+            )
         )
     if args.csv:
         write_csv(args.csv, results, args.batches, meta)
