@@ -195,6 +195,56 @@ def test_paged_prefill_matches_scalar(isa):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
+def test_16_bit_caches_attend_as_their_float32_values_bit_for_bit(isa, dtype):
+    """A float16 or bfloat16 cache is read in place, each row widened to float32 as it is read
+    (exact): decode (whole tasks, and one kv head split across threads) and prefill equal, bit for
+    bit, the same variant over a float32 cache holding the same values. Head dimension 36 leaves a
+    tail after the 8-wide conversions."""
+    _supported(isa)
+    rng = np.random.default_rng(11)
+    half = jnp.dtype(dtype)
+    for heads, kv_heads, head_dim, blocks, bs, context in (
+        (9, 3, 64, 12, 4, [1, 5, 19, 0]),
+        (4, 1, 256, 24, 16, [300]),
+        (6, 2, 36, 12, 4, [7, 33]),
+    ):
+        layers = 2
+        k16 = jnp.asarray(rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)), half)
+        v16 = jnp.asarray(rng.standard_normal((layers, blocks, bs, kv_heads, head_dim)), half)
+        k32, v32 = k16.astype(jnp.float32), v16.astype(jnp.float32)
+        ctx = np.array(context, np.int32)
+        width = -(-max(context) // bs)
+        tables = np.stack([rng.permutation(blocks)[:width] for _ in ctx]).astype(np.int32)
+        q = jnp.asarray(rng.standard_normal((len(ctx), heads, head_dim)), jnp.float32)
+        with native.use_isa(isa):
+            got = np.asarray(native.paged_decode(q, k16, v16, jnp.int32(1), tables, ctx))
+            want = np.asarray(native.paged_decode(q, k32, v32, jnp.int32(1), tables, ctx))
+        np.testing.assert_array_equal(got, want)
+        assert np.abs(want).max() > 0.1  # attention over real keys, not zeros
+        # prefill: every sequence's last three positions as a chunk (fewer where the context is short)
+        seq = np.array([s for s, c in enumerate(context) for _ in range(min(3, c))], np.int32)
+        pos = np.array([c - min(3, c) + i for c in context for i in range(min(3, c))], np.int32)
+        qp = jnp.asarray(rng.standard_normal((len(seq), heads, head_dim)), jnp.float32)
+        first = np.zeros_like(pos)
+        with native.use_isa(isa):
+            got = np.asarray(native.paged_prefill(qp, k16, v16, jnp.int32(0), tables, seq, pos + 1, first))
+            want = np.asarray(native.paged_prefill(qp, k32, v32, jnp.int32(0), tables, seq, pos + 1, first))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_caches_of_another_element_type_are_refused():
+    rng = np.random.default_rng(12)
+    k = jnp.asarray(rng.standard_normal((1, 4, 4, 1, 16)), jnp.float16)
+    q = jnp.zeros((1, 2, 16), jnp.float32)
+    tables, ctx = np.zeros((1, 2), np.int32), np.array([5], np.int32)
+    with pytest.raises(Exception, match="K and V caches differ in element type"):
+        np.asarray(native.paged_decode(q, k, k.astype(jnp.bfloat16), jnp.int32(0), tables, ctx))
+    with pytest.raises(Exception, match="float32, float16 or bfloat16"):
+        np.asarray(native.paged_decode(q, k.astype(jnp.int8), k.astype(jnp.int8), jnp.int32(0), tables, ctx))
+
+
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 def test_lora_kernel_matches_scalar(isa):
     _supported(isa)

@@ -7,7 +7,9 @@
 //   quantize_groups, w8a8_rows, panel_rows, kpanel_rows  bit for bit (the same integers, then the
 //                                                         same float operations in the same order);
 //   group_rows, decode                                   within float rounding (other summation order);
-//   decode_part                                          two key ranges merged = decode, within rounding.
+//   decode_part                                          two key ranges merged = decode, within rounding;
+//   decode, prefill over float16 / bfloat16 caches       bit for bit what the variant gives over the
+//                                                        same values in float32.
 // Prints one line per (variant, kernel): PASS, FAIL (with the first mismatch), SKIP (the CPU lacks the
 // variant's instructions) or MISSING (not linked); exits 1 on any FAIL.
 // `kernel_check --list` prints the variants this CPU runs, comma-separated.
@@ -581,6 +583,89 @@ void check_prefill(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
   }
 }
 
+// Float16 bits to float: exact (rand_half makes no infinities or NaNs).
+float widen_half(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -24) : std::ldexp(static_cast<float>(1024 + m), e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+// 16-bit caches (cpu_kernels.h, KvType): each variant's decode (whole and in two ranges) and prefill
+// over float16 and bfloat16 caches equal, bit for bit, the same variant over float32 caches holding
+// the same values (rows are widened exactly, then the float32 arithmetic runs). D = 36 leaves a tail
+// after 8-wide conversions.
+void check_attention16(Rng& r, std::vector<Variant>& vs) {
+  const int64_t L = 2, NB = 10, BS = 4, H = 6, KVH = 2, D = 36, Bd = 5, S = 3;
+  const std::vector<int32_t> context = {1, 9, 20}, first = {0, 2, 0};
+  const std::vector<int32_t> seq = {0, 1, 1, 2, 2, 2}, pcontext = {1, 8, 9, 18, 19, 20}, pfirst = {0, 0, 3, 0, 0, 0};
+  const int64_t n = L * NB * BS * KVH * D, N = static_cast<int64_t>(seq.size());
+  std::vector<int32_t> tables(S * Bd);
+  for (auto& t : tables) t = static_cast<int32_t>(r.range(0, NB - 1));
+  std::vector<float> q(S * H * D), qp(N * H * D);
+  for (auto& v : q) v = r.normal();
+  for (auto& v : qp) v = r.normal();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  for (int kv : {ruvllm::kKvF16, ruvllm::kKvBF16}) {
+    std::vector<uint16_t> k16(n), v16(n);
+    std::vector<float> k(n), vv(n);
+    for (int64_t i = 0; i < n; ++i) {
+      for (auto [h, f] : {std::pair<uint16_t*, float*>{&k16[i], &k[i]}, {&v16[i], &vv[i]}}) {
+        if (kv == ruvllm::kKvF16) {
+          *h = rand_half(r);
+          *f = widen_half(*h);
+        } else {
+          float x = r.normal();
+          uint32_t bits;
+          std::memcpy(&bits, &x, 4);
+          *h = static_cast<uint16_t>(bits >> 16);
+          bits = static_cast<uint32_t>(*h) << 16;
+          std::memcpy(f, &bits, 4);
+        }
+      }
+    }
+    const char* name = kv == ruvllm::kKvF16 ? "float16" : "bfloat16";
+    for (auto& v : vs) {
+      if (!v.runs || v.ref) continue;
+      const KernelTable* t = v.table();
+      std::vector<float> want(q.size(), NAN), got(q.size(), NAN), scratch(H / KVH * Bd * BS + 1);
+      for (bool half : {false, true}) {
+        ruvllm::DecodeJob j{q.data(), k.data(), vv.data(), tables.data(), context.data(), first.data(),
+                            (half ? got : want).data(), S, H, D, NB, BS, KVH, Bd, L - 1, scale};
+        if (half) j.k = j.v = nullptr, j.k16 = k16.data(), j.v16 = v16.data(), j.kv = kv;
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t g = 0; g < KVH; ++g) t->decode(j, s, g, scratch.data());
+      }
+      record(v.out[kDecode], std::string("decode over ") + name, mismatch(got, want));
+      const int64_t group = H / KVH, end = context[2], mid = 7;
+      std::vector<float> o[2], st[2];
+      for (bool half : {false, true}) {
+        ruvllm::DecodeJob j{q.data(), k.data(), vv.data(), tables.data(), context.data(), first.data(),
+                            nullptr, S, H, D, NB, BS, KVH, Bd, L - 1, scale};
+        if (half) j.k = j.v = nullptr, j.k16 = k16.data(), j.v16 = v16.data(), j.kv = kv;
+        o[half].assign(2 * group * D, NAN);
+        st[half].assign(4 * group, NAN);
+        t->decode_part(j, 2, 1, 0, mid, scratch.data(), o[half].data(), st[half].data());
+        t->decode_part(j, 2, 1, mid, end, scratch.data(), o[half].data() + group * D, st[half].data() + 2 * group);
+      }
+      record(v.out[kDecode], std::string("decode_part over ") + name, mismatch(o[1], o[0]) + mismatch(st[1], st[0]));
+      std::vector<float> pwant(qp.size(), NAN), pgot(qp.size(), NAN);
+      std::vector<float> pscratch(ruvllm::prefill_scratch(N * group, Bd * BS, D));
+      for (bool half : {false, true}) {
+        ruvllm::PrefillJob j{qp.data(), k.data(), vv.data(), tables.data(), seq.data(), pcontext.data(),
+                             pfirst.data(), (half ? pgot : pwant).data(), N, S, H, D, NB, BS, KVH, Bd, 0, scale};
+        if (half) j.k = j.v = nullptr, j.k16 = k16.data(), j.v16 = v16.data(), j.kv = kv;
+        for (int64_t i = 0; i < N;) {
+          int64_t e = i + 1;
+          while (e < N && seq[e] == seq[i]) ++e;
+          for (int64_t g = 0; g < KVH; ++g) t->prefill(j, i, e, g, pscratch.data());
+          i = e;
+        }
+      }
+      record(v.out[kPrefill], std::string("prefill over ") + name, mismatch(pgot, pwant));
+    }
+  }
+}
+
 void check_lora(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
   // Tokens with their own slots (-1: none) against stacked, side-by-side factors.
   struct Config { int64_t L, S, R, IN, OUT; std::vector<int32_t> slot; };
@@ -638,6 +723,7 @@ int main(int argc, char** argv) {
   check_kpanel(rng, ref, vs);
   check_decode(rng, ref, vs);
   check_prefill(rng, ref, vs);
+  check_attention16(rng, vs);
   check_lora(rng, ref, vs);
 
   bool failed = false;

@@ -218,6 +218,9 @@ class KVState:
 #: channels of rotated keys swamp the rest (SmolLM2: max |logit error| ~2 over 256 tokens); groups of
 #: 16 keep each group's range its own for 4 more bytes per 16 values.
 KV_SCALE_GROUP = 16
+#: K/V cache element types the native CPU attention kernels read in place (16-bit rows are widened to
+#: float32 as they are read); an int8 cache attends through XLA.
+NATIVE_KV_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
 def kv_scale_groups(head_dim: int) -> int:
@@ -423,7 +426,7 @@ def _attend(
     if plan.decode_seqs:
         qd = q.at[inp.decode_token].get(mode="clip")[:, None]  # [Sd, 1, H, D]
         q_pos = inp.decode_context - 1
-        if plan.native and kv.k.dtype == jnp.float32 and not kv.quantized and plan.attention == "reference":
+        if plan.native and kv.k.dtype in NATIVE_KV_DTYPES and not kv.quantized and plan.attention == "reference":
             # The native kernel reads the sequences' blocks in place instead of gathering them.
             first = window_start(q_pos, window)
             od = native.paged_decode(
@@ -449,7 +452,7 @@ def _attend(
     if plan.prefill_seqs:
         qp = q.at[inp.prefill_token].get(mode="clip")  # [Sp, Qb, H, D]
         q_pos = inp.prefill_start[:, None] + jnp.arange(plan.prefill_len, dtype=jnp.int32)[None, :]
-        if plan.native and kv.k.dtype == jnp.float32 and not kv.quantized and plan.attention == "reference":
+        if plan.native and kv.k.dtype in NATIVE_KV_DTYPES and not kv.quantized and plan.attention == "reference":
             # The native kernel reads the blocks in place and skips padding queries (XLA's attention
             # computes every padded query of the group's shape).
             sp, qb = q_pos.shape

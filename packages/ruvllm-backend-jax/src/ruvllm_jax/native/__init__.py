@@ -326,8 +326,9 @@ def paged_decode(
     *,
     scale: float | None = None,
 ) -> jax.Array:
-    """Attention of one token per sequence, ``q`` ``[S, H, D]`` float32, over the float32 paged caches
-    ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place), keys ``first[s] .. context[s] - 1`` (``first``
+    """Attention of one token per sequence, ``q`` ``[S, H, D]`` float32, over the paged caches
+    ``[L, NB, BS, KVH, D]`` (float32, float16 or bfloat16; 16-bit rows are widened to float32 as
+    they are read, exactly) at ``layer`` (read in place), keys ``first[s] .. context[s] - 1`` (``first``
     defaults to 0; a sliding window raises it) through ``tables`` ``[S, Bd]``, scores multiplied by
     ``scale`` (default ``D ** -0.5``). Returns ``[S, H, D]``; a sequence with no key gets zeros."""
     return _paged_attention(DECODE_TARGET, q, k_cache, v_cache, layer, tables, (), context, first, scale)
@@ -365,11 +366,12 @@ def paged_prefill(
     *,
     scale: float | None = None,
 ) -> jax.Array:
-    """Attention of prompt-chunk queries ``q`` ``[N, H, D]`` float32 over the float32 paged caches
-    ``[L, NB, BS, KVH, D]`` at ``layer`` (read in place): query ``i`` belongs to sequence ``seq[i]``
-    (a row of ``tables`` ``[S, Bd]``) and sees keys ``first[i] .. context[i] - 1`` (``context[i]``:
-    its position + 1; 0 marks padding, which gets zeros and costs nothing). Consecutive queries of a
-    sequence share each key load. Returns ``[N, H, D]``."""
+    """Attention of prompt-chunk queries ``q`` ``[N, H, D]`` float32 over the paged caches
+    ``[L, NB, BS, KVH, D]`` (element types as :func:`paged_decode`) at ``layer`` (read in place):
+    query ``i`` belongs to sequence ``seq[i]`` (a row of ``tables`` ``[S, Bd]``) and sees keys
+    ``first[i] .. context[i] - 1`` (``context[i]``: its position + 1; 0 marks padding, which gets
+    zeros and costs nothing). Consecutive queries of a sequence share each key load. Returns
+    ``[N, H, D]``."""
     return _paged_attention(PREFILL_TARGET, q, k_cache, v_cache, layer, tables, (seq,), context, first, scale)
 
 

@@ -15,8 +15,8 @@
 // ruvllm_wxa8 / ruvllm_wxa8_panel: weights in groups of 32 along the input (GGUF Q4_0 / Q4_1 / Q8_0
 // blocks), activations quantized to int8 per group of 32 (llama.cpp's Q8_1 scheme); see
 // cpu_kernels.h for the arithmetic. ruvllm_paged_decode: attention of one token per sequence over
-// the paged cache, read in place, from a first key per sequence (sliding windows) with the model's
-// score scale (attribute "scale").
+// the paged cache (float32, float16 or bfloat16), read in place, from a first key per sequence
+// (sliding windows) with the model's score scale (attribute "scale").
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -656,10 +656,10 @@ float* scratch(const DecodeJob& j, int64_t s) {
   return p.data();
 }
 
-// Fills a paged-attention job's cache fields (k, v, tables and their sizes, layer); nullptr, or what
-// is wrong with the operands.
+// Fills a paged-attention job's cache fields (k, v or k16, v16 and their element type, tables and
+// their sizes, layer); nullptr, or what is wrong with the operands.
 template <typename Job>
-const char* fill_paged_cache(Job& j, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::S32>& layer,
+const char* fill_paged_cache(Job& j, ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& layer,
                              ffi::Buffer<ffi::S32>& tables) {
   const auto kd = k.dimensions();
   const auto td = tables.dimensions();
@@ -667,8 +667,23 @@ const char* fill_paged_cache(Job& j, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::
     return "caches must be [L, NB, BS, KVH, D], tables [S, Bd]";
   for (int i = 0; i < 5; ++i)
     if (kd[i] != v.dimensions()[i]) return "K and V caches differ";
-  j.k = k.typed_data();
-  j.v = v.typed_data();
+  if (k.element_type() != v.element_type()) return "K and V caches differ in element type";
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      j.kv = ruvllm::kKvF32;
+      j.k = static_cast<const float*>(k.untyped_data());
+      j.v = static_cast<const float*>(v.untyped_data());
+      break;
+    case ffi::DataType::F16:
+    case ffi::DataType::BF16:
+      j.kv = k.element_type() == ffi::DataType::F16 ? ruvllm::kKvF16 : ruvllm::kKvBF16;
+      j.k16 = static_cast<const uint16_t*>(k.untyped_data());
+      j.v16 = static_cast<const uint16_t*>(v.untyped_data());
+      if (kd[4] > ruvllm::kMaxWidenedRow) return "a 16-bit cache's head dimension is over 1024";
+      break;
+    default:
+      return "caches must be float32, float16 or bfloat16";
+  }
   j.tables = tables.typed_data();
   j.NB = kd[1];
   j.BS = kd[2];
@@ -681,7 +696,7 @@ const char* fill_paged_cache(Job& j, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::
   return nullptr;
 }
 
-ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
                            ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
                            ffi::ResultBuffer<ffi::F32> out) {
@@ -780,7 +795,7 @@ std::vector<std::pair<int64_t, int64_t>> prefill_tiles(const PrefillJob& j, int6
   return tiles;
 }
 
-ffi::Error PagedPrefillImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error PagedPrefillImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
                             ffi::Buffer<ffi::S32> context, ffi::Buffer<ffi::S32> first, float scale,
                             ffi::ResultBuffer<ffi::F32> out) {
@@ -906,8 +921,8 @@ RUVLLM_GROUPED_HANDLER(RuvllmKxA8Panel, KxA8PanelImpl);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -967,8 +982,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

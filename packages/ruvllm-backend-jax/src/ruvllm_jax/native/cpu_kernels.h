@@ -88,18 +88,29 @@ struct KMatrix {
   int bits;
 };
 
-// Attention of one new token per sequence over its paged float32 cache, read in place: keys at
-// positions first[s] .. context[s] - 1 (first > 0 under a sliding window), scores times scale.
+// Element type of a paged K/V cache: float32 (k, v), or float16 / bfloat16 (k16, v16), whose rows
+// the kernels widen to float32 as they read them (exact), so a 16-bit cache attends as a float32
+// cache holding the same values would, with the same arithmetic.
+enum KvType : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+
+// Longest row (head dimension) of a 16-bit cache the kernels widen (on the stack).
+constexpr int64_t kMaxWidenedRow = 1024;
+
+// Attention of one new token per sequence over its paged cache, read in place: keys at positions
+// first[s] .. context[s] - 1 (first > 0 under a sliding window), scores times scale.
 struct DecodeJob {
   const float *q, *k, *v;
   const int32_t *tables, *context, *first;
   float* out;
   int64_t S, H, D, NB, BS, KVH, Bd, layer;
   float scale;
+  const uint16_t* k16 = nullptr;  // kv != kKvF32: the caches' 16-bit elements (k, v unused)
+  const uint16_t* v16 = nullptr;
+  int kv = kKvF32;
 };
 
-// Attention of several new tokens per sequence (prompt chunks) over the paged float32 cache, read in
-// place. Query i (q [N, H, D]) belongs to sequence seq[i] (a row of tables [S, Bd]) and sees keys
+// Attention of several new tokens per sequence (prompt chunks) over the paged cache (see DecodeJob
+// for its element types), read in place. Query i (q [N, H, D]) belongs to sequence seq[i] (a row of tables [S, Bd]) and sees keys
 // first[i] .. context[i] - 1 (context[i] = its position + 1, clipped; 0 for padding, which gets
 // zeros). A task is one tile of consecutive queries of one sequence and one kv head: each key and
 // value row is loaded once for all the tile's queries and heads.
@@ -109,6 +120,9 @@ struct PrefillJob {
   float* out;
   int64_t N, S, H, D, NB, BS, KVH, Bd, layer;
   float scale;
+  const uint16_t* k16 = nullptr;  // as DecodeJob
+  const uint16_t* v16 = nullptr;
+  int kv = kKvF32;
 };
 
 // LoRA updates of a step whose tokens use different adapters: y[t] = B_s (A_s x[t]) for token t's

@@ -221,32 +221,76 @@ inline float exp_neg(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+// -- 16-bit K/V caches (cpu_kernels.h, KvType) ------------------------------------------------------
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t f = static_cast<uint32_t>(h) << 16;
+  float out;
+  memcpy(&out, &f, 4);
+  return out;
+}
+
+// n float16 (kv = kKvF16) or bfloat16 elements widened to float32: exact, so every variant reads the
+// same floats a float32 cache would hold.
+inline void widen_row(const uint16_t* src, float* dst, int64_t n, int kv) {
+  int64_t i = 0;
+#if RUVLLM_AVX512 || RUVLLM_AVX2
+  if (kv == ruvllm::kKvF16) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = kv == ruvllm::kKvF16 ? half_to_float(src[i]) : bf16_to_float(src[i]);
+}
+
+// Element index of key t's row (sequence s's block table, kv head g) in a paged cache [L, NB, BS, KVH, D].
+template <typename Job>
+inline int64_t kv_index(const Job& j, int64_t s, int64_t g, int64_t t) {
+  const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
+  return (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
+}
+
+// Elements d0 .. d0 + n of that row of the keys (values: of the values), in place from a float32
+// cache, else widened into buf (n floats).
+template <typename Job>
+inline const float* kv_span(const Job& j, bool values, int64_t s, int64_t g, int64_t t, int64_t d0, int64_t n,
+                            float* buf) {
+  const int64_t i = kv_index(j, s, g, t) + d0;
+  if (j.kv == ruvllm::kKvF32) return (values ? j.v : j.k) + i;
+  widen_row((values ? j.v16 : j.k16) + i, buf, n, j.kv);
+  return buf;
+}
+
 // Decode attention (cpu_kernels.h, DecodeJob). Keys a .. b - 1 of sequence s, kv head g: per head hh
 // of the group, stats[hh] = the largest score m, stats[group + hh] = l = sum of exp(score - m), and
 // o[hh * D ..] = sum of exp(score - m) * value, not yet divided by l (an empty range: m = -inf, l = 0,
 // o = 0). A task's keys split into ranges and merged (the FFI handler) give its attention as one
 // range does. Rows kDecodeAhead keys ahead are prefetched: a block table scatters rows across the cache.
-inline const float* cache_row(const DecodeJob& j, const float* base, int64_t s, int64_t g, int64_t t) {
-  const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
-  return base + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D;
-}
-
 constexpr int64_t kDecodeAhead = 4;
 
-// Prefetches key t + kDecodeAhead's row of base (the keys or the values), if that key is before b.
-inline void prefetch_ahead_row(const DecodeJob& j, const float* base, int64_t s, int64_t g, int64_t t, int64_t b) {
+// Prefetches key t + kDecodeAhead's row of the keys (values: of the values), if that key is before b.
+inline void prefetch_ahead_row(const DecodeJob& j, bool values, int64_t s, int64_t g, int64_t t, int64_t b) {
   if (t + kDecodeAhead >= b) return;
-  const char* next = reinterpret_cast<const char*>(cache_row(j, base, s, g, t + kDecodeAhead));
-  for (int64_t off = 0; off < j.D * 4; off += 64) __builtin_prefetch(next + off);
+  const int64_t i = kv_index(j, s, g, t + kDecodeAhead);
+  const char* next = j.kv == ruvllm::kKvF32 ? reinterpret_cast<const char*>((values ? j.v : j.k) + i)
+                                             : reinterpret_cast<const char*>((values ? j.v16 : j.k16) + i);
+  const int64_t bytes = j.D * (j.kv == ruvllm::kKvF32 ? 4 : 2);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off);
 }
 
 // p[hh * (b - a) + t - a] = scale * q_hh . k_t for keys a .. b - 1, each head hh of the group.
 void decode_scores(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, float* p) {
   const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
   const float* q = j.q + (s * j.H + g * group) * D;
+  float buf[ruvllm::kMaxWidenedRow];
   for (int64_t t = a; t < b; ++t) {
-    prefetch_ahead_row(j, j.k, s, g, t, b);
-    const float* kr = cache_row(j, j.k, s, g, t);
+    prefetch_ahead_row(j, false, s, g, t, b);
+    const float* kr = kv_span(j, false, s, g, t, 0, D, buf);
     for (int64_t hh = 0; hh < group; ++hh) {
       const float* qh = q + hh * D;
       float acc = 0.f;
@@ -260,9 +304,10 @@ void decode_scores(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t 
 // o[hh * D ..] += sum over keys a .. b - 1 of p[hh * (b - a) + t - a] * v_t.
 void decode_values(const DecodeJob& j, int64_t s, int64_t g, int64_t a, int64_t b, const float* p, float* o) {
   const int64_t group = j.H / j.KVH, D = j.D, n = b - a;
+  float buf[ruvllm::kMaxWidenedRow];
   for (int64_t t = a; t < b; ++t) {
-    prefetch_ahead_row(j, j.v, s, g, t, b);
-    const float* vr = cache_row(j, j.v, s, g, t);
+    prefetch_ahead_row(j, true, s, g, t, b);
+    const float* vr = kv_span(j, true, s, g, t, 0, D, buf);
     for (int64_t hh = 0; hh < group; ++hh) {
       const float wgt = p[hh * n + t - a];
       float* oh = o + hh * D;
@@ -342,14 +387,11 @@ template <int RP>
 void prefill_scores(const PrefillJob& j, int64_t s, int64_t g, const float* qt, int64_t t0, int64_t t1,
                     int64_t tbase, float* sc) {
   const int64_t D = j.D;
-  auto key = [&](int64_t t) {
-    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
-    return j.k + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * D;
-  };
+  float buf[kScoreKeys][ruvllm::kMaxWidenedRow];  // 16-bit caches: the rows widened
   int64_t t = t0;
   for (; t + kScoreKeys <= t1; t += kScoreKeys) {
     const float* kr[kScoreKeys];
-    for (int u = 0; u < kScoreKeys; ++u) kr[u] = key(t + u);
+    for (int u = 0; u < kScoreKeys; ++u) kr[u] = kv_span(j, false, s, g, t + u, 0, D, buf[u]);
     float acc[kScoreKeys][RP];
     for (int u = 0; u < kScoreKeys; ++u)
       for (int r = 0; r < RP; ++r) acc[u][r] = 0.f;
@@ -365,7 +407,7 @@ void prefill_scores(const PrefillJob& j, int64_t s, int64_t g, const float* qt, 
       for (int r = 0; r < RP; ++r) sc[(t + u - tbase) * RP + r] = acc[u][r];
   }
   for (; t < t1; ++t) {
-    const float* k0 = key(t);
+    const float* k0 = kv_span(j, false, s, g, t, 0, D, buf[0]);
     float acc[RP];
     for (int r = 0; r < RP; ++r) acc[r] = 0.f;
     for (int64_t d = 0; d < D; ++d) {
@@ -385,9 +427,9 @@ void prefill_pv(const PrefillJob& j, int64_t s, int64_t g, const float* sc, int6
   float acc[RB][DC];
   for (int b = 0; b < RB; ++b)
     for (int c = 0; c < DC; ++c) acc[b][c] = 0.f;
+  float buf[DC];
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t blk = imin(imax(j.tables[s * j.Bd + t / j.BS], 0), j.NB - 1);
-    const float* vr = j.v + (((j.layer * j.NB + blk) * j.BS + t % j.BS) * j.KVH + g) * j.D + d0;
+    const float* vr = kv_span(j, true, s, g, t, d0, DC, buf);
     const float* w = sc + (t - t0) * RP + r0;
     for (int b = 0; b < RB; ++b) {
       const float wb = w[b];
