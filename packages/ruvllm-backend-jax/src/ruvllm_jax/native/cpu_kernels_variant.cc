@@ -256,12 +256,14 @@ inline int64_t kv_index(const Job& j, int64_t s, int64_t g, int64_t t) {
 }
 
 // Elements d0 .. d0 + n of that row of the keys (values: of the values), in place from a float32
-// cache, else widened into buf (n floats).
-template <typename Job>
+// cache, else widened into buf (n floats). KIND: whether the cache is float32 or 16-bit, fixed at
+// compile time in the prefill loops (over a float32 cache they stay as they were) or asked (kAny).
+enum class Kv { kF32, kWide, kAny };
+template <Kv KIND = Kv::kAny, typename Job>
 inline const float* kv_span(const Job& j, bool values, int64_t s, int64_t g, int64_t t, int64_t d0, int64_t n,
                             float* buf) {
   const int64_t i = kv_index(j, s, g, t) + d0;
-  if (j.kv == ruvllm::kKvF32) return (values ? j.v : j.k) + i;
+  if (KIND == Kv::kF32 || (KIND == Kv::kAny && j.kv == ruvllm::kKvF32)) return (values ? j.v : j.k) + i;
   widen_row((values ? j.v16 : j.k16) + i, buf, n, j.kv);
   return buf;
 }
@@ -383,15 +385,15 @@ constexpr int kScoreKeys = 2, kPvRows = 4, kPvCols = 16;
 #endif
 
 // st[t][r] = q_r . k_t for keys t0 .. t1 (all in the caller's block table), rows RP.
-template <int RP>
+template <int RP, Kv KIND>
 void prefill_scores(const PrefillJob& j, int64_t s, int64_t g, const float* qt, int64_t t0, int64_t t1,
                     int64_t tbase, float* sc) {
   const int64_t D = j.D;
-  float buf[kScoreKeys][ruvllm::kMaxWidenedRow];  // 16-bit caches: the rows widened
+  float buf[kScoreKeys][KIND == Kv::kF32 ? 1 : ruvllm::kMaxWidenedRow];  // 16-bit caches: the rows widened
   int64_t t = t0;
   for (; t + kScoreKeys <= t1; t += kScoreKeys) {
     const float* kr[kScoreKeys];
-    for (int u = 0; u < kScoreKeys; ++u) kr[u] = kv_span(j, false, s, g, t + u, 0, D, buf[u]);
+    for (int u = 0; u < kScoreKeys; ++u) kr[u] = kv_span<KIND>(j, false, s, g, t + u, 0, D, buf[u]);
     float acc[kScoreKeys][RP];
     for (int u = 0; u < kScoreKeys; ++u)
       for (int r = 0; r < RP; ++r) acc[u][r] = 0.f;
@@ -407,7 +409,7 @@ void prefill_scores(const PrefillJob& j, int64_t s, int64_t g, const float* qt, 
       for (int r = 0; r < RP; ++r) sc[(t + u - tbase) * RP + r] = acc[u][r];
   }
   for (; t < t1; ++t) {
-    const float* k0 = kv_span(j, false, s, g, t, 0, D, buf[0]);
+    const float* k0 = kv_span<KIND>(j, false, s, g, t, 0, D, buf[0]);
     float acc[RP];
     for (int r = 0; r < RP; ++r) acc[r] = 0.f;
     for (int64_t d = 0; d < D; ++d) {
@@ -421,7 +423,7 @@ void prefill_scores(const PrefillJob& j, int64_t s, int64_t g, const float* qt, 
 }
 
 // acc[r][d0 .. d0 + DC) = sum_t w[t][r] v_t[d0 ..] for rows r0 .. r0 + RB.
-template <int RB, int DC>
+template <int RB, int DC, Kv KIND>
 void prefill_pv(const PrefillJob& j, int64_t s, int64_t g, const float* sc, int64_t RP, int64_t t0, int64_t t1,
                 int64_t r0, int64_t d0, float* out) {
   float acc[RB][DC];
@@ -429,7 +431,7 @@ void prefill_pv(const PrefillJob& j, int64_t s, int64_t g, const float* sc, int6
     for (int c = 0; c < DC; ++c) acc[b][c] = 0.f;
   float buf[DC];
   for (int64_t t = t0; t < t1; ++t) {
-    const float* vr = kv_span(j, true, s, g, t, d0, DC, buf);
+    const float* vr = kv_span<KIND>(j, true, s, g, t, d0, DC, buf);
     const float* w = sc + (t - t0) * RP + r0;
     for (int b = 0; b < RB; ++b) {
       const float wb = w[b];
@@ -441,7 +443,7 @@ void prefill_pv(const PrefillJob& j, int64_t s, int64_t g, const float* sc, int6
     for (int c = 0; c < DC; ++c) out[(r0 + b) * j.D + d0 + c] = acc[b][c];
 }
 
-template <int RP>
+template <int RP, Kv KIND>
 void prefill_rows(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch, int64_t t0, int64_t end) {
   const int64_t group = j.H / j.KVH, D = j.D, R = (q1 - q0) * group, cap = j.Bd * j.BS;
   const int64_t L = end - t0, s = j.seq[q0];
@@ -461,7 +463,7 @@ void prefill_rows(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float*
     const float* qr = real ? j.q + (i * j.H + g * group + r % group) * D : nullptr;
     for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = real ? qr[d] : 0.f;
   }
-  prefill_scores<RP>(j, s, g, qt, t0, end, t0, sc);
+  prefill_scores<RP, KIND>(j, s, g, qt, t0, end, t0, sc);
   for (int64_t x = 0; x < L * RP; ++x) sc[x] *= j.scale;  // after the dot products, as decode does
   const float ft0 = static_cast<float>(t0);
   for (int64_t r = 0; r < RP; ++r) {
@@ -486,9 +488,10 @@ void prefill_rows(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float*
   }
   for (int64_t r0 = 0; r0 < R; r0 += kPvRows) {  // RP is a multiple of kPvRows: rows past R are zeros
     int64_t d0 = 0;
-    for (; d0 + kPvCols <= D; d0 += kPvCols) prefill_pv<kPvRows, kPvCols>(j, s, g, sc, RP, t0, end, r0, d0, acc);
-    for (; d0 + 8 <= D; d0 += 8) prefill_pv<kPvRows, 8>(j, s, g, sc, RP, t0, end, r0, d0, acc);
-    for (; d0 < D; ++d0) prefill_pv<kPvRows, 1>(j, s, g, sc, RP, t0, end, r0, d0, acc);
+    for (; d0 + kPvCols <= D; d0 += kPvCols)
+      prefill_pv<kPvRows, kPvCols, KIND>(j, s, g, sc, RP, t0, end, r0, d0, acc);
+    for (; d0 + 8 <= D; d0 += 8) prefill_pv<kPvRows, 8, KIND>(j, s, g, sc, RP, t0, end, r0, d0, acc);
+    for (; d0 < D; ++d0) prefill_pv<kPvRows, 1, KIND>(j, s, g, sc, RP, t0, end, r0, d0, acc);
   }
   for (int64_t r = 0; r < R; ++r) {
     if (sum[r] == 0.f) continue;
@@ -497,6 +500,14 @@ void prefill_rows(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float*
     const float* ar = acc + r * D;
     for (int64_t d = 0; d < D; ++d) o[d] = ar[d] * inv;
   }
+}
+
+template <Kv KIND>
+void prefill_rows_of(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch, int64_t t0, int64_t end,
+                     int64_t R) {
+  if (R <= 16) return prefill_rows<16, KIND>(j, q0, q1, g, scratch, t0, end);
+  if (R <= 32) return prefill_rows<32, KIND>(j, q0, q1, g, scratch, t0, end);
+  prefill_rows<48, KIND>(j, q0, q1, g, scratch, t0, end);
 }
 
 void prefill_tile(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch) {
@@ -513,9 +524,8 @@ void prefill_tile(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float*
     for (int64_t x = 0; x < group * j.D; ++x) o[x] = 0.f;
   }
   if (end <= t0) return;
-  if (R <= 16) return prefill_rows<16>(j, q0, q1, g, scratch, t0, end);
-  if (R <= 32) return prefill_rows<32>(j, q0, q1, g, scratch, t0, end);
-  return prefill_rows<48>(j, q0, q1, g, scratch, t0, end);
+  if (j.kv != ruvllm::kKvF32) return prefill_rows_of<Kv::kWide>(j, q0, q1, g, scratch, t0, end, R);
+  prefill_rows_of<Kv::kF32>(j, q0, q1, g, scratch, t0, end, R);
 }
 
 // LoRA (cpu_kernels.h, LoraJob): per token, the rank-R projection A_s x (dot products along IN), then
