@@ -110,9 +110,9 @@ struct DecodeJob {
 };
 
 // Attention of several new tokens per sequence (prompt chunks) over the paged cache (see DecodeJob
-// for its element types), read in place. Query i (q [N, H, D]) belongs to sequence seq[i] (a row of tables [S, Bd]) and sees keys
-// first[i] .. context[i] - 1 (context[i] = its position + 1, clipped; 0 for padding, which gets
-// zeros). A task is one tile of consecutive queries of one sequence and one kv head: each key and
+// for its element types), read in place. Query i (q [N, H, D]) belongs to sequence seq[i] (a row of
+// tables [S, Bd]) and sees keys first[i] .. context[i] - 1 (context[i] = its position + 1, clipped; 0
+// for padding, which gets zeros). A task is one tile of consecutive queries of one sequence and one kv head: each key and
 // value row is loaded once for all the tile's queries and heads.
 struct PrefillJob {
   const float *q, *k, *v;
