@@ -8,6 +8,7 @@ and the raw figures as JSON and CSV.
     python benchmarks/bench_backends.py --only jax-w4a8,llama.cpp --isa all --model model.Q4_K_M.gguf
     python benchmarks/bench_backends.py --model gemma3 --only jax-w4a8,llama.cpp --batches 1 32 --rounds 3
     python benchmarks/bench_backends.py --model gemma3 --only jax-w4a8,jax-w4a8-hybrid --rounds 3
+    python benchmarks/bench_backends.py --only jax-w4a8,llama.cpp --isa all --interleave --iterations 9
 
 A jax engine's ``-hybrid`` suffix (not in the default list: only models interleaving windowed and
 global layers have it) keeps the windowed layers' K/V in a pool of their own, as the engine's hybrid
@@ -17,6 +18,10 @@ KV cache does; next to the same engine without it, that is what reading two pool
 each in a child process with ``RUVLLM_CPU_ISA`` set (the variant is chosen once per process), as rows
 ``jax-w4a8[avx2]``, ``jax-w4a8[avx512vnni]``...; such a name also works in ``--only``. Every report
 names the CPU, the ISA variant and weight format each engine ran, and llama.cpp's build.
+
+``--interleave`` runs all the engines in one child process instead, taking turns figure by figure
+(ISA variants share one model and switch in place); each cycle of turns is reported as a round, so
+the ratios paired by round compare an engine with llama.cpp seconds apart (docs/benchmarks.md).
 
 Every engine runs the same token ids. Warm-up passes (compilation, allocator growth) are run first
 and not timed. Nothing here is run by the tests.
@@ -34,7 +39,8 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +87,68 @@ def median_seconds(fn: Callable[[], float], iterations: int) -> float:
     return statistics.median(fn() for _ in range(iterations))
 
 
+@dataclass
+class Engine:
+    """One loaded engine: ``prefill()`` times the long prompt, ``decode(b)`` returns the median
+    seconds of one decode step of ``b`` sequences; both run inside ``scope()`` (ruvllm's ISA variant)."""
+
+    result: Result  # name, ISA, weights, build and notes; the figures are filled in by the measurement
+    prefill: Callable[[], float]
+    decode: Callable[[int], float]
+    scope: Callable[[], AbstractContextManager[object]] = nullcontext
+
+
+def measure(engine: Engine, w: Workload) -> Result:
+    """The engine's figures on its own: the median of ``w.iterations`` timings of each."""
+    r = replace(engine.result, aggregate_tok_s={})
+    with engine.scope():
+        r.prefill_tok_s = len(w.prefill) / median_seconds(engine.prefill, w.iterations)
+        for b in w.batches:
+            step = median_seconds(lambda b=b: engine.decode(b), w.iterations)
+            r.aggregate_tok_s[b] = b / step
+            if b == 1:
+                r.decode_tok_s = 1 / step
+    return r
+
+
+def interleaved(engines: list[Engine], w: Workload, pause: float = 0.05) -> list[list[Result]]:
+    """All engines in this one process, taking turns: for each figure (prefill, then decode at each
+    batch size), every engine is warmed up once, then each of ``w.iterations`` cycles times every
+    engine once, in an order rotated by one per cycle, with ``pause`` seconds before each turn (other
+    engines' thread pools spin down). Cycle i's figures make round i's results, so an engine and its
+    peer are compared seconds apart, where separate processes minutes apart see the machine's memory
+    bandwidth drift."""
+    rounds = [[replace(e.result, aggregate_tok_s={}) for e in engines] for _ in range(w.iterations)]
+    figures: list[tuple[str, int]] = [("prefill", 0)] + [("decode", b) for b in w.batches]
+    for kind, b in figures:
+
+        def once(e: Engine, kind: str = kind, b: int = b) -> float:
+            time.sleep(pause)
+            with e.scope():
+                return e.prefill() if kind == "prefill" else e.decode(b)
+
+        for e in engines:
+            once(e)  # warm-up, untimed
+        for i in range(w.iterations):
+            order = [(j + i) % len(engines) for j in range(len(engines))]
+            for j in order:
+                seconds = once(engines[j])
+                r = rounds[i][j]
+                if kind == "prefill":
+                    r.prefill_tok_s = len(w.prefill) / seconds
+                else:
+                    r.aggregate_tok_s[b] = b / seconds
+                    if b == 1:
+                        r.decode_tok_s = 1 / seconds
+    return rounds
+
+
 # -- ruvllm backends (through the plugin hooks, like the engine) -----------------------------------------
 
 
-def bench_ruvllm(
+def ruvllm_engine(
     path: Path, backend: str, quantization: str, w: Workload, native: bool = True, hybrid: bool = False
-) -> Result:
+) -> Engine:
     """``hybrid``: the windowed layers of a model interleaving them with global ones keep their K/V in
     a pool of their own (the engine's hybrid KV cache), here as large as the global one and with the
     same tables: what it costs a step to read two pools."""
@@ -132,16 +194,10 @@ def bench_ruvllm(
     if backend == "jax":
         r.isa = native_isa() if model.model.native else "xla"
         r.weights = _jax_weights(model.model.weights)
-    r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
-    for b in w.batches:
-        step = median_seconds(lambda b=b: decode(b), w.iterations)
-        r.aggregate_tok_s[b] = b / step
-        if b == 1:
-            r.decode_tok_s = 1 / step
     weight_bytes = getattr(model.model, "weight_bytes", None)
     if weight_bytes:
         r.notes = f"weights {weight_bytes / 1e6:.0f} MB"
-    return r
+    return Engine(r, prefill, decode)
 
 
 def _jax_weights(weights: object) -> str:
@@ -176,7 +232,7 @@ def _quiet_llama_cpp() -> object:
 _QUIET_LLAMA_LOG: object = None
 
 
-def bench_llama_cpp(path: Path, w: Workload, threads: int) -> Result:
+def llama_cpp_engine(path: Path, w: Workload, threads: int) -> Engine:
     import llama_cpp
 
     global _QUIET_LLAMA_LOG
@@ -236,19 +292,13 @@ def bench_llama_cpp(path: Path, w: Workload, threads: int) -> Result:
     assert build is not None  # llama_cpp imported above
     r = Result("llama.cpp", isa=build["isa"], weights="as stored", build=llama_cpp_summary(build))
     r.notes = f"llama-cpp-python {llama_cpp.__version__}, n_threads={threads}"
-    r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
-    for b in w.batches:
-        step = median_seconds(lambda b=b: decode(b), w.iterations)
-        r.aggregate_tok_s[b] = b / step
-        if b == 1:
-            r.decode_tok_s = 1 / step
-    return r
+    return Engine(r, prefill, decode)
 
 
 # -- Hugging Face transformers -------------------------------------------------------------------------------
 
 
-def bench_transformers(path: Path, w: Workload, threads: int) -> Result:
+def transformers_engine(path: Path, w: Workload, threads: int) -> Engine:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -279,13 +329,7 @@ def bench_transformers(path: Path, w: Workload, threads: int) -> Result:
 
     r = Result("transformers", notes=f"torch {torch.__version__} CPU float32, {threads} threads")
     r.isa, r.weights = torch.backends.cpu.get_cpu_capability().lower(), "float32"
-    r.prefill_tok_s = len(w.prefill) / median_seconds(prefill, w.iterations)
-    for b in w.batches:
-        step = median_seconds(lambda b=b: decode(b), w.iterations)
-        r.aggregate_tok_s[b] = b / step
-        if b == 1:
-            r.decode_tok_s = 1 / step
-    return r
+    return Engine(r, prefill, decode)
 
 
 def _child_argv(args: argparse.Namespace) -> list[str]:
@@ -298,7 +342,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _in_child(engine: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> list[Result]:
+def _in_child(engine: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> list[list[Result]]:
     """Run one engine in a child process: a native crash (llama.cpp built with CPU features the
     machine advertises but cannot run, such as AMX under some hypervisors) then costs only its row,
     and ``env`` can set what a process reads once (``RUVLLM_CPU_ISA`` for ``jax-w4a8[avx2]``)."""
@@ -308,19 +352,22 @@ def _in_child(engine: str, args: argparse.Namespace, env: dict[str, str] | None 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
         cmd = [sys.executable, __file__, *_child_argv(args), "--only", engine, "--json", str(out), "--in-child"]
+        cmd += ["--interleave"] * args.interleave
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         if proc.returncode != 0 or not out.exists():
             hint = ""
-            if engine == "llama.cpp":
+            if "llama.cpp" in engine.split(","):
                 hint = (
                     "; if it crashed in its AMX kernels (a CPU whose AMX the hypervisor does not enable), build "
                     "llama-cpp-python with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 in CMAKE_C_FLAGS and "
                     "CMAKE_CXX_FLAGS (nox -s bench does where /proc/cpuinfo lists amx flags)"
                 )
             print(f"    {engine} failed (exit status {proc.returncode}){hint}", file=sys.stderr)
-            return []
-        data = json.loads(out.read_text())["results"]
-    return [Result(**{**r, "aggregate_tok_s": {int(k): v for k, v in r["aggregate_tok_s"].items()}}) for r in data]
+            return [[]]
+        data = json.loads(out.read_text())
+    rounds = data["rounds"] or [data["results"]]
+    return [[Result(**{**r, "aggregate_tok_s": {int(k): v for k, v in r["aggregate_tok_s"].items()}}) for r in got]
+            for got in rounds]  # fmt: skip
 
 
 # -- driver ------------------------------------------------------------------------------------------------------
@@ -402,10 +449,24 @@ def write_csv(out: Path, results: list[Result], batches: list[int], meta: dict[s
             )
 
 
-def run_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace) -> list[Result]:
+def load_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace, loaded: dict[str, Engine]) -> Engine:
+    """``engine`` loaded in this process. A native-kernel engine's ISA variant (``jax-w4a8[avx2]``)
+    shares ``loaded``'s model of its base engine and runs that variant inside its ``scope``."""
     base, isa = split_isa(engine)
-    if isa is not None and not args.in_child:
-        return _in_child(engine, args, {"RUVLLM_CPU_ISA": isa})
+    if isa is not None and args.interleave:
+        from ruvllm_jax import native
+
+        if base not in loaded:
+            loaded[base] = load_engine(base, path, w, args, loaded)
+        shared = loaded[base]
+        if shared.result.isa == "xla":
+            raise SystemExit(f"{engine}: this quantization does not run the native kernels' variants")
+        with native.use_isa(isa):  # an unsupported variant: BackendError, before anything is timed
+            got = native_isa()
+        if got != isa:
+            raise SystemExit(f"{engine}: asked for {isa}, the kernels run {got}")
+        r = replace(shared.result, engine=engine, isa=isa)
+        return Engine(r, shared.prefill, shared.decode, lambda: native.use_isa(isa))
     if base.startswith("jax"):
         # jax, jax-q8, jax-w8a8, ...; a trailing -xla turns the native CPU kernels off, -hybrid keeps the
         # windowed layers' K/V in a pool of their own (-xla-hybrid both).
@@ -414,19 +475,35 @@ def run_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace) -
         parts = parts[:-1] if hybrid else parts
         xla = parts[-1] == "xla"
         quant = parts[1] if len(parts) > 1 and parts[1] != "xla" else "none"
-        r = bench_ruvllm(path, "jax", quant, w, native=not xla, hybrid=hybrid)
+        e = ruvllm_engine(path, "jax", quant, w, native=not xla, hybrid=hybrid)
         if isa is not None:
-            if r.isa not in (isa, "xla"):  # "xla": this quantization does not use the kernels' variant
-                raise SystemExit(f"{engine}: RUVLLM_CPU_ISA={isa} but the kernels ran {r.isa}")
-            r.engine = engine
-        return [r]
+            if e.result.isa not in (isa, "xla"):  # "xla": this quantization does not use the kernels' variant
+                raise SystemExit(f"{engine}: RUVLLM_CPU_ISA={isa} but the kernels ran {e.result.isa}")
+            e.result.engine = engine
+        return e
     if base == "candle-compat":
-        return [bench_ruvllm(path, "candle-compat", "none", w)]
+        return ruvllm_engine(path, "candle-compat", "none", w)
     if base == "llama.cpp":
-        return [bench_llama_cpp(path, w, args.threads)] if args.in_child else _in_child(engine, args)
+        return llama_cpp_engine(path, w, args.threads)
     if base == "transformers":
-        return [bench_transformers(path, w, args.threads)]
+        return transformers_engine(path, w, args.threads)
     raise SystemExit(f"unknown engine {engine!r} (known: {', '.join(ENGINES)}, or jax-w4a8[ISA] ...)")
+
+
+def run_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace) -> list[Result]:
+    base, isa = split_isa(engine)
+    if not args.in_child and (isa is not None or base == "llama.cpp"):
+        return _in_child(engine, args, {"RUVLLM_CPU_ISA": isa} if isa else None)[0]
+    return [measure(load_engine(engine, path, w, args, {}), w)]
+
+
+def run_interleaved(wanted: list[str], path: Path, w: Workload, args: argparse.Namespace) -> list[list[Result]]:
+    """Every engine in one process (a child, unless this is it), taking turns (see :func:`interleaved`)."""
+    if not args.in_child:
+        return _in_child(",".join(wanted), args)
+    loaded: dict[str, Engine] = {}
+    engines = [load_engine(e, path, w, args, loaded) for e in wanted]
+    return interleaved(engines, w)
 
 
 def median_of_rounds(rounds: list[list[Result]]) -> list[Result]:
@@ -517,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
         "rounds (a shared VM's memory bandwidth drifts over minutes: alternating puts every engine in the same "
         "conditions)",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run every engine in one process, taking turns figure by figure (ISA variants share one model and "
+        "switch in place): each of --iterations cycles is a round of its own, paired with llama.cpp's turn in it",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--csv", type=Path, help="write the figures here, one row per engine")
@@ -543,7 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         raise SystemExit("--rounds must be 1 or more")
     rounds: list[list[Result]] = []
-    for n in range(args.rounds):
+    for n in range(args.rounds if args.interleave else 0):
+        if not args.in_child:
+            of = f" (round {n + 1} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"... {', '.join(wanted)} interleaved{of}", file=sys.stderr, flush=True)
+        rounds += run_interleaved(wanted, path, w, args)
+    for n in range(0 if args.interleave else args.rounds):
         got: list[Result] = []
         for engine in wanted:
             if not args.in_child:  # the parent said it
@@ -571,13 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.notes:
             print(f"  {r.engine}: {r.notes}")
-    paired = paired_ratios(rounds, args.batches) if args.rounds > 1 else []
+    several = len(rounds) > 1
+    paired = paired_ratios(rounds, args.batches) if several else []
     if paired:
         print("paired by round, over llama.cpp in the same round (aggregate: over its single stream);")
         print("median of the rounds, then each round's ratio:")
         print(paired_table(paired))
     if args.json:
-        per_round = [[asdict(r) for r in got] for got in rounds] if args.rounds > 1 else None
+        per_round = [[asdict(r) for r in got] for got in rounds] if several else None
         args.json.write_text(
             json.dumps(
                 {

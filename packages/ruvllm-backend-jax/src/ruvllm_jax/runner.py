@@ -45,7 +45,7 @@ from ruvllm.sampling import overlay_widths
 from ruvllm_jax import native
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
-from ruvllm_jax.host_memory import keep_large_buffers
+from ruvllm_jax.host_memory import huge_pages, keep_large_buffers
 from ruvllm_jax.loading import DTYPES, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
 from ruvllm_jax.model import (
@@ -318,6 +318,8 @@ class JaxModel:
     #: Steps run their layers unrolled (see :attr:`ruvllm_jax.model.StepPlan.unroll_layers`): option
     #: ``unroll_layers`` (auto: on CUDA).
     unroll_layers: bool = field(init=False, default=False)
+    #: How the weights' host pages were backed at load (:func:`ruvllm_jax.host_memory.huge_pages`).
+    huge_pages: str = field(init=False, default="n/a (not on CPU)")
 
     def __post_init__(self) -> None:
         self.native = self._want_native()
@@ -387,9 +389,12 @@ class JaxModel:
         model = cls(spec, weights, mesh, attention, options)
         model.table_tokens = checkpoint.config.max_position_embeddings
         on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+        if on_cpu:
+            model.huge_pages = huge_pages(jax.tree_util.tree_leaves(weights))
         log.info(
             "weights loaded",
             host_buffers=keep_large_buffers() if on_cpu else "n/a (not on CPU)",
+            huge_pages=model.huge_pages,
             quantization=options.quantization,
             dtype=options.dtype,
             devices=mesh.size,
