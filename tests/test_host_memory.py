@@ -35,7 +35,7 @@ def anon_huge_bytes(start: int, end: int) -> int:
 
 
 def collapsed_mb(said: str) -> int:
-    m = re.match(r"(\d+) of (\d+) MB collapsed", said)
+    m = re.match(r"(\d+) of (\d+) MB collapsed in \d+\.\d\d s", said)
     assert m, said
     return int(m.group(1))
 

