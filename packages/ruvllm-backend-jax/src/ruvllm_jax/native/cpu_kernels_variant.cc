@@ -1224,10 +1224,85 @@ void kpanel_block_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
   }
 }
 
+// One activation row (decode): both halves of 8 rows in the same pass over the groups. Each half's
+// float accumulator is a chain of dependent multiply-adds (four a group for k-quants: 16 cycles of
+// latency where the rest of a group's work takes about as long), so two independent chains let one
+// half's arithmetic run under the other's latency. Each output's operations and their order are
+// those of the two-pass kernels above.
+template <int BITS, bool UN>
+void panel_one_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
+  const int64_t G = x.G, K = x.K;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  const uint16_t* dp = w.d + p * 16 * G;
+  const uint16_t* mp = w.mn != nullptr ? w.mn + p * 16 * G : nullptr;
+  __m256 facc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* gp = base + g * GB * 16;
+    if (!UN) prefetch_ahead<GB * 16>(gp);
+    const int32_t* xd = reinterpret_cast<const int32_t*>(x.q + m0 * K + g * 32);
+    const __m256 dx = _mm256_set1_ps(x.dx[m0 * x.Gp + g]), sx = _mm256_set1_ps(x.sx[m0 * x.Gp + g]);
+    for (int r = 0; r < 2; ++r) {
+      __m256i acc = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        __m256i c[4];
+        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS, UN>(un, gp, g, t, r, h);
+        acc = dots4_256<BITS>(c, xd + 4 * h, acc);
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + r * 8)));
+      const __m256 mv = mp != nullptr
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + g * 16 + r * 8)))
+                            : _mm256_mul_ps(dv, _mm256_set1_ps(ruvllm::symmetric_zero(BITS)));
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, dx), facc[r]);
+      facc[r] = _mm256_fmadd_ps(mv, sx, facc[r]);
+    }
+  }
+  for (int r = 0; r < 2; ++r) _mm256_storeu_ps(w.y + m0 * w.N + p * 16 + r * 8, facc[r]);
+}
+
+template <int BITS, bool UN>
+void kpanel_one_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
+  const int64_t G = x.G, K = x.K, SB = K / 256;
+  constexpr int64_t GB = BITS == 4 ? 16 : BITS == 5 ? 20 : 24;
+  const uint8_t* base = w.q + p * 16 * G * GB;
+  __m256 facc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 Dv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, Dmv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* gp = base + g * GB * 16;
+    if (!UN) prefetch_ahead<GB * 16>(gp);
+    if (g % 8 == 0) {
+      for (int r = 0; r < 2; ++r) {
+        Dv[r] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.D + (p * SB + g / 8) * 16 + r * 8)));
+        Dmv[r] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Dm + (p * SB + g / 8) * 16 + r * 8)));
+      }
+    }
+    const float dx = x.dx[m0 * x.Gp + g];
+    for (int h = 0; h < 2; ++h) {
+      const int32_t* xd = reinterpret_cast<const int32_t*>(x.q + m0 * K + g * 32) + 4 * h;
+      const __m256 sx = _mm256_set1_ps(x.sx16[m0 * 2 * x.Gp + 2 * g + h]);
+      for (int r = 0; r < 2; ++r) {
+        __m256i c[4];
+        for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS, UN>(un, gp, g, t, r, h);
+        const int64_t k = (p * 2 * G + 2 * g + h) * 16 + r * 8;
+        const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
+        const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + k))));
+        const __m256 dh = _mm256_mul_ps(Dv[r], scv), mh = _mm256_mul_ps(Dmv[r], mnv);
+        const __m256i acc = dots4_256<BITS>(c, xd, _mm256_setzero_si256());
+        const __m256 sc = _mm256_mul_ps(dh, _mm256_set1_ps(dx));
+        facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), sc, facc[r]);
+        facc[r] = _mm256_fnmadd_ps(mh, sx, facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < 2; ++r) _mm256_storeu_ps(w.y + m0 * w.N + p * 16 + r * 8, facc[r]);
+}
+
 template <int BITS, int MB>
 void panel_block(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   if constexpr (BITS == 8)
     panel_block_8<MB>(x, w, p, m0);
+  else if constexpr (MB == 1)
+    un != nullptr ? panel_one_256<BITS, true>(x, w, p, m0, un) : panel_one_256<BITS, false>(x, w, p, m0, un);
   else if (un != nullptr)
     panel_block_256<BITS, MB, true>(x, w, p, m0, un);
   else
@@ -1239,6 +1314,8 @@ template <int BITS, int MB>
 void kpanel_block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0, const uint8_t* un) {
   if constexpr (BITS == 8)
     kpanel_block_8<MB>(x, w, p, m0);
+  else if constexpr (MB == 1)
+    un != nullptr ? kpanel_one_256<BITS, true>(x, w, p, m0, un) : kpanel_one_256<BITS, false>(x, w, p, m0, un);
   else if (un != nullptr)
     kpanel_block_256<BITS, MB, true>(x, w, p, m0, un);
   else
