@@ -792,8 +792,15 @@ void panel_block_512(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_
       acc[m] = _mm512_setzero_si512();
       xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
     }
-    for (int t = 0; t < 8; ++t)
-      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    if constexpr (MB == 1) {  // one row: four chains of two, summed (integer sums: exact in any order)
+      __m512i a4[4];
+      for (int t = 0; t < 4; ++t) a4[t] = _mm512_dpbusd_epi32(acc[0], wv[t], _mm512_set1_epi32(xd[0][t]));
+      for (int t = 4; t < 8; ++t) a4[t - 4] = _mm512_dpbusd_epi32(a4[t - 4], wv[t], _mm512_set1_epi32(xd[0][t]));
+      acc[0] = _mm512_add_epi32(_mm512_add_epi32(a4[0], a4[1]), _mm512_add_epi32(a4[2], a4[3]));
+    } else {
+      for (int t = 0; t < 8; ++t)
+        for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    }
     for (int m = 0; m < MB; ++m) {
       const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x.dx[(m0 + m) * x.Gp + g]));
       facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, facc[m]);
@@ -833,9 +840,19 @@ void kpanel_block_512(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m
       acc[0][m] = acc[1][m] = _mm512_setzero_si512();
       xd[m] = reinterpret_cast<const int32_t*>(x.q + (m0 + m) * K + g * 32);
     }
-    for (int t = 0; t < 8; ++t)
-      for (int m = 0; m < MB; ++m)
-        acc[t / 4][m] = _mm512_dpbusd_epi32(acc[t / 4][m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    if constexpr (MB == 1) {  // one row: each half group's four products as two chains of two, summed
+      for (int h = 0; h < 2; ++h) {
+        __m512i a2[2];
+        for (int t = 0; t < 2; ++t) a2[t] = _mm512_dpbusd_epi32(acc[h][0], wv[4 * h + t], _mm512_set1_epi32(xd[0][4 * h + t]));
+        for (int t = 2; t < 4; ++t)
+          a2[t - 2] = _mm512_dpbusd_epi32(a2[t - 2], wv[4 * h + t], _mm512_set1_epi32(xd[0][4 * h + t]));
+        acc[h][0] = _mm512_add_epi32(a2[0], a2[1]);
+      }
+    } else {
+      for (int t = 0; t < 8; ++t)
+        for (int m = 0; m < MB; ++m)
+          acc[t / 4][m] = _mm512_dpbusd_epi32(acc[t / 4][m], wv[t], _mm512_set1_epi32(xd[m][t]));
+    }
     for (int h = 0; h < 2; ++h) {
       const int64_t k = (p * 2 * G + 2 * g + h) * 16;
       const __m512 scv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + k))));
@@ -1131,9 +1148,18 @@ inline __m256i unpacked_or_codes(const uint8_t* un, const uint8_t* gp, int64_t g
 }
 
 // The integer dot product of 4 dwords of codes (c) with the activation dwords xd[0..3], added to acc.
-template <int BITS>
+// SPLIT (one activation row, no other chain to interleave): with vpdpbusd, two chains of two summed
+// instead of one of four (integer sums, so the same result).
+template <int BITS, bool SPLIT = false>
 inline __m256i dots4_256(const __m256i* c, const int32_t* xd, __m256i acc) {
 #ifdef RUVLLM_DPBUSD256
+  if constexpr (SPLIT) {
+    __m256i b = RUVLLM_DPBUSD256(_mm256_setzero_si256(), c[1], _mm256_set1_epi32(xd[1]));
+    acc = RUVLLM_DPBUSD256(acc, c[0], _mm256_set1_epi32(xd[0]));
+    b = RUVLLM_DPBUSD256(b, c[3], _mm256_set1_epi32(xd[3]));
+    acc = RUVLLM_DPBUSD256(acc, c[2], _mm256_set1_epi32(xd[2]));
+    return _mm256_add_epi32(acc, b);
+  }
   for (int t = 0; t < 4; ++t) acc = RUVLLM_DPBUSD256(acc, c[t], _mm256_set1_epi32(xd[t]));
 #else
   constexpr int F = kI16Sums<BITS>;
@@ -1247,7 +1273,7 @@ void panel_one_256(const GroupActs& x, const GroupMatrix& w, int64_t p, int64_t 
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
         for (int t = 0; t < 4; ++t) c[t] = unpacked_or_codes<BITS, UN>(un, gp, g, t, r, h);
-        acc = dots4_256<BITS>(c, xd + 4 * h, acc);
+        acc = dots4_256<BITS, true>(c, xd + 4 * h, acc);
       }
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + g * 16 + r * 8)));
       const __m256 mv = mp != nullptr
@@ -1287,7 +1313,7 @@ void kpanel_one_256(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m0,
         const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + k))));
         const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + k))));
         const __m256 dh = _mm256_mul_ps(Dv[r], scv), mh = _mm256_mul_ps(Dmv[r], mnv);
-        const __m256i acc = dots4_256<BITS>(c, xd, _mm256_setzero_si256());
+        const __m256i acc = dots4_256<BITS, true>(c, xd, _mm256_setzero_si256());
         const __m256 sc = _mm256_mul_ps(dh, _mm256_set1_ps(dx));
         facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), sc, facc[r]);
         facc[r] = _mm256_fnmadd_ps(mh, sx, facc[r]);
