@@ -126,7 +126,11 @@ def huge_pages(arrays: Iterable[Any]) -> str:
             collapsed += b - a
         else:
             err = ctypes.get_errno()
-            why = "a kernel before 6.1, or huge pages disabled for this process" if err == 22 else os.strerror(err)
+            why = (
+                "a kernel before 6.1, memory that is not anonymous, or huge pages disabled for this process"
+                if err == 22  # EINVAL
+                else os.strerror(err)
+            )
             refused.add(f"MADV_COLLAPSE: {why}")
     mb = 1e6
     said = f"{collapsed / mb:.0f} of {total / mb:.0f} MB collapsed"
