@@ -10,6 +10,7 @@ import openai
 import pytest
 from _forward_wrap import wrapped_forward
 from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "smollm2"
 HI = [{"role": "user", "content": "hi"}]
@@ -163,9 +164,44 @@ def test_embedding_errors(client, server) -> None:
     assert_openai_error(r, 400, param="encoding_format")
 
 
+def _requests_by_status_class(server) -> dict[str, float]:
+    """``ruvllm_http_requests_total`` summed by the first digit of its status label."""
+    totals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(server.url("/metrics")).text):
+        for s in fam.samples:
+            if s.name == "ruvllm_http_requests_total":
+                totals[s.labels["status"][0]] = totals.get(s.labels["status"][0], 0.0) + s.value
+    return totals
+
+
 def test_no_5xx_recorded(server) -> None:
-    text = httpx.get(server.url("/metrics")).text
-    assert 'status="5' not in text
+    """Bad requests of every kind above, sent here so the test holds alone or in any order: each is
+    answered and recorded as a 4xx, and the server's counter holds no 5xx at all."""
+    chat, completions = server.url("/v1/chat/completions"), server.url("/v1/completions")
+    bad = [
+        ("POST", chat, {"json": {"model": MODEL, "messages": HI, "temperature": "hot"}}),
+        ("POST", chat, {"json": {"model": MODEL, "messages": HI, "n": 5}}),
+        ("POST", chat, {"json": {"model": MODEL, "messages": HI, "max_tokens": 250}}),
+        ("POST", chat, {"json": {"model": MODEL, "messages": HI, "logit_bias": {"999999": 1}}}),
+        ("POST", chat, {"json": {"model": MODEL, "messages": HI, "stop_token_ids": [10**7]}}),
+        ("POST", chat, {"content": b"{not json", "headers": {"content-type": "application/json"}}),
+        ("POST", chat, {"json": {"model": MODEL, "messages": [{"role": "user", "content": "x" * (80 * 1024)}]}}),
+        ("POST", chat, {"json": {"model": "gpt-9", "messages": HI}}),
+        ("GET", chat, {}),
+        ("POST", completions, {"json": {"model": MODEL, "prompt": [10**7], "max_tokens": 1}}),
+        ("POST", completions, {"json": {"model": MODEL, "prompt": "word " * 400, "max_tokens": 1}}),
+        ("POST", server.url("/v1/embeddings"), {"json": {"model": MODEL, "input": []}}),
+        ("POST", server.url("/detokenize"), {"json": {"tokens": [-1]}}),
+        ("GET", server.url("/v1/nothing-here"), {}),
+    ]
+    before = _requests_by_status_class(server)
+    for method, url, kwargs in bad:
+        r = httpx.request(method, url, timeout=60, **kwargs)
+        assert 400 <= r.status_code < 500, (method, url, r.status_code, r.text)
+    after = _requests_by_status_class(server)
+    # Every one was counted as a 4xx: the counter sees these requests, so its lack of 5xx means something.
+    assert after.get("4", 0.0) - before.get("4", 0.0) == len(bad)
+    assert after.get("5", 0.0) == 0, after
 
 
 def test_errors_from_the_engine_keep_their_type_while_watching_for_disconnects() -> None:

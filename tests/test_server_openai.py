@@ -447,10 +447,10 @@ def test_metrics_scrape(server, client) -> None:
     ] >= 1
     assert fams["ruvllm_e2e_request_latency_seconds"].samples
     assert fams["ruvllm_kv_blocks_total"].samples[0].value == 512
-    assert fams["ruvllm_kv_blocks_used"].samples[0].value >= 0
     assert fams["ruvllm_prompt_tokens"].samples[0].value > 0
     assert fams["ruvllm_generation_tokens"].samples[0].value > 0
     for name in (
+        "ruvllm_kv_blocks_used",  # its value: test_kv_blocks_used_counts_a_running_request
         "ruvllm_num_requests_running",
         "ruvllm_num_requests_waiting",
         "ruvllm_preemptions",
@@ -458,6 +458,29 @@ def test_metrics_scrape(server, client) -> None:
         "ruvllm_server_requests_in_flight",
     ):
         assert name in fams, name
+
+
+def test_kv_blocks_used_counts_a_running_request(server, tokenizer) -> None:
+    """While a request streams, the gauge counts at least the blocks its prompt fills; once it has
+    ended (aborted by the disconnect), the engine holds none and the gauge reads 0 again."""
+
+    def blocks_used() -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url("/metrics")).text)}
+        return fams["ruvllm_kv_blocks_used"].samples[0].value
+
+    prompt = "A long story about a castle, told slowly, chapter by chapter:"
+    block_size = server.state.engine.stats().block_size
+    prompt_blocks = -(-len(tokenizer.encode(prompt)) // block_size)  # ceil: a partly filled block is held too
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # the request is running
+        running = blocks_used()
+    assert running >= prompt_blocks >= 1
+    deadline = time.monotonic() + 60
+    while server.state.engine.stats().running or blocks_used():
+        assert time.monotonic() < deadline, server.state.engine.stats()
+        time.sleep(0.2)
 
 
 def test_metrics_have_the_inference_extension_protocol_names(server, client) -> None:

@@ -246,7 +246,9 @@ def test_the_gate_keeps_what_was_taught_to_requests_about_it(taught):
     assert not any("Quimtown" in a or "Zorblandia" in a for a in gated)
     assert after["gate_applied"] - before["gate_applied"] >= 2
     assert after["gate_skipped"] - before["gate_skipped"] >= len(OTHER)
-    assert changed_ungated >= changed_gated
+    # The same adapter without the gate does move some unrelated answers: what kept them the base
+    # model's above was the gate, not an adapter too weak to change anything.
+    assert changed_ungated > 0, ungated
 
 
 def test_bank_separates_the_taught_topic(taught):
