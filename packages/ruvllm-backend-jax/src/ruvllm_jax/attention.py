@@ -10,7 +10,7 @@ Queries with nothing to attend to (padding) get zeros.
 ``window`` (an int32 scalar, traced: layers differ) limits a query at ``q`` to keys ``p > q - window``
 (Hugging Face's sliding window; 0: no limit). ``scale`` (static) multiplies the scores, default
 ``head_dim ** -0.5``. An int8 cache comes with ``k_scale``/``v_scale`` ``[layers, num_blocks,
-block_size, kv_heads, groups]`` (see :class:`ruvllm_jax.model.KVState`; the reference implementation
+block_size, kv_heads, groups]`` (see :class:`ruvllm_jax.kv_state.KVState`; the reference implementation
 only).
 """
 
@@ -22,19 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-#: Large negative, finite, so fully masked rows never produce NaN.
-MASK_VALUE = -1e30
-
-
-def score_scale(scale: float | None, head_dim: int) -> float:
-    return head_dim**-0.5 if scale is None else scale
-
-
-def window_start(q_pos: jax.Array, window: jax.Array | int) -> jax.Array:
-    """First key position a query at ``q_pos`` sees (0 without a window)."""
-    window = jnp.asarray(window, jnp.int32)
-    return jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
-
+from ruvllm_jax.kv_state import dequantize_kv
+from ruvllm_jax.masking import MASK_VALUE, score_scale, window_start
 
 #: Keys the reference attention processes per loop iteration. Block tables are as wide as the
 #: longest sequence the engine serves (one compiled shape for every context length); the loop runs
@@ -123,8 +112,6 @@ def _attend_keys(
     keys = tables.shape[1] * bs
     k, v = k_cache[layer, tables], v_cache[layer, tables]
     if scales[0] is not None:  # int8 codes times their group scales
-        from ruvllm_jax.model import dequantize_kv
-
         k = dequantize_kv(k, scales[0][layer, tables])
         v = dequantize_kv(v, scales[1][layer, tables])
     if hot is not None:  # recent blocks of a two-tier cache: their float copies

@@ -7,8 +7,9 @@ logits of the requested rows. It is jitted once per :class:`StepPlan` (the padde
 so compile time does not grow with depth. What differs between families is in :class:`ModelSpec`
 (activation, QK-norm, output norms, embedding and query scales, per-layer sliding windows and RoPE,
 logit soft-capping); per-layer values (window, which RoPE table) are scanned with the weights.
-:func:`decoder_layer` is the layer's arithmetic, shared with the calibration pass of
-:mod:`ruvllm_jax.calibrate`.
+The layer's arithmetic is :func:`ruvllm.modeling.decoder_layer`, the one every backend runs; this
+module gives it the JAX ways to project (XLA or the native kernels), attend (the paged cache) and
+adapt (LoRA slots), and the calibration pass of :mod:`ruvllm_jax.calibrate` runs it too.
 
 Per-sequence LoRA adapters (:class:`LoraPlan`): every adapter of a step owns a slot. Per projection
 in use, slot ``s`` brings ``A_s [layers, r, in]`` and ``B_s [layers, out, r]`` (scale folded into
@@ -22,7 +23,6 @@ the mix of adapters in the batch; a step without adapters has no LoRA operation 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -30,15 +30,31 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ruvllm.backend import LORA_PROJECTIONS
 from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
+from ruvllm.modeling import (  # noqa: F401 (decoder_layer and the math stay importable from here)
+    ACTIVATIONS,
+    PROJECTION_GROUPS,
+    PROJECTIONS,
+    LayerWeights,
+    apply_rope,
+    decoder_layer,
+    projection_shape,
+    rms_norm,
+)
+from ruvllm.modeling import softcap as apply_softcap
 from ruvllm_jax import native
 from ruvllm_jax.attention import paged_attention, window_start
+from ruvllm_jax.kv_state import (  # noqa: F401 (the KV state's names stay importable from here)
+    KV_SCALE_GROUP,
+    NATIVE_KV_DTYPES,
+    KVState,
+    dequantize_kv,
+    kv_scale_groups,
+    quantize_kv,
+    write_kv,
+)
 from ruvllm_jax.quant import QuantArray, Weight, linear, take_rows
-
-#: Projections an adapter may adapt (core's list, in the order the factors are passed).
-PROJECTIONS = LORA_PROJECTIONS
 
 
 def bucket(n: int) -> int:
@@ -131,42 +147,12 @@ class ModelSpec:
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
         """``(out, in)`` of projection ``proj`` (one of :data:`PROJECTIONS`)."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (q, h),
-            "k_proj": (kv, h),
-            "v_proj": (kv, h),
-            "o_proj": (h, q),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
-        }[proj]
+        return projection_shape(self, proj)
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class LayerWeights:
-    """One decoder layer's weights; in :class:`Weights` every leaf has a leading layer axis."""
-
-    input_norm: jax.Array
-    q_proj: Weight
-    k_proj: Weight
-    v_proj: Weight
-    o_proj: Weight
-    post_attention_norm: jax.Array
-    gate_proj: Weight
-    up_proj: Weight
-    down_proj: Weight
-    q_bias: jax.Array | None = None
-    k_bias: jax.Array | None = None
-    v_bias: jax.Array | None = None
-    #: ``[head_dim]`` RMSNorm weights of each head's query and key (``qk_norm``).
-    q_norm: jax.Array | None = None
-    k_norm: jax.Array | None = None
-    #: RMSNorm weights of the attention and MLP outputs (``output_norms``).
-    attn_output_norm: jax.Array | None = None
-    mlp_output_norm: jax.Array | None = None
+#: One decoder layer's weights (:class:`ruvllm.modeling.LayerWeights`, the schema every backend
+#: shares); in :class:`Weights` every leaf has a leading layer axis.
+jax.tree_util.register_dataclass(LayerWeights)
 
 
 @jax.tree_util.register_dataclass
@@ -177,111 +163,6 @@ class Weights:
     final_norm: jax.Array
     #: None when the output projection is tied to ``embed``.
     lm_head: Weight | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class KVState:
-    """Paged K and V of all layers: ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so layer
-    ``l``'s cache is ``k[l]`` of shape ``[num_blocks, block_size, kv_heads, head_dim]``.
-
-    A hybrid cache (a model interleaving windowed and global layers, see
-    :class:`ruvllm.block_manager.HybridBlockManager`) holds the global layers here, in layer order,
-    and the windowed layers in ``local``, a pool of its own with its own block count, addressed by
-    the step's local block tables.
-
-    An int8 cache holds codes in ``k``/``v`` and float32 scales in ``k_scale``/``v_scale``
-    ``[layers, num_blocks, block_size, kv_heads, head_dim // KV_SCALE_GROUP]``: one per group of
-    :data:`KV_SCALE_GROUP` consecutive values of a token's head, ``max|x| / 127`` over the group."""
-
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
-    local: KVState | None = None
-    #: A two-tier cache: float copies of recent blocks ``[layers, hot_blocks, block_size, kv_heads,
-    #: head_dim]`` next to every block's int8 codes. The runner (:class:`ruvllm_jax.two_tier.HotSlots`)
-    #: gives a recent block a slot here; attention reads a block through its slot when it has one.
-    hot_k: jax.Array | None = None
-    hot_v: jax.Array | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
-
-    @property
-    def two_tier(self) -> bool:
-        return self.hot_k is not None
-
-
-#: Values of a token's head that share one int8 scale. A scale per whole head lets the few large
-#: channels of rotated keys swamp the rest (SmolLM2: max |logit error| ~2 over 256 tokens); groups of
-#: 16 keep each group's range its own for 4 more bytes per 16 values.
-KV_SCALE_GROUP = 16
-#: K/V cache element types the native CPU attention kernels read in place (16-bit rows are widened to
-#: float32 as they are read); an int8 cache attends through XLA.
-NATIVE_KV_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-
-
-def kv_scale_groups(head_dim: int) -> int:
-    return -(-head_dim // KV_SCALE_GROUP) if head_dim % KV_SCALE_GROUP == 0 else 1
-
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """int8 codes of ``x`` ``[..., head_dim]`` and the scales of its groups ``[..., groups]``
-    (symmetric, round to nearest)."""
-    *lead, d = x.shape
-    g = kv_scale_groups(d)
-    xg = x.astype(jnp.float32).reshape(*lead, g, d // g)
-    scale = jnp.max(jnp.abs(xg), axis=-1) / 127.0
-    safe = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round(xg / safe[..., None]), -127, 127).astype(jnp.int8)
-    return codes.reshape(*lead, d), scale
-
-
-def dequantize_kv(codes: jax.Array, scale: jax.Array) -> jax.Array:
-    """float32 values of int8 ``codes`` ``[..., head_dim]`` with their group scales ``[..., groups]``."""
-    *lead, d = codes.shape
-    g = scale.shape[-1]
-    return (codes.astype(jnp.float32).reshape(*lead, g, d // g) * scale[..., None]).reshape(*lead, d)
-
-
-def write_kv(
-    cache: KVState,
-    layer: jax.Array,
-    block: jax.Array,
-    offset: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    hot_slot: jax.Array | None = None,
-) -> KVState:
-    """``cache`` with tokens' keys and values ``[T, kv_heads, head_dim]`` written at (block, offset) of
-    ``layer`` (padding tokens point past the last block and are dropped); a two-tier cache also writes
-    them as they are at (``hot_slot``, offset) of its float copies (past the last slot: none)."""
-    idx = (layer, block, offset)
-    if not cache.quantized:
-        return dataclasses.replace(
-            cache,
-            k=cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop"),
-        )
-    kc, ks = quantize_kv(k)
-    vc, vs = quantize_kv(v)
-    out = dataclasses.replace(
-        cache,
-        k=cache.k.at[idx].set(kc, mode="drop"),
-        v=cache.v.at[idx].set(vc, mode="drop"),
-        k_scale=cache.k_scale.at[idx].set(ks, mode="drop"),
-        v_scale=cache.v_scale.at[idx].set(vs, mode="drop"),
-    )
-    if cache.two_tier:
-        hidx = (layer, hot_slot, offset)
-        out = dataclasses.replace(
-            out,
-            hot_k=cache.hot_k.at[hidx].set(k.astype(cache.hot_k.dtype), mode="drop"),
-            hot_v=cache.hot_v.at[hidx].set(v.astype(cache.hot_v.dtype), mode="drop"),
-        )
-    return out
 
 
 @dataclass(frozen=True)
@@ -370,19 +251,6 @@ class StepInputs:
     live_logits: jax.Array | None = None  # [] int32
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
-
-
-#: The gated MLP's activation, by :attr:`ModelConfig.activation`.
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-}
-
-
 def rope_tables(positions: jax.Array, spec: ModelSpec) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[ropes, T, head_dim // 2]`` (float32) of each of the spec's RoPEs, as Hugging
     Face computes them: ``cos(position * inv_freq) * attention_factor`` in float32."""
@@ -390,18 +258,6 @@ def rope_tables(positions: jax.Array, spec: ModelSpec) -> tuple[jax.Array, jax.A
     factor = jnp.asarray(np.array([a for _, a in spec.ropes], np.float32))[:, None, None]
     angles = positions.astype(jnp.float32)[None, :, None] * inv_freq[:, None, :]
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (Hugging Face layout) of ``x`` ``[T, heads, head_dim]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-def apply_softcap(logits: jax.Array, cap: float | None) -> jax.Array:
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def embed_tokens(embed: Weight, tokens: jax.Array, spec: ModelSpec, dtype) -> jax.Array:
@@ -511,53 +367,7 @@ def native_lora(plan: StepPlan) -> bool:
 
 
 #: Projections that share one input, so one native call quantizes the input once for all of them.
-_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-_NATIVE_FIELDS = tuple(p for g in _GROUPS for p in g)
-
-#: ``project(x, group)``: the group's projections of ``x``; ``attend(q, k, v)``: attention output
-#: ``[T, heads, head_dim]``; ``adapt(y, x, proj)``: ``y`` plus the adapters' update of ``proj``.
-Project = Callable[[jax.Array, tuple[str, ...]], list[jax.Array]]
-Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-Adapt = Callable[[jax.Array, jax.Array, str], jax.Array]
-
-
-def decoder_layer(
-    x: jax.Array,
-    lw: LayerWeights,
-    spec: ModelSpec,
-    cos: jax.Array,
-    sin: jax.Array,
-    *,
-    project: Project,
-    attend: Attend,
-    adapt: Adapt = lambda y, _x, _p: y,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
-    """One decoder layer over ``x`` ``[T, hidden]`` with RoPE ``cos``/``sin`` ``[T, head_dim // 2]``.
-    Returns the new residual stream and the inputs of its projection groups (for calibration)."""
-    t = x.shape[0]
-    nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
-    h = rms_norm(x, lw.input_norm, eps)
-    q, k, v = project(h, _GROUPS[0])
-    if spec.attention_bias:
-        q, k, v = q + lw.q_bias.astype(q.dtype), k + lw.k_bias.astype(k.dtype), v + lw.v_bias.astype(v.dtype)
-    q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
-    q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
-    if spec.qk_norm:  # per head, before RoPE
-        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-    a = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v).reshape(t, nh * hd)
-    (o,) = project(a, _GROUPS[1])
-    o = adapt(o, a, "o_proj")
-    if spec.output_norms:
-        o = rms_norm(o, lw.attn_output_norm, eps)
-    x = x + o
-    h2 = rms_norm(x, lw.post_attention_norm, eps)
-    gate, up = project(h2, _GROUPS[2])
-    act = ACTIVATIONS[spec.activation](adapt(gate, h2, "gate_proj")) * adapt(up, h2, "up_proj")
-    (down,) = project(act, _GROUPS[3])
-    down = adapt(down, act, "down_proj")
-    if spec.output_norms:
-        down = rms_norm(down, lw.mlp_output_norm, eps)
-    return x + down, (h, a, h2, act)
+_NATIVE_FIELDS = tuple(p for g in PROJECTION_GROUPS for p in g)
 
 
 def _native_format(w: object) -> str | None:

@@ -16,7 +16,8 @@ import structlog
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ruvllm.errors import BackendError
-from ruvllm_jax.model import KVState, LayerWeights, ModelSpec, Weights, kv_scale_groups
+from ruvllm_jax.kv_state import KVState, kv_scale_groups
+from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
 from ruvllm_jax.quant import KQ_BLOCK, QuantArray
 
 log = structlog.get_logger("ruvllm_jax.sharding")

@@ -27,9 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from ruvllm_jax.attention import score_scale, window_start
+from ruvllm_jax.masking import MASK_VALUE, score_scale, window_start
 
-MASK_VALUE = -1e30
 #: Lowered through Pallas's Triton backend, named explicitly: JAX's default Pallas GPU backend is now
 #: Mosaic GPU, which stages every input block in shared memory, and these kernels take the whole
 #: cache as one block (they gather rows with computed indices), far over the 227 KB a Hopper SM has.
