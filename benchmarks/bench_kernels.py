@@ -35,7 +35,9 @@ from provenance import cpu_summary
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE_REL = "packages/ruvllm-backend-jax/src/ruvllm_jax/native"
 NATIVE = ROOT / NATIVE_REL
-SOURCES = ("cpu_kernels_variant.cc", "cpu_kernels.h", "cpu_kernels_neon.inc")
+#: The variant's translation unit; it includes the other kernel sources (headers and .inc bodies), which
+#: differ between commits, so a ref's are taken as its tree lists them.
+VARIANT_SOURCE = "cpu_kernels_variant.cc"
 
 #: (name, bits, rows N, inputs K, k-quant, most activation rows timed): Gemma-3-270M Q4_K_M's matrices, and
 #: SmolLM2's Q4_1 gate/up.
@@ -67,7 +69,13 @@ def source_tree(ref: str | None, into: Path) -> Path:
     if ref is None:
         return NATIVE
     into.mkdir(parents=True)
-    for name in SOURCES:
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:{NATIVE_REL}"], capture_output=True, text=True
+    )
+    if listed.returncode != 0:
+        raise SystemExit(f"--base {ref}: no {NATIVE_REL} there ({listed.stderr.strip()})")
+    names = [n for n in listed.stdout.split() if n.startswith("cpu_kernels") and n.endswith((".cc", ".h", ".inc"))]
+    for name in names:
         shown = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{ref}:{NATIVE_REL}/{name}"], capture_output=True, check=False
         )
@@ -82,7 +90,7 @@ def build(cxx: str, work: Path, builds: list[tuple[str, Path, list[str]]], commo
 
     def one(label: str, src: Path, flags: list[str]) -> Path:
         obj = work / f"{label}.o"
-        cmd = [cxx, *common, *flags, f"-I{src}", f"-DRUVLLM_VARIANT={label}", "-c", str(src / SOURCES[0])]
+        cmd = [cxx, *common, *flags, f"-I{src}", f"-DRUVLLM_VARIANT={label}", "-c", str(src / VARIANT_SOURCE)]
         cmd += ["-o", str(obj)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
