@@ -3,9 +3,10 @@
 References:
 * transformers' tokenizer built from the same GGUF file (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``).
 * llama.cpp's pre-tokenizer semantics for SmolLM2 (``tokenizer.ggml.pre = "smollm"``), re-implemented
-  below with the ``regex`` module: split off control tokens, isolate every ``\\p{N}`` character, split
-  each piece with the GPT-2 pattern, map bytes to GPT-2's printable alphabet and run transformers' BPE
-  model on each word.
+  below: split off control tokens, isolate every ``\\p{N}`` character (the ``regex`` module), split
+  each piece into GPT-2's words in GPT-2's byte alphabet as the ``tokenizers`` library does it (its
+  own ``ByteLevel`` pre-tokenizer, not ruvllm's copy of the pattern) and run transformers' BPE model
+  on each word.
 
 transformers' GGUF converter does not know the "smollm" pre-tokenizer: it falls back to plain GPT-2
 byte-level splitting without SmolLM2's individual-digit step. The vocabulary has no multi-digit
@@ -24,6 +25,7 @@ import _tokenizer_fixtures
 import pytest
 import regex
 import structlog
+from tokenizers import pre_tokenizers
 
 from ruvllm.errors import ModelFormatError, RequestError
 from ruvllm.tokenizer import Tokenizer
@@ -64,20 +66,8 @@ HAND_CHECKED = {
     "x = [1,  2,   3]\n  42": ["x", "Ġ=", "Ġ[", "1", ",", "ĠĠ", "2", ",", "ĠĠĠ", "3", "]", "ĊĠĠ", "4", "2"],
 }
 
-_GPT2_WORDS = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the others
-    take the characters from U+0100 on, in byte order."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    for n, b in enumerate(b for b in range(256) if b not in table):
-        table[b] = chr(0x100 + n)
-    return table
-
-
-_BYTES = _byte_alphabet()
+#: GPT-2's word splitting and byte alphabet, as the ``tokenizers`` library implements them.
+_GPT2_BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +81,8 @@ def llama_cpp_reference(smollm2_checkpoint, hf_smollm2_tokenizer):
     def plain(text: str) -> list[int]:
         ids = []
         for piece in regex.split(r"(\p{N})", text):
-            for word in _GPT2_WORDS.findall(piece):
-                ids += [t.id for t in bpe.tokenize("".join(_BYTES[b] for b in word.encode("utf-8")))]
+            for word, _ in _GPT2_BYTE_LEVEL.pre_tokenize_str(piece):
+                ids += [t.id for t in bpe.tokenize(word)]
         return ids
 
     def encode(text: str) -> list[int]:
@@ -137,14 +127,16 @@ def test_decode_round_trips(smollm2_tokenizer, hf_smollm2_tokenizer, text):
 
 
 def test_special_tokens_and_properties(smollm2_tokenizer, hf_smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    assert tok.encode("<|im_start|>") == [1]
-    assert tok.encode("<|im_start|>", add_special_tokens=False) == [1]  # SmolLM2 adds no BOS on its own
-    assert tok.vocab_size == len(hf_smollm2_tokenizer) == 49152
-    assert tok.bos_token_id == hf_smollm2_tokenizer.bos_token_id == 1
-    assert tok.eos_token_ids == (hf_smollm2_tokenizer.eos_token_id,) == (2,)
-    assert tok.id_to_token(2) == "<|im_end|>"
-    assert tok.id_to_token(905) == hf_smollm2_tokenizer.convert_ids_to_tokens(905) == "Ġworld"
+    tok, hf = smollm2_tokenizer, hf_smollm2_tokenizer
+    im_start = hf.convert_tokens_to_ids("<|im_start|>")
+    assert tok.encode("<|im_start|>") == hf.encode("<|im_start|>") == [im_start]  # SmolLM2 adds no BOS
+    assert tok.encode("<|im_start|>", add_special_tokens=False) == [im_start]
+    assert tok.vocab_size == len(hf)
+    assert tok.bos_token_id == hf.bos_token_id
+    assert tok.eos_token_ids == (hf.eos_token_id,)
+    assert tok.id_to_token(hf.eos_token_id) == hf.eos_token
+    world = hf.convert_tokens_to_ids("Ġworld")
+    assert world != hf.unk_token_id and tok.id_to_token(world) == "Ġworld"
 
 
 def test_bad_input_raises_request_error(smollm2_tokenizer):
@@ -194,7 +186,8 @@ def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(smollm2_checkpo
         structlog.configure(**saved)
     assert any(e["log_level"] == "warning" and e.get("pre") == "mystery-bpe" for e in logs)
     pieces = [p for p, _ in tok.inner.pre_tokenizer.pre_tokenize_str("a  12 b")]
-    assert pieces == ["a", "Ġ", "Ġ12", "Ġb"]  # plain GPT-2: digits stay together with their space
+    # Plain GPT-2 as the tokenizers library splits it: digits stay together with their space.
+    assert pieces == [p for p, _ in _GPT2_BYTE_LEVEL.pre_tokenize_str("a  12 b")] == ["a", "Ġ", "Ġ12", "Ġb"]
 
 
 @pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
@@ -223,7 +216,8 @@ def test_from_hf_dir_reads_a_saved_transformers_tokenizer(hf_smollm2_tokenizer, 
     tok = Tokenizer.from_hf_dir(tmp_path)
     for text in TEXTS:  # tokenizer.json carries transformers' own pre-tokenizer, divergent texts included
         assert tok.encode(text) == hf_smollm2_tokenizer.encode(text), text
-    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
+    assert tok.bos_token_id == hf_smollm2_tokenizer.bos_token_id
+    assert tok.eos_token_ids == (hf_smollm2_tokenizer.eos_token_id,)
     messages = [{"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(messages) == hf_smollm2_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
@@ -237,7 +231,7 @@ def test_from_hf_dir_honours_add_bos_token(hf_smollm2_tokenizer, tmp_path):
     config["add_bos_token"] = True
     config_file.write_text(json.dumps(config))
     tok = Tokenizer.from_hf_dir(tmp_path, chat_template="{{ messages[0]['content'] }}")
-    assert tok.encode("Hi") == [1, *hf_smollm2_tokenizer.encode("Hi")]
+    assert tok.encode("Hi") == [hf_smollm2_tokenizer.bos_token_id, *hf_smollm2_tokenizer.encode("Hi")]
     assert tok.encode("Hi", add_special_tokens=False) == hf_smollm2_tokenizer.encode("Hi")
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "Hi"
 
