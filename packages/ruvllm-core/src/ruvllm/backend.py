@@ -25,6 +25,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ruvllm.checkpoint import Checkpoint
+    from ruvllm.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,17 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 #: Projections an adapter may adapt, in Hugging Face naming.
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+#: Block-table entry (``SequenceChunk.local_block_table``) of a block the sequence no longer holds: it
+#: fell out of the sliding window. Backends never read through it.
+NO_BLOCK = -1
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, bytes_per_value: int = 4) -> int:
+    """Bytes of keys plus values of one block across all layers, stored densely with
+    ``bytes_per_value`` bytes each (float32 unless told): what a backend keeping plain floats reports
+    from :meth:`BackendModel.kv_block_bytes`, and the engine's size when none is given."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * bytes_per_value
 
 
 class LoraAdapter(Protocol):
@@ -316,9 +328,7 @@ class BackendModel(Protocol):
     def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
         """Bytes one block of the cache :meth:`kv_cache` allocates with ``options`` takes (the engine
         sizes the cache from it). A cache that also holds a fixed part (the JAX backend's two-tier
-        float slots) may say so with an optional ``kv_reserve(block_size, options, max_num_seqs) ->
-        (bytes, extra_options)``: the engine takes the bytes off its budget before counting blocks and
-        passes the extra options to :meth:`kv_cache`."""
+        float slots) says so through :class:`ReservesKV`."""
         ...
 
     def precompile(
@@ -332,6 +342,58 @@ class BackendModel(Protocol):
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         """Run one step over a ragged ``batch``, reading and writing ``cache`` (see the module doc)."""
         ...
+
+
+# -- optional features of a BackendModel ---------------------------------------------------------------
+# A model has these or not; core checks with ``isinstance(model, ReservesKV)`` (never by probing names)
+# and a model without one gets the default each documents.
+
+
+@runtime_checkable
+class ReservesKV(Protocol):
+    """A KV cache that holds a fixed part besides its blocks (the JAX backend's two-tier float slots).
+    Without it: nothing reserved, no extra options."""
+
+    def kv_reserve(self, block_size: int, options: dict[str, Any], max_num_seqs: int) -> tuple[int, dict[str, Any]]:
+        """Bytes a cache of ``options`` holds besides its blocks for an engine of ``max_num_seqs``
+        sequences, and the extra options :meth:`BackendModel.kv_cache` then takes: the engine takes
+        the bytes off its budget before counting blocks."""
+        ...
+
+
+@runtime_checkable
+class ReportsHealth(Protocol):
+    """A model that can stop being able to run steps (a process of its group is gone). Without it:
+    always healthy."""
+
+    def health(self) -> str | None:
+        """Why the model can no longer run steps, or None."""
+        ...
+
+
+@runtime_checkable
+class ReportsDeviceMemory(Protocol):
+    """A model on a device with memory of its own (a GPU). Without it: the host's memory, which the
+    server sizes the KV cache from by its own default."""
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """``(bytes the model's devices may hold, bytes in use now)``, or None where they say none."""
+        ...
+
+
+@runtime_checkable
+class ReportsWeightBytes(Protocol):
+    """A model that knows what its weights occupy (reported by ``ruvllm benchmark``). Without it:
+    not reported."""
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy where they run."""
+        ...
+
+
+#: The optional features, for documentation and conformance checks.
+OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (ReservesKV, ReportsHealth, ReportsDeviceMemory, ReportsWeightBytes)
 
 
 class Backend(Protocol):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from ruvllm import __version__
-from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.backend import ForwardBatch, ReportsWeightBytes, SequenceChunk
 from ruvllm.engine.config import EngineConfig
 from ruvllm.errors import RuvllmError
 
@@ -262,7 +262,7 @@ def run_benchmark(
         quantization=model.options.quantization,
         dtype=model.options.dtype,
         settings=settings,
-        weight_bytes=_optional_int(getattr(model.model, "weight_bytes", None)),
+        weight_bytes=_optional_int(model.model.weight_bytes if isinstance(model.model, ReportsWeightBytes) else None),
         kv_cache_bytes=_optional_int(getattr(cache, "nbytes", None)),
     )
     for r in range(rounds):

@@ -34,11 +34,10 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from ruvllm.backend import NO_BLOCK  # the table entry of a block that fell out of the window
 from ruvllm.errors import RuvllmError
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
-#: Table entry of a block released because it fell out of the sliding window.
-NO_BLOCK = -1
 
 
 class BlockManagerError(RuvllmError):

@@ -20,6 +20,8 @@ from ruvllm.backend import (
     ForwardBatch,
     ForwardOutput,
     LoadOptions,
+    ReportsHealth,
+    ReservesKV,
     StepLimits,
 )
 from ruvllm.checkpoint import Checkpoint, open_checkpoint
@@ -89,11 +91,10 @@ class LoadedModel:
     def kv_reserve(self, block_size: int, max_num_seqs: int, **options: Any) -> tuple[int, dict[str, Any]]:
         """Bytes a cache of these options holds besides its blocks for an engine of ``max_num_seqs``
         sequences (a two-tier cache's float slots), and the cache options that size it: the
-        backend model's optional ``kv_reserve(block_size, options, max_num_seqs)``; (0, {}) without."""
-        reserve = getattr(self.model, "kv_reserve", None)
-        if reserve is None:
+        backend model's :class:`ruvllm.backend.ReservesKV`; (0, {}) without."""
+        if not isinstance(self.model, ReservesKV):
             return 0, {}
-        nbytes, extra = reserve(block_size, options, max_num_seqs)
+        nbytes, extra = self.model.kv_reserve(block_size, options, max_num_seqs)
         return int(nbytes), dict(extra)
 
     def precompile(
@@ -108,9 +109,8 @@ class LoadedModel:
 
     def health(self) -> str | None:
         """Why the backend model can no longer run steps (a process of its group is gone, say), or
-        None. Backends report it through an optional ``health()`` method of their model."""
-        report = getattr(self.model, "health", None)
-        return report() if report is not None else None
+        None. Backends report it through :class:`ruvllm.backend.ReportsHealth`."""
+        return self.model.health() if isinstance(self.model, ReportsHealth) else None
 
 
 def load_model(

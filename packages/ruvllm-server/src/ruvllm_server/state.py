@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
+from ruvllm.backend import ReportsDeviceMemory
 from ruvllm.errors import RuvllmError
 from ruvllm_server.limits import AdmissionController, TokenBucketLimiter
 from ruvllm_server.metrics import ServerMetrics
@@ -110,15 +111,14 @@ def device_kv_budget(fraction: float, total: int, used: int) -> int:
 
 def kv_memory_budget(settings: ServerSettings, model: LoadedModel) -> int:
     """The KV cache's memory budget: ``kv_cache_memory``; else, on a device that reports its memory
-    (the backend model's ``device_memory()``), ``gpu_memory_utilization`` of it less what is in use;
-    else the host default (:func:`kv_cache_budget`)."""
+    (:class:`ruvllm.backend.ReportsDeviceMemory`), ``gpu_memory_utilization`` of it less what is in
+    use; else the host default (:func:`kv_cache_budget`)."""
     fraction = settings.gpu_memory_utilization
     if settings.kv_cache_memory is not None:
         if fraction is not None:
             raise ServerConfigError("give kv_cache_memory or gpu_memory_utilization, not both")
         return kv_cache_budget(settings.kv_cache_memory)
-    report = getattr(model.model, "device_memory", None)
-    memory = report() if callable(report) else None
+    memory = model.model.device_memory() if isinstance(model.model, ReportsDeviceMemory) else None
     if memory is None:
         if fraction is not None:
             raise ServerConfigError(

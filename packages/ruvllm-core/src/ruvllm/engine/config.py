@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ruvllm.backend import kv_block_bytes  # part of the backend contract; kept importable here
 from ruvllm.block_manager import EVICTION_POLICIES
 from ruvllm.errors import RuvllmError
 from ruvllm.model_config import ModelConfig
@@ -84,11 +85,6 @@ class EngineConfig:
             bad(f"sampling must be one of {', '.join(SAMPLING_PLACES)}, got {self.sampling!r}")
         if self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
-
-
-def kv_block_bytes(config: ModelConfig, block_size: int, bytes_per_value: int = 4) -> int:
-    """Bytes of keys plus values of one block across all layers (float32 unless told)."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * bytes_per_value
 
 
 def default_num_blocks(
