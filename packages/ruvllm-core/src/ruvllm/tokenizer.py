@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 import tokenizers
@@ -28,9 +28,18 @@ from ruvllm.errors import ModelFormatError, RequestError
 if TYPE_CHECKING:
     import jinja2
 
-    from ruvllm.checkpoint import GGUFCheckpoint
-
 log = structlog.get_logger("ruvllm.tokenizer")
+
+
+class GGUFMetadata(Protocol):
+    """What :meth:`Tokenizer.from_gguf` reads of a GGUF file (a :class:`ruvllm.checkpoint.GGUFCheckpoint`
+    is one); the checkpoint module builds tokenizers, so this one names only what it needs of it."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def meta(self, key: str, default: Any = None) -> Any: ...
+
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -101,7 +110,7 @@ class Tokenizer:
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, checkpoint: GGUFCheckpoint) -> Tokenizer:
+    def from_gguf(cls, checkpoint: GGUFMetadata) -> Tokenizer:
         """The tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata, llama.cpp's layout)."""
         where = str(getattr(checkpoint, "path", "GGUF"))
         kind = checkpoint.meta("tokenizer.ggml.model")
