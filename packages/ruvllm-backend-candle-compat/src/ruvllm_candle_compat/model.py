@@ -1,6 +1,7 @@
 """The decoder forward pass of every family in :mod:`ruvllm.architectures` (Llama incl. llama3 RoPE,
-Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2) in NumPy float32 over a paged KV cache. It implements
-the fields of :class:`~ruvllm.model_config.ModelConfig`, never a family by name.
+Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2) in NumPy float32 over a paged KV cache. The layer is
+:func:`ruvllm.modeling.decoder_layer`, the one every backend runs; this module gives it NumPy's ways
+to project (fused BLAS calls), attend (the paged cache) and adapt (``adapter.delta``).
 
 Every token of every chunk in a step goes through the projections and the MLP as one ``[T, hidden]``
 matrix, so the matmuls are a handful of BLAS calls per layer whatever the batch looks like; only
@@ -20,6 +21,20 @@ from ruvllm.backend import Capabilities, ForwardBatch, ForwardOutput, LoadOption
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RequestError
 from ruvllm.model_config import ModelConfig, Rope
+from ruvllm.modeling import (
+    ACTIVATIONS,
+    PROJECTIONS,  # noqa: F401 (importable from here as before)
+    LayerWeights,
+    attention_mask,
+    decoder_layer,
+    group_queries,
+    load_layer,
+    projection_shape,
+    rms_norm,
+    softcap,
+    softmax_,
+    ungroup,
+)
 from ruvllm_candle_compat.kv_cache import (
     ChunkPlan,
     FloatOverlay,
@@ -33,10 +48,6 @@ from ruvllm_candle_compat.kv_cache import (
 #: Most attention scores (floats) one tile holds: long prefills run in query tiles under this bound.
 SCORE_TILE_FLOATS = 1 << 24
 
-#: Projection names an adapter's ``delta(layer, proj, x)`` is asked about, in Hugging Face naming.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x @ w.T`` for ``x [T, in]`` and a C-contiguous ``w [out, in]``, by the faster BLAS call.
 
@@ -48,37 +59,14 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
-def _silu(g: np.ndarray) -> np.ndarray:
-    # g * sigmoid(g), with sigmoid through tanh so large |g| cannot overflow exp.
-    return g * (0.5 + 0.5 * np.tanh(0.5 * g))
-
-
-def _gelu_tanh(g: np.ndarray) -> np.ndarray:
-    # The tanh approximation (PyTorch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh).
-    c = np.float32(np.sqrt(2.0 / np.pi))
-    return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
-
-
-#: The gated MLP's activation by :attr:`ModelConfig.activation`.
-ACTIVATIONS = {"silu": _silu, "gelu_tanh": _gelu_tanh}
-
-
 @dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer, matrices in Hugging Face layout ``[out, in]`` (C-contiguous), fused where
-    they share an input so each is one BLAS call."""
+class FusedLayer:
+    """One decoder layer: the schema's weights (Hugging Face layout ``[out, in]``) where q/k/v and
+    gate/up are views into the fused matrices that share an input, so each group is one BLAS call."""
 
-    attn_norm: np.ndarray  # [hidden]
+    weights: LayerWeights[np.ndarray, np.ndarray]
     qkv: np.ndarray  # [q_dim + 2 * kv_dim, hidden]: q_proj, k_proj, v_proj stacked
-    qkv_bias: np.ndarray | None  # [q_dim + 2 * kv_dim] (Qwen2), else None
-    o: np.ndarray  # [hidden, q_dim]
-    mlp_norm: np.ndarray  # [hidden]
     gate_up: np.ndarray  # [2 * intermediate, hidden]: gate_proj, up_proj stacked
-    down: np.ndarray  # [hidden, intermediate]
-    q_norm: np.ndarray | None = None  # [head_dim] (qk_norm)
-    k_norm: np.ndarray | None = None
-    attn_out_norm: np.ndarray | None = None  # [hidden] (output_norms)
-    mlp_out_norm: np.ndarray | None = None
     window: int = 0  # sliding window (0: every position)
     rope: Rope | None = None  # this layer's rotary embedding
 
@@ -103,7 +91,7 @@ class CandleCompatModel:
         self,
         config: ModelConfig,
         embed: np.ndarray,
-        layers: Sequence[LayerWeights],
+        layers: Sequence[FusedLayer],
         final_norm: np.ndarray,
         lm_head: np.ndarray,
     ) -> None:
@@ -145,43 +133,17 @@ class CandleCompatModel:
                 raise ModelFormatError(f"tensor {name} has shape {t.shape}, the config implies {shape}")
             return t
 
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         layers = []
         for n in range(cfg.num_layers):
-            p = f"model.layers.{n}."
-            q = get(p + "self_attn.q_proj.weight", (q_dim, h))
-            k = get(p + "self_attn.k_proj.weight", (kv_dim, h))
-            v = get(p + "self_attn.v_proj.weight", (kv_dim, h))
-            bias = None
-            if cfg.attention_bias:
-                bias = np.concatenate(
-                    [
-                        get(p + "self_attn.q_proj.bias", (q_dim,)),
-                        get(p + "self_attn.k_proj.bias", (kv_dim,)),
-                        get(p + "self_attn.v_proj.bias", (kv_dim,)),
-                    ]
-                )
-            gate = get(p + "mlp.gate_proj.weight", (i, h))
-            up = get(p + "mlp.up_proj.weight", (i, h))
-            hd = cfg.head_dim
-            layers.append(
-                LayerWeights(
-                    q_norm=get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
-                    k_norm=get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
-                    attn_out_norm=get(p + "attn_output_norm.weight", (h,)) if cfg.output_norms else None,
-                    mlp_out_norm=get(p + "mlp_output_norm.weight", (h,)) if cfg.output_norms else None,
-                    window=cfg.layer_window(n),
-                    rope=cfg.layer_rope(n),
-                    attn_norm=get(p + "input_layernorm.weight", (h,)),
-                    qkv=np.concatenate([q, k, v]),
-                    qkv_bias=bias,
-                    o=get(p + "self_attn.o_proj.weight", (h, q_dim)),
-                    mlp_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                    gate_up=np.concatenate([gate, up]),
-                    down=get(p + "mlp.down_proj.weight", (h, i)),
-                )
-            )
+            lw = LayerWeights(**load_layer(cfg, n, get))
+            # Fused copies of the groups that share an input; the schema's fields become views of them.
+            qkv = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])
+            gate_up = np.concatenate([lw.gate_proj, lw.up_proj])
+            (q_dim, _), (kv_dim, _) = projection_shape(cfg, "q_proj"), projection_shape(cfg, "k_proj")
+            lw.q_proj, lw.k_proj, lw.v_proj = qkv[:q_dim], qkv[q_dim : q_dim + kv_dim], qkv[q_dim + kv_dim :]
+            lw.gate_proj, lw.up_proj = gate_up[: cfg.intermediate_size], gate_up[cfg.intermediate_size :]
+            layers.append(FusedLayer(lw, qkv, gate_up, window=cfg.layer_window(n), rope=cfg.layer_rope(n)))
+        h = cfg.hidden_size
         embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, h))
         model = cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head)
@@ -190,25 +152,14 @@ class CandleCompatModel:
         return model
 
     # -- building blocks ------------------------------------------------------------------------
-    def _rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        var = np.mean(np.square(x), axis=-1, keepdims=True)
-        return x * (1.0 / np.sqrt(var + np.float32(self.config.rms_norm_eps))) * weight
-
     def _rope_tables(self, positions: np.ndarray) -> dict[Rope, tuple[np.ndarray, np.ndarray]]:
-        """cos and sin ``[T, 1, head_dim // 2]`` per rotary embedding (angles in float64: at positions
+        """cos and sin ``[T, head_dim // 2]`` per rotary embedding (angles in float64: at positions
         in the thousands float32 would lose ~1e-3 rad)."""
         tables = {}
         for rope in self._ropes:
             cos, sin = rope.cos_sin(positions, self.config.head_dim)
-            tables[rope] = (cos[:, None, :], sin[:, None, :])
+            tables[rope] = (cos, sin)
         return tables
-
-    @staticmethod
-    def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """Rotate-half RoPE on ``x [T, heads, head_dim]`` (the Hugging Face layout)."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def _attend(self, q: np.ndarray, kv: SequenceKV, start_pos: int, window: int = 0) -> np.ndarray:
         """Causal GQA attention of ``q [n, heads, hd]`` (positions ``start_pos..``) over
@@ -237,37 +188,25 @@ class CandleCompatModel:
         window: int = 0,
     ) -> np.ndarray:
         cfg = self.config
-        n, end = q.shape[0], k.shape[0]
-        kv_heads, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        # Query heads that share a KV head are stacked as rows: [kv_heads, group * n, hd].
-        qg = (
-            (q * np.float32(cfg.attention_scale))
-            .reshape(n, kv_heads, group, hd)
-            .transpose(1, 2, 0, 3)
-            .reshape(kv_heads, -1, hd)
-        )
-        scores = (qg @ k.transpose(1, 2, 0)).reshape(kv_heads, group, n, end)
+        n, end, kv_heads = q.shape[0], k.shape[0], cfg.num_kv_heads
+        qg = group_queries(q, kv_heads, cfg.attention_scale)  # [kv_heads, group * n, hd]
+        scores = (qg @ k.transpose(1, 2, 0)).reshape(kv_heads, -1, n, end)
         # Two-tier cache: queries that precede a block's quantization read its float values instead.
         lo, hi = (0, 0) if overlay is None else (overlay.lo, min(end, overlay.lo + len(overlay.k)))
         use_float = None
         if overlay is not None and hi > lo:
             use_float = np.arange(lo, hi)[None, :] >= overlay.quantized_until[:, None]  # [n, hi - lo]
-            float_scores = (qg @ overlay.k[: hi - lo].transpose(1, 2, 0)).reshape(kv_heads, group, n, hi - lo)
+            float_scores = (qg @ overlay.k[: hi - lo].transpose(1, 2, 0)).reshape(kv_heads, -1, n, hi - lo)
             scores[..., lo:hi] = np.where(use_float, float_scores, scores[..., lo:hi])
-        q_pos = (start_pos + np.arange(n))[:, None]
-        if n > 1:  # a single new token may see every cached position
-            future = np.arange(end)[None, :] > q_pos
-            scores[..., future] = -np.inf
-        if window and start_pos + n - window > 0:  # keys at or before q - window are out of its window
-            scores[..., np.arange(end)[None, :] <= q_pos - window] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out = scores.reshape(kv_heads, group * n, end) @ v.transpose(1, 0, 2)
+        masked = attention_mask(n, end, start_pos, window)
+        if masked is not None:
+            scores[..., masked] = -np.inf
+        softmax_(scores)
+        out = scores.reshape(kv_heads, qg.shape[1], end) @ v.transpose(1, 0, 2)
         if overlay is not None and use_float is not None:
-            float_probs = (scores[..., lo:hi] * use_float).reshape(kv_heads, group * n, hi - lo)
+            float_probs = (scores[..., lo:hi] * use_float).reshape(kv_heads, qg.shape[1], hi - lo)
             out += float_probs @ (overlay.v[: hi - lo] - v[lo:hi]).transpose(1, 0, 2)
-        return out.reshape(kv_heads, group, n, hd).transpose(2, 0, 1, 3).reshape(n, -1)
+        return ungroup(out, n)
 
     # -- the forward step -----------------------------------------------------------------------
     def _plan(self, batch: ForwardBatch, cache: KVCache, local: bool = False) -> list[ChunkPlan]:
@@ -322,25 +261,22 @@ class CandleCompatModel:
         return plans
 
     @staticmethod
-    def _add_deltas(
-        plans: Sequence[ChunkPlan], layer: int, y: np.ndarray, x: np.ndarray, projs: Sequence[tuple[str, int, int]]
-    ) -> None:
-        """Add each adapter's low-rank output for ``projs`` (name, column range in ``y``) to its rows."""
+    def _add_delta(plans: Sequence[ChunkPlan], layer: int, proj: str, y: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """``y`` (projection ``proj``'s output for input ``x``) plus each adapter's low-rank update on its
+        own rows, added in place."""
         for plan in plans:
-            if plan.adapter is None:
-                continue
             x_rows = x[plan.rows]
-            for proj, lo, hi in projs:
-                delta = plan.adapter.delta(layer, proj, x_rows)
-                if delta is None:
-                    continue
-                delta = np.asarray(delta, dtype=np.float32)
-                if delta.shape != (x_rows.shape[0], hi - lo):
-                    raise BackendError(
-                        f"adapter delta for layer {layer} {proj} has shape {delta.shape}, "
-                        f"expected {(x_rows.shape[0], hi - lo)}"
-                    )
-                y[plan.rows, lo:hi] += delta
+            delta = plan.adapter.delta(layer, proj, x_rows)
+            if delta is None:
+                continue
+            delta = np.asarray(delta, dtype=np.float32)
+            if delta.shape != (x_rows.shape[0], y.shape[1]):
+                raise BackendError(
+                    f"adapter delta for layer {layer} {proj} has shape {delta.shape}, "
+                    f"expected {(x_rows.shape[0], y.shape[1])}"
+                )
+            y[plan.rows] += delta
+        return y
 
     def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> KVCache:
         """Options: ``quantize_old`` (``"int8"`` / ``"int4"``: the two-tier cache), ``recent_blocks``
@@ -378,65 +314,39 @@ class CandleCompatModel:
         tokens = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in batch.chunks])
         positions = np.concatenate([np.arange(p.start_pos, p.start_pos + (p.rows.stop - p.rows.start)) for p in plans])
         rope_tables = self._rope_tables(positions)
-        n_tok = len(tokens)
         q_dim, kv_dim, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        qkv_cols = (
-            ("q_proj", 0, q_dim),
-            ("k_proj", q_dim, q_dim + kv_dim),
-            ("v_proj", q_dim + kv_dim, q_dim + 2 * kv_dim),
-        )
-        mlp_cols = (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
-        kv_shape = (-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = np.empty((len(tokens), q_dim), np.float32)  # every layer's attention output, in turn
 
         x = self.embed[tokens]
         if cfg.embedding_scale != 1.0:
             x = x * np.float32(cfg.embedding_scale)
-        attn = np.empty((n_tok, q_dim), np.float32)
         for li, layer in enumerate(self.layers):
+            def project(h: np.ndarray, group: tuple[str, ...], layer: FusedLayer = layer) -> list[np.ndarray]:
+                if group[0] == "q_proj":
+                    qkv = linear(h, layer.qkv)
+                    return [qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]]
+                if group[0] == "gate_proj":
+                    gate_up = linear(h, layer.gate_up)
+                    return [gate_up[:, :inter], gate_up[:, inter:]]
+                return [linear(h, getattr(layer.weights, group[0]))]
+
+            def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, li: int = li, window: int = layer.window):
+                for plan in local_plans if cache.is_local[li] else plans:
+                    seq_kv = cache.store_and_read(li, plan, k[plan.rows], v[plan.rows])
+                    attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos, window)
+                return attn
+
+            def adapt(y: np.ndarray, y_in: np.ndarray, proj: str, li: int = li) -> np.ndarray:
+                return self._add_delta(with_adapters, li, proj, y, y_in) if with_adapters else y
+
             cos, sin = rope_tables[layer.rope or cfg.global_rope]
-            h = self._rms_norm(x, layer.attn_norm)
-            qkv = linear(h, layer.qkv)
-            if layer.qkv_bias is not None:
-                qkv += layer.qkv_bias
-            if with_adapters:
-                self._add_deltas(with_adapters, li, qkv, h, qkv_cols)
-            q = qkv[:, :q_dim].reshape(n_tok, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_dim : q_dim + kv_dim].reshape(kv_shape)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            v = qkv[:, q_dim + kv_dim :].reshape(kv_shape)
-            for plan in local_plans if cache.is_local[li] else plans:
-                seq_kv = cache.store_and_read(li, plan, k[plan.rows], v[plan.rows])
-                attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos, layer.window)
-            o = linear(attn, layer.o)
-            if with_adapters:
-                self._add_deltas(with_adapters, li, o, attn, (("o_proj", 0, cfg.hidden_size),))
-            if layer.attn_out_norm is not None:
-                o = self._rms_norm(o, layer.attn_out_norm)
-            x += o
+            x, _ = decoder_layer(x, layer.weights, cfg, cos, sin, project=project, attend=attend, adapt=adapt)
 
-            h = self._rms_norm(x, layer.mlp_norm)
-            gate_up = linear(h, layer.gate_up)
-            if with_adapters:
-                self._add_deltas(with_adapters, li, gate_up, h, mlp_cols)
-            act = ACTIVATIONS[cfg.activation](gate_up[:, :inter]) * gate_up[:, inter:]
-            down = linear(act, layer.down)
-            if with_adapters:
-                self._add_deltas(with_adapters, li, down, act, (("down_proj", 0, cfg.hidden_size),))
-            if layer.mlp_out_norm is not None:
-                down = self._rms_norm(down, layer.mlp_out_norm)
-            x += down
-
-        x = self._rms_norm(x, self.final_norm)
+        x = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return self._outputs(batch.chunks, plans, x)
 
     def _head(self, x: np.ndarray) -> np.ndarray:
-        logits = linear(x, self.lm_head)
-        cap = self.config.final_logit_softcap
-        if cap:
-            logits = (np.float32(cap) * np.tanh(logits / np.float32(cap))).astype(np.float32)
-        return logits
+        return softcap(linear(x, self.lm_head), self.config.final_logit_softcap)
 
     def _outputs(self, chunks: Sequence[SequenceChunk], plans: Sequence[ChunkPlan], x: np.ndarray) -> ForwardOutput:
         pairs = list(enumerate(zip(chunks, plans, strict=True)))

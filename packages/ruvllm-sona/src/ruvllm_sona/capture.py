@@ -115,7 +115,7 @@ def capture_trajectory(
         dh = model.mlp_backward(lt, dr_out, entries)
         dh_rows = dh[rows]
         li = lt.layer
-        da_rows = dh_rows @ model.layers[li].w["o_proj"].T
+        da_rows = dh_rows @ model.weight(li, "o_proj")
         fo = entries.get((li, "o_proj"))
         if fo is not None:
             da_rows += ((dh_rows @ fo.B) * np.float32(fo.scale)) @ fo.A

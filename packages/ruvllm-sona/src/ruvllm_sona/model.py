@@ -1,5 +1,10 @@
 """SONA's own differentiable NumPy Llama: forward and hand-written backward with LoRA factors.
 
+The forward is :func:`ruvllm.modeling.decoder_layer`, the layer every backend runs, given NumPy ways to
+project (with the LoRA factors) and attend (keeping the probabilities); the backward reuses the
+activations that layer records. (Differentiating the JAX backend's jitted layer instead would tie SONA
+to one backend and recompile per trajectory length.)
+
 Backends run the serving forward pass and apply adapters through ``adapter.delta``; they expose no
 intermediate activations (and skip prefix-cached positions entirely). To get exact gradients SONA
 recomputes what it needs from the checkpoint's weights: the residual stream entering the adapted
@@ -20,10 +25,25 @@ import numpy as np
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.model_config import ModelConfig
+from ruvllm.modeling import (
+    PROJECTIONS,
+    LayerWeights,
+    apply_rope_transpose,
+    attention_mask,
+    decoder_layer,
+    grouped_attention,
+    inv_rms,
+    load_layer,
+    log_softmax,
+    projection_shape,
+    rms_norm,
+    rms_norm_backward,
+    silu,
+    silu_grad,
+)
 from ruvllm_sona.errors import SonaError
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+__all__ = ["PROJECTIONS", "LayerTape", "LoraFactors", "LoraLlama", "TailTape", "log_softmax"]
 
 
 @dataclass(frozen=True)
@@ -44,16 +64,6 @@ LoraParams = Mapping[tuple[int, str], LoraFactors]
 LoraGrads = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 #: (layer, projection) -> (input rows x, output gradient dy) seen by a backward pass.
 Taps = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer; matrices ``[in, out]`` so a projection is ``x @ W``."""
-
-    attn_norm: np.ndarray
-    mlp_norm: np.ndarray
-    w: Mapping[str, np.ndarray]  # projection name -> [in, out]
-    bias: Mapping[str, np.ndarray]  # q/k/v biases (Qwen2), else empty
 
 
 @dataclass
@@ -91,27 +101,15 @@ def lora_factor_grads(f: LoraFactors, x: np.ndarray, dy: np.ndarray) -> tuple[np
     return ((dy @ f.B) * s).T @ x, (dy.T @ (x @ f.A.T)) * s
 
 
-def _silu(g: np.ndarray) -> np.ndarray:
-    # sigmoid through tanh so large |g| cannot overflow exp
-    return g * (0.5 + 0.5 * np.tanh(0.5 * g))
-
-
-def _silu_grad(g: np.ndarray) -> np.ndarray:
-    s = 0.5 + 0.5 * np.tanh(0.5 * g)
-    return s * (1.0 + g * (1.0 - s))
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    m = logits.max(axis=-1, keepdims=True)
-    shifted = logits - m
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
 class LoraLlama:
     """Float32 weights of a Llama-family checkpoint with a LoRA-aware forward and backward."""
 
     def __init__(
-        self, config: ModelConfig, embed: np.ndarray, layers: Sequence[LayerWeights], final_norm: np.ndarray,
+        self,
+        config: ModelConfig,
+        embed: np.ndarray,
+        layers: Sequence[LayerWeights[np.ndarray, np.ndarray]],
+        final_norm: np.ndarray,
         lm_head: np.ndarray,
     ) -> None:
         self.config = config
@@ -141,122 +139,71 @@ class LoraLlama:
                 )
         if cfg.num_heads % cfg.num_kv_heads:
             raise SonaError(f"{cfg.num_heads} query heads do not group over {cfg.num_kv_heads} KV heads")
-        layers = []
-        for n in range(cfg.num_layers):
-            p = f"model.layers.{n}."
-            w = {
-                proj: np.ascontiguousarray(checkpoint.tensor(p + ("self_attn." if proj in _ATTN else "mlp.") + proj
-                                                             + ".weight").T)
-                for proj in PROJECTIONS
-            }
-            bias = {}
-            if cfg.attention_bias:
-                bias = {pr: checkpoint.tensor(p + f"self_attn.{pr}.bias") for pr in ("q_proj", "k_proj", "v_proj")}
-            layers.append(
-                LayerWeights(
-                    attn_norm=checkpoint.tensor(p + "input_layernorm.weight"),
-                    mlp_norm=checkpoint.tensor(p + "post_attention_layernorm.weight"),
-                    w=w,
-                    bias=bias,
-                )
-            )
+        # Hugging Face layout [out, in], as the checkpoint holds them: a projection is x @ W.T.
+        layers = [LayerWeights(**load_layer(cfg, n, lambda name, _shape: checkpoint.tensor(name)))
+                  for n in range(cfg.num_layers)]
         embed = checkpoint.tensor("model.embed_tokens.weight")
         lm_head = embed.T if cfg.tie_word_embeddings else checkpoint.tensor("lm_head.weight").T
         return cls(cfg, embed, layers, checkpoint.tensor("model.norm.weight"), lm_head)
 
     # -- building blocks ------------------------------------------------------------------------
+    def weight(self, li: int, proj: str) -> np.ndarray:
+        """Projection ``proj``'s weight in layer ``li``, ``[out, in]``."""
+        return getattr(self.layers[li], proj)
+
     def out_features(self, proj: str) -> int:
-        cfg = self.config
-        return {
-            "q_proj": cfg.num_heads * cfg.head_dim,
-            "k_proj": cfg.num_kv_heads * cfg.head_dim,
-            "v_proj": cfg.num_kv_heads * cfg.head_dim,
-            "o_proj": cfg.hidden_size,
-            "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size,
-            "down_proj": cfg.hidden_size,
-        }[proj]
+        return projection_shape(self.config, proj)[0]
 
     def in_features(self, proj: str) -> int:
-        cfg = self.config
-        return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}.get(proj, cfg.hidden_size)
+        return projection_shape(self.config, proj)[1]
 
     def rope(self, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin tables ``[n, 1, hd/2]`` for positions ``start .. start+n`` (angles in float64; a
+        """cos, sin tables ``[n, hd/2]`` for positions ``start .. start+n`` (angles in float64; a
         scaled RoPE's attention factor is in both, so ``unrotate`` stays its transpose)."""
-        cos, sin = self.config.global_rope.cos_sin(np.arange(start, start + n), self.config.head_dim)
-        return cos[:, None, :], sin[:, None, :]
-
-    @staticmethod
-    def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return self.config.global_rope.cos_sin(np.arange(start, start + n), self.config.head_dim)
 
     @staticmethod
     def unrotate(g: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """The transpose of ``rotate`` (rotation by minus the angle): maps gradients back."""
-        half = g.shape[-1] // 2
-        g1, g2 = g[..., :half], g[..., half:]
-        return np.concatenate([g1 * cos + g2 * sin, g2 * cos - g1 * sin], axis=-1)
+        """The transpose of the rotation (by minus the angle): maps gradients back."""
+        return apply_rope_transpose(g, cos, sin)
 
-    def _norm(self, x: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        inv = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + self.eps)
-        return x * inv * weight, inv
+    def _project(self, li: int, x: np.ndarray, group: tuple[str, ...]) -> list[np.ndarray]:
+        layer = self.layers[li]
+        return [x @ getattr(layer, p).T for p in group]
 
     @staticmethod
-    def _norm_backward(x: np.ndarray, inv: np.ndarray, weight: np.ndarray, dy: np.ndarray) -> np.ndarray:
-        t = dy * weight
-        d = x.shape[-1]
-        return inv * t - x * (inv**3) * (np.sum(x * t, axis=-1, keepdims=True) / d)
-
-    def _proj(self, li: int, proj: str, x: np.ndarray, lora: LoraParams) -> np.ndarray:
-        layer = self.layers[li]
-        y = x @ layer.w[proj]
-        if proj in layer.bias:
-            y = y + layer.bias[proj]
+    def _adapt(li: int, lora: LoraParams, y: np.ndarray, x: np.ndarray, proj: str) -> np.ndarray:
         f = lora.get((li, proj))
-        if f is not None:
-            y = y + f.delta(x)
-        return y
+        return y if f is None else y + f.delta(x)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Causal GQA attention of a whole sequence: ``q [n, H, hd]``, ``k, v [n, KV, hd]`` ->
         (output ``[n, H*hd]``, probabilities ``[KV, G, n, n]``)."""
-        cfg = self.config
-        n, kv, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
-        g = cfg.num_heads // kv
-        qg = q.reshape(n, kv, g, hd).transpose(1, 2, 0, 3)  # [KV, G, n, hd]
-        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(cfg.attention_scale)  # [KV, G, n, n]
-        scores[..., np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
-        if window:  # masked keys get probability 0, so the backward needs nothing more
-            scores[..., np.tril(np.ones((n, n), dtype=bool), -window)] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = probs @ v.transpose(1, 0, 2)[:, None]  # [KV, G, n, hd]
-        return out.transpose(2, 0, 1, 3).reshape(n, -1), probs
+        n = q.shape[0]
+        return grouped_attention(q, k, v, self.config.attention_scale, attention_mask(n, n, 0, window))
 
     # -- forward ----------------------------------------------------------------------------------
     def layer_forward(
         self, li: int, r: np.ndarray, lora: LoraParams, rope: tuple[np.ndarray, np.ndarray]
     ) -> tuple[np.ndarray, LayerTape]:
         cfg = self.config
-        n = r.shape[0]
-        layer = self.layers[li]
-        cos, sin = rope
-        x, inv1 = self._norm(r, layer.attn_norm)
-        q = self.rotate(self._proj(li, "q_proj", x, lora).reshape(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = self.rotate(self._proj(li, "k_proj", x, lora).reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = self._proj(li, "v_proj", x, lora).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        a, probs = self.attention(q, k, v, cfg.layer_window(li))
-        h = r + self._proj(li, "o_proj", a, lora)
-        y, inv2 = self._norm(h, layer.mlp_norm)
-        gate = self._proj(li, "gate_proj", y, lora)
-        up = self._proj(li, "up_proj", y, lora)
-        m = _silu(gate) * up
-        out = h + self._proj(li, "down_proj", m, lora)
-        return out, LayerTape(li, r, inv1, x, q, k, v, probs, a, h, inv2, y, gate, up, m)
+        window = cfg.layer_window(li)
+        probs: list[np.ndarray] = []
+
+        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            out, p = self.attention(q, k, v, window)
+            probs.append(p)
+            return out
+
+        out, a = decoder_layer(
+            r, self.layers[li], cfg, *rope,
+            project=lambda x, group: self._project(li, x, group),
+            attend=attend,
+            adapt=lambda y, x, proj: self._adapt(li, lora, y, x, proj),
+        )
+        eps = cfg.rms_norm_eps
+        inv1, inv2 = inv_rms(r, eps), inv_rms(a.mid, eps)
+        return out, LayerTape(li, r, inv1, a.h, a.q, a.k, a.v, probs[0], a.a, a.mid, inv2, a.h2, a.gate, a.up, a.act)
 
     def prefix(self, token_ids: Sequence[int], upto: int, lora: LoraParams | None = None) -> np.ndarray:
         """Residual stream entering layer ``upto`` for every position, float32 ``[n, d]``."""
@@ -281,8 +228,8 @@ class LoraLlama:
         for li in range(first_layer, self.config.num_layers):
             r, lt = self.layer_forward(li, r, lora, rope)
             layers.append(lt)
-        z, inv_f = self._norm(r, self.final_norm)
-        return TailTape(layers, r, inv_f, z)
+        z = rms_norm(r, self.final_norm, self.config.rms_norm_eps)
+        return TailTape(layers, r, inv_rms(r, self.config.rms_norm_eps), z)
 
     def logits(self, z: np.ndarray) -> np.ndarray:
         return z @ self.lm_head
@@ -305,7 +252,7 @@ class LoraLlama:
         dlogits[np.arange(len(rows)), targets] += weights
         dz = np.zeros_like(tape.z)
         np.add.at(dz, rows, dlogits @ self.lm_head.T)
-        dr = self._norm_backward(tape.r_out, tape.inv_f, self.final_norm, dz)
+        dr = rms_norm_backward(tape.r_out, tape.inv_f, self.final_norm, dz)
         return dr.astype(np.float32), lp[np.arange(len(rows)), targets]
 
     def _proj_backward(
@@ -314,7 +261,7 @@ class LoraLlama:
     ) -> np.ndarray:
         """dx of ``y = x @ W (+ LoRA)`` given ``dy``; accumulates LoRA factor gradients and records
         ``(x, dy)`` of adapted projections in ``taps``."""
-        dx = dy @ self.layers[li].w[proj].T
+        dx = dy @ self.weight(li, proj)
         f = lora.get((li, proj))
         if f is not None:
             if taps is not None:
@@ -367,11 +314,11 @@ class LoraLlama:
         """Gradient w.r.t. ``h`` (the residual after attention) from the layer output's gradient."""
         li = lt.layer
         dm = self._proj_backward(li, "down_proj", lt.m, dout, lora, grads, trainable, taps)
-        dgate = dm * lt.up * _silu_grad(lt.gate)
-        dup = dm * _silu(lt.gate)
+        dgate = dm * lt.up * silu_grad(lt.gate)
+        dup = dm * silu(lt.gate)
         dy = self._proj_backward(li, "gate_proj", lt.y, dgate, lora, grads, trainable, taps)
         dy += self._proj_backward(li, "up_proj", lt.y, dup, lora, grads, trainable, taps)
-        return dout + self._norm_backward(lt.h, lt.inv2, self.layers[li].mlp_norm, dy)
+        return dout + rms_norm_backward(lt.h, lt.inv2, self.layers[li].post_attention_norm, dy)
 
     def layer_backward(
         self, lt: LayerTape, dout: np.ndarray, lora: LoraParams, rope: tuple[np.ndarray, np.ndarray],
@@ -389,7 +336,7 @@ class LoraLlama:
         dx = self._proj_backward(li, "q_proj", lt.x, dq, lora, grads, trainable, taps)
         dx += self._proj_backward(li, "k_proj", lt.x, dk, lora, grads, trainable, taps)
         dx += self._proj_backward(li, "v_proj", lt.x, dv.reshape(n, -1), lora, grads, trainable, taps)
-        return dh + self._norm_backward(lt.r, lt.inv1, self.layers[li].attn_norm, dx)
+        return dh + rms_norm_backward(lt.r, lt.inv1, self.layers[li].input_norm, dx)
 
     def tail_backward(
         self, tape: TailTape, dr_out: np.ndarray, lora: LoraParams, trainable: set[tuple[int, str]] | None = None,

@@ -1,0 +1,438 @@
+"""The decoder model, defined once: what a layer holds and what it computes, for every backend.
+
+:mod:`ruvllm.architectures` says how each family's files name their tensors and which of a layer's
+features it uses (the fields of :class:`~ruvllm.model_config.ModelConfig`); this module says what those
+features are:
+
+* the projections (:data:`PROJECTIONS`), which of them share an input (:data:`PROJECTION_GROUPS`),
+  their shapes (:func:`projection_shape`) and canonical tensor names (:func:`projection_tensor`);
+* the layer-weights schema (:data:`LAYER_TENSORS`, :class:`LayerWeights`): one field per tensor, the
+  same names in every backend, present or not by the config;
+* the arithmetic: RMSNorm, the activations (:data:`ACTIVATIONS`), rotate-half RoPE, logit soft-capping,
+  and :func:`decoder_layer`, which strings them together around two callbacks, ``project`` (how a
+  backend multiplies its weights: fused BLAS calls, quantized kernels, a TP shard) and ``attend`` (its
+  KV cache and attention kernel). What a backend adds is how to compute, never what the model is.
+
+The functions are written over the array API that NumPy and JAX share (``x.__array_namespace__()``),
+so the NumPy backend, SONA's trainer and the jitted JAX step run the same lines. HF transformers stays
+the independent oracle in the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from ruvllm.model_config import ModelConfig
+
+# -- projections -----------------------------------------------------------------------------------------
+
+#: A decoder layer's projections in Hugging Face naming (the order adapters and kernels list them in).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: Projections that multiply the same input, in layer order: a backend may fuse each group into one
+#: product (one BLAS call, one quantization of the input).
+PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
+#: The projections with a bias when ``attention_bias`` (qwen2): the schema's field of each.
+BIAS_FIELDS = {"q_proj": "q_bias", "k_proj": "k_bias", "v_proj": "v_bias"}
+
+
+class LayerShape(Protocol):
+    """What the layer's arithmetic reads of a model's configuration (:class:`ModelConfig` has it, and so
+    does a backend's own hashable copy of it)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @property
+    def output_norms(self) -> bool: ...
+    @property
+    def activation(self) -> str: ...
+
+
+def projection_module(proj: str) -> str:
+    """``self_attn`` or ``mlp``: where ``proj`` sits in a layer's canonical tensor names."""
+    if proj in ATTENTION_PROJECTIONS:
+        return "self_attn"
+    if proj in MLP_PROJECTIONS:
+        return "mlp"
+    raise ValueError(f"unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})")
+
+
+def projection_tensor(layer: int, proj: str, kind: str = "weight") -> str:
+    """Canonical name of projection ``proj``'s ``weight`` (or ``bias``) in decoder layer ``layer``."""
+    return f"model.layers.{layer}.{projection_module(proj)}.{proj}.{kind}"
+
+
+def projection_shape(shape: LayerShape, proj: str) -> tuple[int, int]:
+    """``(out, in)`` of projection ``proj``: Hugging Face's ``[out, in]`` weight layout."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, i = shape.hidden_size, shape.intermediate_size
+    shapes = {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }
+    try:
+        return shapes[proj]
+    except KeyError:
+        raise ValueError(f"unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})") from None
+
+
+# -- the layer-weights schema ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One tensor of a decoder layer: its :class:`LayerWeights` field, its canonical name after
+    ``model.layers.{n}.``, its shape, and whether a model has it."""
+
+    field: str
+    suffix: str
+    shape: Callable[[LayerShape], tuple[int, ...]]
+    present: Callable[[LayerShape], bool] = lambda _s: True
+
+    def name(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.suffix}"
+
+
+def _proj(p: str) -> LayerTensor:
+    return LayerTensor(p, f"{projection_module(p)}.{p}.weight", lambda s: projection_shape(s, p))
+
+
+def _bias(p: str) -> LayerTensor:
+    return LayerTensor(
+        BIAS_FIELDS[p], f"self_attn.{p}.bias", lambda s: (projection_shape(s, p)[0],), lambda s: s.attention_bias
+    )
+
+
+def _norm(field_name: str, suffix: str, size: Callable[[LayerShape], int], when: Callable[[LayerShape], bool]):
+    return LayerTensor(field_name, f"{suffix}.weight", lambda s: (size(s),), when)
+
+
+def _hidden(s: LayerShape) -> int:
+    return s.hidden_size
+
+
+def _head(s: LayerShape) -> int:
+    return s.head_dim
+
+
+def _always(_s: LayerShape) -> bool:
+    return True
+
+
+def _qk_norm(s: LayerShape) -> bool:
+    return s.qk_norm
+
+
+def _output_norms(s: LayerShape) -> bool:
+    return s.output_norms
+
+
+#: Every tensor a decoder layer may hold, in :class:`LayerWeights` field order.
+LAYER_TENSORS: tuple[LayerTensor, ...] = (
+    _norm("input_norm", "input_layernorm", _hidden, _always),
+    *(_proj(p) for p in ATTENTION_PROJECTIONS),
+    _norm("post_attention_norm", "post_attention_layernorm", _hidden, _always),
+    *(_proj(p) for p in MLP_PROJECTIONS),
+    *(_bias(p) for p in BIAS_FIELDS),
+    _norm("q_norm", "self_attn.q_norm", _head, _qk_norm),
+    _norm("k_norm", "self_attn.k_norm", _head, _qk_norm),
+    _norm("attn_output_norm", "attn_output_norm", _hidden, _output_norms),
+    _norm("mlp_output_norm", "mlp_output_norm", _hidden, _output_norms),
+)
+LAYER_FIELDS = {t.field: t for t in LAYER_TENSORS}
+
+
+def layer_tensors(shape: LayerShape) -> Iterator[LayerTensor]:
+    """The tensors a decoder layer of this model holds."""
+    return (t for t in LAYER_TENSORS if t.present(shape))
+
+
+#: The model's tensors outside its layers: canonical name -> shape (``lm_head`` only when untied).
+def global_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    out = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+        "model.norm.weight": (cfg.hidden_size,),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return out
+
+
+W = TypeVar("W")  # a projection's weight: an array, a quantized array, a shard...
+A = TypeVar("A")  # a norm weight or bias: an array
+
+
+@dataclass
+class LayerWeights(Generic[W, A]):
+    """One decoder layer's tensors under the schema's field names (None where the model has none).
+    Backends fill it with their own array types; the JAX backend registers it as a pytree and stacks
+    every leaf on a leading layer axis."""
+
+    input_norm: A
+    q_proj: W
+    k_proj: W
+    v_proj: W
+    o_proj: W
+    post_attention_norm: A
+    gate_proj: W
+    up_proj: W
+    down_proj: W
+    q_bias: A | None = None
+    k_bias: A | None = None
+    v_bias: A | None = None
+    #: ``[head_dim]`` RMSNorm weights of each head's query and key (``qk_norm``).
+    q_norm: A | None = None
+    k_norm: A | None = None
+    #: RMSNorm weights of the attention and MLP outputs (``output_norms``).
+    attn_output_norm: A | None = None
+    mlp_output_norm: A | None = None
+
+
+def load_layer(
+    shape: LayerShape, layer: int, tensor: Callable[[str, tuple[int, ...]], Any]
+) -> dict[str, Any]:
+    """Each present field of decoder layer ``layer``: ``tensor(name, shape)`` for its canonical name
+    and expected shape (the caller reads, checks and converts); absent fields are None."""
+    return {t.field: (tensor(t.name(layer), t.shape(shape)) if t.present(shape) else None) for t in LAYER_TENSORS}
+
+
+# -- the arithmetic ----------------------------------------------------------------------------------------
+
+
+def namespace(x: Any) -> Any:
+    """The array module of ``x`` (numpy, jax.numpy); NumPy for anything without one."""
+    get = getattr(x, "__array_namespace__", None)
+    return get() if get is not None else np
+
+
+def _f32(x: Any, xp: Any) -> Any:
+    return x if x.dtype == xp.float32 else x.astype(xp.float32)
+
+
+def inv_rms(x: Any, eps: float) -> Any:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last axis (kept), in float32."""
+    xp = namespace(x)
+    xf = _f32(x, xp)
+    return 1.0 / xp.sqrt(xp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: Any, w: Any, eps: float) -> Any:
+    """RMSNorm over the last axis, computed in float32 and returned in ``x``'s dtype."""
+    xp = namespace(x)
+    xf = _f32(x, xp)
+    y = xf * inv_rms(xf, eps) * _f32(w, xp)
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+
+def rms_norm_backward(x: np.ndarray, inv: np.ndarray, w: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """Gradient w.r.t. ``x`` of :func:`rms_norm` given the output gradient ``dy`` (``inv``: its
+    :func:`inv_rms`)."""
+    t = dy * w
+    return inv * t - x * (inv**3) * (np.sum(x * t, axis=-1, keepdims=True) / x.shape[-1])
+
+
+def silu(g: Any) -> Any:
+    """``g * sigmoid(g)``, the sigmoid through tanh so a large ``|g|`` cannot overflow an exp."""
+    xp = namespace(g)
+    return g * (0.5 + 0.5 * xp.tanh(0.5 * g))
+
+
+def silu_grad(g: np.ndarray) -> np.ndarray:
+    s = 0.5 + 0.5 * np.tanh(0.5 * g)
+    return s * (1.0 + g * (1.0 - s))
+
+
+_GELU_C = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_tanh(g: Any) -> Any:
+    """GELU's tanh approximation (PyTorch's ``gelu(approximate="tanh")``, Gemma's ``gelu_pytorch_tanh``)."""
+    xp = namespace(g)
+    return 0.5 * g * (1.0 + xp.tanh(_GELU_C * (g + 0.044715 * (g * g * g))))
+
+
+#: The gated MLP's activation, by :attr:`ModelConfig.activation`.
+ACTIVATIONS: dict[str, Callable[[Any], Any]] = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def apply_rope(x: Any, cos: Any, sin: Any) -> Any:
+    """Rotate-half RoPE (the Hugging Face layout) of ``x [T, heads, head_dim]`` with ``cos``/``sin``
+    ``[T, head_dim // 2]`` (a scaled RoPE's attention factor already in both); float32 arithmetic,
+    returned in ``x``'s dtype."""
+    xp = namespace(x)
+    half = x.shape[-1] // 2
+    x1, x2 = _f32(x[..., :half], xp), _f32(x[..., half:], xp)
+    c, s = cos[:, None, :], sin[:, None, :]
+    y = xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+
+def apply_rope_transpose(g: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The transpose of :func:`apply_rope` (rotation by minus the angle): maps gradients back."""
+    half = g.shape[-1] // 2
+    g1, g2 = g[..., :half], g[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([g1 * c + g2 * s, g2 * c - g1 * s], axis=-1)
+
+
+def softcap(logits: Any, cap: float | None) -> Any:
+    """Logit soft-capping ``cap * tanh(logits / cap)`` (Gemma); identity when ``cap`` is None."""
+    if not cap:
+        return logits
+    return cap * namespace(logits).tanh(logits / cap)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def attention_mask(n: int, end: int, start: int, window: int = 0) -> np.ndarray | None:
+    """Keys ``0 .. end`` that queries at positions ``start .. start + n`` may not see (``[n, end]``,
+    True: masked): later positions, and with a ``window`` those at or before ``q - window``. None
+    when every query sees every key."""
+    q_pos = (start + np.arange(n))[:, None]
+    keys = np.arange(end)[None, :]
+    masked = keys > q_pos if end > start + 1 else None  # a lone last query sees every key
+    if window and start + n - window > 0:
+        out_of_window = keys <= q_pos - window
+        masked = out_of_window if masked is None else masked | out_of_window
+    return masked
+
+
+def group_queries(q: np.ndarray, kv_heads: int, scale: float) -> np.ndarray:
+    """``q [n, H, hd]`` times ``scale`` with the query heads that share a KV head stacked as rows:
+    ``[KV, G * n, hd]``, so each attention product is one matmul per KV head."""
+    n, heads, hd = q.shape
+    qg = (q * np.float32(scale)).reshape(n, kv_heads, heads // kv_heads, hd)
+    return qg.transpose(1, 2, 0, 3).reshape(kv_heads, -1, hd)
+
+
+def ungroup(out: np.ndarray, n: int) -> np.ndarray:
+    """``[KV, G * n, hd]`` back to the tokens' rows ``[n, H * hd]``."""
+    kv_heads, rows, hd = out.shape
+    return out.reshape(kv_heads, rows // n, n, hd).transpose(2, 0, 1, 3).reshape(n, -1)
+
+
+def grouped_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, masked: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention with grouped-query heads in NumPy: ``q [n, H, hd]`` over ``k, v [end, KV, hd]``
+    -> (output ``[n, H * hd]``, probabilities ``[KV, G, n, end]``)."""
+    n, kv_heads = q.shape[0], k.shape[1]
+    qg = group_queries(q, kv_heads, scale)
+    scores = (qg @ k.transpose(1, 2, 0)).reshape(kv_heads, -1, n, k.shape[0])
+    if masked is not None:
+        scores[..., masked] = -np.inf
+    probs = softmax_(scores)
+    return ungroup(probs.reshape(kv_heads, qg.shape[1], -1) @ v.transpose(1, 0, 2), n), probs
+
+
+def softmax_(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in place."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+# -- the layer -------------------------------------------------------------------------------------------
+
+
+class LayerActivations(NamedTuple):
+    """What a layer computed on the way (calibration reads the projections' inputs; SONA's backward
+    reads them all). Unused ones cost nothing under ``jax.jit``."""
+
+    h: Any  # input_layernorm(x): the q/k/v input [T, hidden]
+    q: Any  # roped queries [T, heads, head_dim]
+    k: Any  # roped keys [T, kv_heads, head_dim]
+    v: Any  # values [T, kv_heads, head_dim]
+    a: Any  # attention output, the o_proj input [T, heads * head_dim]
+    mid: Any  # the residual stream after attention [T, hidden]
+    h2: Any  # post_attention_layernorm(mid): the gate/up input
+    gate: Any
+    up: Any
+    act: Any  # activation(gate) * up: the down_proj input
+
+
+#: ``project(x, group)``: the group's projections of ``x`` (one of :data:`PROJECTION_GROUPS`), without bias;
+#: ``attend(q, k, v)``: attention output ``[T, heads, head_dim]`` (or ``[T, heads * head_dim]``) of the
+#: roped queries and keys; ``adapt(y, x, proj)``: ``y`` plus adapters' updates of ``proj`` for input ``x``.
+Project = Callable[[Any, tuple[str, ...]], Sequence[Any]]
+Attend = Callable[[Any, Any, Any], Any]
+Adapt = Callable[[Any, Any, str], Any]
+
+
+def _no_adapt(y: Any, _x: Any, _proj: str) -> Any:
+    return y
+
+
+def decoder_layer(
+    x: Any,
+    lw: LayerWeights,
+    shape: LayerShape,
+    cos: Any,
+    sin: Any,
+    *,
+    project: Project,
+    attend: Attend,
+    adapt: Adapt = _no_adapt,
+) -> tuple[Any, LayerActivations]:
+    """One pre-norm decoder layer over ``x [T, hidden]`` with RoPE ``cos``/``sin`` ``[T, head_dim // 2]``:
+    attention (biases, QK-norm and output norms where the model has them) and the gated MLP, each added
+    to the residual stream. Returns the new residual stream and the layer's activations."""
+    t = x.shape[0]
+    nh, nkv, hd, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps
+    h = rms_norm(x, lw.input_norm, eps)
+    q, k, v = project(h, PROJECTION_GROUPS[0])
+    if shape.attention_bias:
+        q, k, v = q + lw.q_bias.astype(q.dtype), k + lw.k_bias.astype(k.dtype), v + lw.v_bias.astype(v.dtype)
+    q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
+    q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+    if shape.qk_norm:  # per head, before RoPE
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    a = attend(q, k, v).reshape(t, nh * hd)
+    (o,) = project(a, PROJECTION_GROUPS[1])
+    o = adapt(o, a, "o_proj")
+    if shape.output_norms:
+        o = rms_norm(o, lw.attn_output_norm, eps)
+    mid = x + o
+    h2 = rms_norm(mid, lw.post_attention_norm, eps)
+    gate, up = project(h2, PROJECTION_GROUPS[2])
+    gate, up = adapt(gate, h2, "gate_proj"), adapt(up, h2, "up_proj")
+    act = ACTIVATIONS[shape.activation](gate) * up
+    (down,) = project(act, PROJECTION_GROUPS[3])
+    down = adapt(down, act, "down_proj")
+    if shape.output_norms:
+        down = rms_norm(down, lw.mlp_output_norm, eps)
+    return mid + down, LayerActivations(h, q, k, v, a, mid, h2, gate, up, act)
