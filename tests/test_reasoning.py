@@ -9,7 +9,7 @@ import pytest
 from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
 
 from ruvllm.plugins import load_plugins
-from ruvllm.reasoning import BUILTIN_REASONING_PARSERS, reasoning_parsers
+from ruvllm_server.reasoning import BUILTIN_REASONING_PARSERS, reasoning_parsers
 
 CASES = [
     ("think", "<think>step one, step two</think>The answer is 4.", "step one, step two", "The answer is 4."),

@@ -9,7 +9,7 @@ import _tokenizer_fixtures
 import pytest
 
 from ruvllm.plugins import load_plugins
-from ruvllm.tools import (
+from ruvllm_server.tools import (
     BUILTIN_PARSERS,
     calls_from_required,
     parser_for_template,

@@ -1,9 +1,13 @@
-"""Hook specifications of ruvllm: one function per hook; backends and plugins implement them."""
+"""Hook specifications of ruvllm: one function per hook; backends and plugins implement them.
+
+Hooks only the server calls (HTTP routes, tool-call and reasoning parsers) are specified in
+``ruvllm_server.hookspecs``, which the server adds to the plugin host; plugins implement both kinds
+with the one marker, :data:`hookimpl`."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -11,6 +15,7 @@ import pluggy
 if TYPE_CHECKING:
     from ruvllm.backend import Backend
     from ruvllm.inference import InferenceRequest, InferenceResult
+    from ruvllm.runtime import LoadedModel
 
 hookspec = pluggy.HookspecMarker("ruvllm")
 hookimpl = pluggy.HookimplMarker("ruvllm")
@@ -41,43 +46,28 @@ def post_inference(request: InferenceRequest, result: InferenceResult) -> None:
 
 
 @hookspec
-def register_tool_parsers(register: Callable[[type], None]) -> None:
-    """Register tool-call parsers by calling ``register(cls)`` with subclasses of
-    :class:`ruvllm.tools.ToolParser` (a ``name`` and a ``parse`` method); the server picks one by
-    name (``--tool-call-parser``) or from the chat template's tool format."""
+def model_loaded(model: LoadedModel, options: Mapping[str, Mapping[str, str]]) -> None:
+    """A host (the server) loaded the model it serves, before its engine starts; ``options`` are the
+    plugin options by plugin name (a plugin attaches what it needs here)."""
 
 
 @hookspec
-def register_reasoning_parsers(register: Callable[[type], None]) -> None:
-    """Register reasoning parsers by calling ``register(cls)`` with subclasses of
-    :class:`ruvllm.reasoning.ReasoningParser`; the server picks one with ``--reasoning-parser``."""
+def model_unloading(model: LoadedModel) -> None:
+    """The host is stopping and the model's engine has drained: save and release what
+    ``model_loaded`` set up (a backend releases what it holds beside the model). Called from a worker
+    thread; may block."""
 
 
-@dataclass(frozen=True)
-class RouteContext:
-    """What a host (the server) tells plugins that add HTTP routes."""
+def __getattr__(name: str) -> Any:
+    # RouteContext moved with the server's hooks; kept importable from here for one release.
+    if name == "RouteContext":
+        warnings.warn(
+            "ruvllm.hookspecs.RouteContext moved to ruvllm_server.hookspecs.RouteContext; the old name goes "
+            "away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from ruvllm_server.hookspecs import RouteContext
 
-    #: Options given to plugins, by plugin name: ``--plugin-option sona.scope=user`` gives
-    #: ``{"sona": {"scope": "user"}}``.
-    options: Mapping[str, Mapping[str, str]]
-    #: ``api_key_id(request)``: the authenticated caller's non-secret key id (None without keys).
-    api_key_id: Callable[[Any], str | None]
-
-
-@hookspec
-def register_routes(register: Callable[[Any], None], context: RouteContext) -> None:
-    """Add HTTP routes to the server: call ``register(handler_or_router)`` with Litestar route
-    handlers or routers (mounted at the server's root; use paths under ``/v1``). Only plugins whose
-    options ask for it should add anything."""
-
-
-@hookspec
-def model_loaded(model: Any, options: Mapping[str, Mapping[str, str]]) -> None:
-    """The served model (a ``ruvllm.runtime.LoadedModel``) is loaded, before its engine starts;
-    ``options`` are the plugin options by plugin name (a plugin attaches what it needs here)."""
-
-
-@hookspec
-def model_unloading(model: Any) -> None:
-    """The server is stopping and its engine has drained: save and release what ``model_loaded`` set
-    up. Called from a worker thread; may block."""
+        return RouteContext
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,6 +40,16 @@ class PluginHost:
     def hook(self) -> pluggy.HookRelay:
         return self.pm.hook
 
+    def add_hookspecs(self, module: object) -> None:
+        """Add the hook specifications a host package defines for its own hooks (the server's routes
+        and parsers: ``ruvllm_server.hookspecs``), checking the plugins already registered against
+        them. Adding the same module again does nothing."""
+        names = [n for n in dir(module) if self.pm.parse_hookspec_opts(module, n) is not None]
+        callers = [getattr(self.pm.hook, n, None) for n in names]
+        if names and all(c is not None and c.has_spec() for c in callers):
+            return
+        self.pm.add_hookspecs(module)
+
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object (module or instance) directly, e.g. from tests or embedding code."""
         self.pm.register(plugin, name=name)

@@ -1,291 +1,51 @@
-"""Tool calling: the grammars that force a call, and the parsers that find calls in free text.
+"""Deprecated: tool calling moved to :mod:`ruvllm_server.tools` (only the server uses it). This module
+forwards its names for one release."""
 
-``tool_choice`` ``required`` or a named function is enforced by a JSON-schema constraint
-(:func:`required_schema`, :func:`named_schema`), so the arguments always validate against the
-function's ``parameters``. Under ``auto`` the model writes what it likes and a :class:`ToolParser`
-extracts calls in the format its chat template taught it (``hermes``: ``<tool_call>{...}</tool_call>``
-as Qwen2.5/Qwen3 and Hermes templates do; ``llama3_json``: Llama 3.x's JSON with ``parameters``;
-``mistral``: ``[TOOL_CALLS][...]``; ``json``: a bare JSON object or list, the format
-:func:`tool_system_prompt` asks for from models whose template knows no tools).
+import warnings
 
-Parsers are found by name in :func:`tool_parsers`: the built-in ones plus those plugins add through
-the ``register_tool_parsers`` hook, so a third party adds a format without touching the server.
-"""
+warnings.warn(
+    "ruvllm.tools moved to ruvllm_server.tools; the old module goes away in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
-from __future__ import annotations
-
-import json
-import re
-import uuid
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-from ruvllm.errors import RequestError
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    #: The arguments as JSON text (what the OpenAI API sends).
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
-class ToolParser(ABC):
-    """Finds tool calls in a model's output. Subclasses set ``name`` and ``markers`` (text that starts
-    a call: in a stream, text before a marker is content, text from it on is held until the end) and
-    implement :meth:`parse`."""
-
-    name: ClassVar[str] = ""
-    markers: ClassVar[tuple[str, ...]] = ()
-    #: Markers count only at the very start of the output (after whitespace).
-    markers_at_start: ClassVar[bool] = False
-
-    @abstractmethod
-    def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
-        """The content (None when the output is only calls) and the calls in ``text``; text that is
-        not a well-formed call of one of ``tools`` comes back whole as content."""
-
-    def call_start(self, text: str) -> int | None:
-        """Where the first call starts in ``text`` (None: no call yet)."""
-        if self.markers_at_start:
-            stripped = text.lstrip()
-            offset = len(text) - len(stripped)
-            return offset if any(stripped.startswith(m) for m in self.markers) else None
-        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
-        return min(found) if found else None
-
-    def may_start(self, text: str) -> int:
-        """Length of the suffix of ``text`` that could still grow into a marker (held back in streams)."""
-        if self.markers_at_start:
-            stripped = text.lstrip()
-            return len(text) if any(m.startswith(stripped) for m in self.markers) else 0
-        for k in range(min(len(text), max((len(m) for m in self.markers), default=0) - 1), 0, -1):
-            if any(m.startswith(text[-k:]) for m in self.markers):
-                return k
-        return 0
-
-
-def _tool_names(tools: Sequence[Mapping[str, Any]]) -> set[str]:
-    return {t.get("function", {}).get("name") for t in tools if isinstance(t, Mapping)}
-
-
-def _call_from(obj: Any, names: set[str], args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
-    if not isinstance(obj, Mapping) or obj.get("name") not in names:
-        return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, Mapping):
-        return None
-    return ToolCall(str(obj["name"]), json.dumps(args, ensure_ascii=False))
-
-
-def _json_values(text: str) -> tuple[list[Any], bool]:
-    """Consecutive JSON values at the start of ``text`` (separated by whitespace, commas or
-    semicolons), and whether they are all of it (no prose after them)."""
-    decoder = json.JSONDecoder()
-    out: list[Any] = []
-    i = 0
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,;":
-            i += 1
-        if i >= len(text):
-            return out, True
-        try:
-            value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return out, False
-        out.append(value)
-
-
-class HermesParser(ToolParser):
-    name = "hermes"
-    markers = ("<tool_call>",)
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-
-    def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
-        names = _tool_names(tools)
-        calls = []
-        for body in self._BLOCK.findall(text):
-            values, _ = _json_values(body)
-            call = _call_from(values[0], names) if values else None
-            if call is None:
-                return ParsedOutput(text, [])  # not a well-formed call: the text is the answer
-            calls.append(call)
-        if not calls:
-            return ParsedOutput(text, [])
-        content = text[: text.find("<tool_call>")].strip()
-        return ParsedOutput(content or None, calls)
-
-
-class JsonParser(ToolParser):
-    """A bare JSON object ``{"name": ..., "arguments": {...}}`` or a list of them (optionally in a
-    ```json fence): what :func:`tool_system_prompt` asks for."""
-
-    name = "json"
-    markers = ("{", "[", "```")
-    markers_at_start = True
-    _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
-
-    def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
-        body = text
-        m = self._FENCE.match(text)
-        if m:
-            body = m.group(1)
-        values, whole = _json_values(body)
-        if len(values) == 1 and isinstance(values[0], list):
-            values = values[0]
-        names = _tool_names(tools)
-        calls = [_call_from(v, names) for v in values]
-        if not whole or not calls or any(c is None for c in calls):
-            return ParsedOutput(text, [])
-        return ParsedOutput(None, [c for c in calls if c is not None])
-
-
-class Llama3JsonParser(JsonParser):
-    """Llama 3.x: ``<|python_tag|>`` (optional) then ``{"name": ..., "parameters": {...}}`` objects
-    separated by ``;``."""
-
-    name = "llama3_json"
-    markers = ("<|python_tag|>", "{")
-
-    def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
-        return super().parse(text.replace("<|python_tag|>", "", 1), tools)
-
-
-class MistralParser(ToolParser):
-    name = "mistral"
-    markers = ("[TOOL_CALLS]",)
-
-    def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
-        at = text.find("[TOOL_CALLS]")
-        if at < 0:
-            return ParsedOutput(text, [])
-        values, _ = _json_values(text[at + len("[TOOL_CALLS]") :])
-        if len(values) == 1 and isinstance(values[0], list):
-            values = values[0]
-        names = _tool_names(tools)
-        calls = [_call_from(v, names) for v in values]
-        if not calls or any(c is None for c in calls):
-            return ParsedOutput(text, [])
-        content = text[:at].strip()
-        return ParsedOutput(content or None, [c for c in calls if c is not None])
-
-
-BUILTIN_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, JsonParser, Llama3JsonParser, MistralParser)
-}
-
-
-def tool_parsers(host: Any | None = None) -> dict[str, type[ToolParser]]:
-    """Built-in parsers plus those plugins register (``register_tool_parsers(register)`` where
-    ``register(parser_class)``); a plugin's parser may replace a built-in one of the same name."""
-    found = dict(BUILTIN_PARSERS)
-    if host is not None:
-
-        def register(cls: type[ToolParser]) -> None:
-            if not (isinstance(cls, type) and issubclass(cls, ToolParser) and cls.name):
-                raise TypeError(f"register_tool_parsers: {cls!r} is not a named ToolParser subclass")
-            found[cls.name] = cls
-
-        host.pm.hook.register_tool_parsers(register=register)
-    return found
-
-
-def parser_for_template(template: str | None) -> str:
-    """The parser a chat template's tool format calls for (``json`` when it has none)."""
-    t = template or ""
-    if "<tool_call>" in t:
-        return "hermes"
-    if "[TOOL_CALLS]" in t:
-        return "mistral"
-    if "<|python_tag|>" in t or ("ipython" in t and "<|start_header_id|>" in t):
-        return "llama3_json"
-    return "json"
-
-
-def template_knows_tools(template: str | None) -> bool:
-    return bool(template) and re.search(r"\btools\b", template or "") is not None
-
-
-def tool_system_prompt(tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
-    """Instructions for a model whose chat template has no tool format (the ``json`` parser reads
-    the answer)."""
-    specs = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False, indent=1)
-    many = " or a JSON list of such objects to call several" if parallel else ""
-    return (
-        "You can call these functions:\n"
-        f"{specs}\n"
-        'To call a function, reply with only a JSON object {"name": <function name>, "arguments": <arguments object>}'
-        f"{many}. Otherwise answer normally."
+try:
+    from ruvllm_server.tools import (
+        BUILTIN_PARSERS,
+        HermesParser,
+        JsonParser,
+        Llama3JsonParser,
+        MistralParser,
+        ParsedOutput,
+        ToolCall,
+        ToolParser,
+        calls_from_required,
+        check_tools,
+        named_schema,
+        parser_for_template,
+        required_schema,
+        template_knows_tools,
+        tool_parsers,
+        tool_system_prompt,
     )
+except ImportError as exc:  # the server package is not installed
+    raise ImportError(f"ruvllm.tools moved to ruvllm_server.tools: pip install ruvllm-server ({exc})") from exc
 
-
-def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
-    params = tool.get("function", {}).get("parameters")
-    return params if isinstance(params, dict) and params else {"type": "object"}
-
-
-def named_schema(tools: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any]:
-    """The output schema when ``tool_choice`` names ``name``: its arguments object itself."""
-    for t in tools:
-        if t.get("function", {}).get("name") == name:
-            return _parameters(t)
-    raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-
-
-def required_schema(tools: Sequence[Mapping[str, Any]], parallel: bool) -> dict[str, Any]:
-    """The output schema under ``tool_choice: required``: a JSON list of ``{"name", "arguments"}``
-    objects, one shape per tool (one call unless ``parallel``)."""
-    shapes = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    items = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
-    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
-
-
-def calls_from_required(text: str) -> list[ToolCall]:
-    """The calls of an output made under :func:`required_schema`."""
-    return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(text)]
-
-
-def check_tools(tools: Any) -> list[dict[str, Any]]:
-    """OpenAI's ``tools``: a list of ``{"type": "function", "function": {"name", "parameters"?, ...}}``."""
-    if not isinstance(tools, list) or not tools:
-        raise RequestError("tools must be a non-empty list", param="tools")
-    seen = set()
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, Mapping) else None
-        if not isinstance(t, Mapping) or t.get("type") != "function" or not isinstance(fn, Mapping):
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param=f"tools[{i}]")
-        name = fn.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            raise RequestError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", param=f"tools[{i}]")
-        if name in seen:
-            raise RequestError(f"tools[{i}]: function {name!r} is defined twice", param=f"tools[{i}]")
-        seen.add(name)
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}]")
-    return [dict(t) for t in tools]
+__all__ = [
+    "BUILTIN_PARSERS",
+    "HermesParser",
+    "JsonParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ParsedOutput",
+    "ToolCall",
+    "ToolParser",
+    "calls_from_required",
+    "check_tools",
+    "named_schema",
+    "parser_for_template",
+    "required_schema",
+    "template_knows_tools",
+    "tool_parsers",
+    "tool_system_prompt",
+]

@@ -24,7 +24,6 @@ from litestar.response import Stream
 from litestar.types import Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ruvllm.hookspecs import RouteContext
 from ruvllm.plugins import load_plugins
 from ruvllm_server import __version__
 from ruvllm_server.errors import APIError, bad_request, handle_exception, model_not_found
@@ -36,6 +35,7 @@ from ruvllm_server.generation import (
     completion_prompts,
     encode_chat,
 )
+from ruvllm_server.hookspecs import RouteContext, server_hooks
 from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
 from ruvllm_server.schemas import (
     ChatCompletion,
@@ -315,7 +315,8 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
     host = model.host if model is not None else load_plugins()
     options = settings.effective_plugin_options
     check_plugin_options(host, options)
-    host.hook.register_routes(register=handlers.append, context=RouteContext(options, _user))
+    context = RouteContext(options, _user, model=lambda: state.model)
+    server_hooks(host).register_routes(register=handlers.append, context=context)
     return RuvllmApp(
         state,
         route_handlers=handlers,

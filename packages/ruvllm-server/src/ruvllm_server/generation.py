@@ -21,16 +21,6 @@ from ruvllm.engine.types import ChoiceDelta, GenerationRequest, RequestMetrics, 
 from ruvllm.errors import RequestError, RuvllmError
 from ruvllm.sampling import SamplingParams
 from ruvllm.structured import StructuredOutput
-from ruvllm.tools import (
-    ToolCall,
-    ToolParser,
-    calls_from_required,
-    check_tools,
-    named_schema,
-    required_schema,
-    template_knows_tools,
-    tool_system_prompt,
-)
 from ruvllm_server.errors import APIError, bad_request, model_not_found
 from ruvllm_server.schemas import (
     ChatChoice,
@@ -58,6 +48,16 @@ from ruvllm_server.schemas import (
     ToolCallOut,
     TopLogprob,
     Usage,
+)
+from ruvllm_server.tools import (
+    ToolCall,
+    ToolParser,
+    calls_from_required,
+    check_tools,
+    named_schema,
+    required_schema,
+    template_knows_tools,
+    tool_system_prompt,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def message_dicts(messages: list[ChatMessage], template_reads_tools: bool = True
     """Messages as the chat template takes them (content parts joined into one string). An assistant
     turn's ``tool_calls`` go to the template with their arguments as objects, as transformers passes
     them; a template that knows no tools gets them written into the content instead, as the ``json``
-    tool format (what :func:`ruvllm.tools.tool_system_prompt` asks the model to write)."""
+    tool format (what :func:`ruvllm_server.tools.tool_system_prompt` asks the model to write)."""
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):

@@ -21,11 +21,11 @@ if TYPE_CHECKING:
     from ruvllm.backend import AdapterLimits
     from ruvllm.engine import AsyncEngine
     from ruvllm.engine.types import EngineStats
-    from ruvllm.reasoning import ReasoningParser
     from ruvllm.runtime import LoadedModel
     from ruvllm.tokenizer import Tokenizer
-    from ruvllm.tools import ToolParser
     from ruvllm_server.embeddings import Embedder
+    from ruvllm_server.reasoning import ReasoningParser
+    from ruvllm_server.tools import ToolParser
 
 log = structlog.get_logger("ruvllm.server")
 
@@ -264,7 +264,7 @@ class ServerState:
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
             raise ServerConfigError(f"max_context {s.max_context} exceeds the model's context length {model_context}")
-        from ruvllm.tools import parser_for_template, tool_parsers
+        from ruvllm_server.tools import parser_for_template, tool_parsers
 
         parsers = tool_parsers(self.model.host)
         parser_name = s.tool_call_parser or parser_for_template(self.model.tokenizer.chat_template)
@@ -272,7 +272,7 @@ class ServerState:
             raise ServerConfigError(f"unknown tool_call_parser {parser_name!r} (known: {', '.join(sorted(parsers))})")
         self.tool_parser = parsers[parser_name]()
         if s.reasoning_parser is not None:
-            from ruvllm.reasoning import reasoning_parsers
+            from ruvllm_server.reasoning import reasoning_parsers
 
             found = reasoning_parsers(self.model.host)
             if s.reasoning_parser not in found:

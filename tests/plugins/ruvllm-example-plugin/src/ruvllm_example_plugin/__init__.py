@@ -41,7 +41,7 @@ def register_commands(subparsers):
 
 @hookimpl
 def register_tool_parsers(register):
-    from ruvllm.tools import ParsedOutput, ToolCall, ToolParser
+    from ruvllm_server.tools import ParsedOutput, ToolCall, ToolParser
 
     class CallLineParser(ToolParser):
         """Calls written as ``name({...json arguments...})``, one per line."""
