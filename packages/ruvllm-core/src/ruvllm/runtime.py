@@ -52,6 +52,9 @@ class LoadedModel:
     step_needs: set[str] = field(default_factory=set)
     #: Adapters steps will carry, by who declared them (see :meth:`expect_adapters`).
     adapter_needs: dict[str, AdapterLimits] = field(default_factory=dict)
+    #: What plugins keep for this model, by plugin name (SONA's learner): state lives with its model,
+    #: so several models in one process each have their own.
+    plugin_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def config(self) -> ModelConfig:

@@ -1,12 +1,14 @@
 """HTTP endpoints for the server to mount: ``POST /v1/feedback`` and ``GET /v1/sona/stats``.
 
     from ruvllm_sona.http import sona_router
-    app = Litestar(route_handlers=[..., sona_router()])
+    app = Litestar(route_handlers=[..., sona_router(sona)])
 
-``sona_router()`` serves whatever :func:`ruvllm_sona.plugin.attach` attached (503 while nothing is);
-pass a :class:`~ruvllm_sona.sona.Sona` to bind one explicitly. ``api_key_id`` tells the feedback
-route who is calling (the server passes the authenticated key's id), so that under the ``api_key``
-scope a key can only rate its own responses. Errors use OpenAI's error shape.
+The router is told which learner it serves: a :class:`~ruvllm_sona.sona.Sona`, or a function that
+returns the one to serve now (None: 503), which the plugin's ``register_routes`` hook gives it for the
+server's model. Without either it serves the only learner attached in this process (503 while there is
+none, or several). ``api_key_id`` tells the feedback route who is calling (the server passes the
+authenticated key's id), so that under the ``api_key`` scope a key can only rate its own responses.
+Errors use OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from ruvllm_sona import attached
 from ruvllm_sona.errors import FeedbackError, SonaError, UnknownResponseError
 
 if TYPE_CHECKING:
@@ -54,19 +57,26 @@ def _error(status: int, kind: str, message: str, param: str | None = None) -> An
 
 
 def sona_router(
-    sona: Sona | None = None, *, path: str = "/v1", api_key_id: Callable[[Request], str | None] | None = None
+    sona: Sona | Callable[[], Sona | None] | None = None,
+    *,
+    path: str = "/v1",
+    api_key_id: Callable[[Request], str | None] | None = None,
 ) -> Router:
-    """A Litestar router with the feedback and stats endpoints under ``path``. ``api_key_id(request)``
-    gives the caller's authenticated API key id (None: unauthenticated)."""
+    """A Litestar router with the feedback and stats endpoints under ``path``, serving ``sona`` (a
+    learner, or a function returning the one to serve now; None: the only one attached in this
+    process). ``api_key_id(request)`` gives the caller's authenticated API key id (None:
+    unauthenticated)."""
     from litestar import Router, get, post
     from litestar.params import Body
 
-    from ruvllm_sona import plugin
+    from ruvllm_sona.sona import Sona
 
     def current() -> Sona:
-        s = sona if sona is not None else plugin.active()
+        if isinstance(sona, Sona):
+            return sona
+        s = sona() if sona is not None else attached.only()
         if s is None:
-            if plugin.attached_models() > 1:
+            if sona is None and attached.count() > 1:
                 raise _NotAttached("several models have SONA attached; this router was given none of them")
             raise _NotAttached("SONA is not attached to the served model")
         return s

@@ -19,41 +19,33 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from ruvllm.backend import AdapterLimits
 from ruvllm.hookspecs import hookimpl
+from ruvllm_sona import attached
 from ruvllm_sona.config import SonaConfig
 from ruvllm_sona.errors import SonaError
+from ruvllm_sona.http import sona_router
 from ruvllm_sona.sona import Sona
 
 if TYPE_CHECKING:
-    from ruvllm.hookspecs import RouteContext
     from ruvllm.inference import InferenceRequest, InferenceResult
     from ruvllm.runtime import LoadedModel
 
 log = structlog.get_logger("ruvllm_sona")
 
-#: The learners attached in this process, by ``id()`` of the model they learn on (with the model,
-#: which keeps that id taken while attached). Requests find theirs through ``request.model``.
-_attached: dict[int, tuple[LoadedModel, Sona]] = {}
-_attach_lock = threading.Lock()
-
-
 def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: str | Path | None = None) -> Sona:
-    """Create the SONA learner for ``model``, start its background loop and make this module's hooks
-    (registered with ``model.host`` if the entry point was filtered out) forward that model's
-    requests to it. Several models may each have one; a model has at most one."""
-    with _attach_lock:
-        if id(model) in _attached:
-            raise SonaError("SONA is already attached to this model; call detach(model) first")
-        sona = Sona.for_model(model, config, state_dir=Path(state_dir).expanduser() if state_dir else None)
-        _attached[id(model)] = (model, sona)
+    """Create the SONA learner for ``model`` (kept on the model, ``model.plugin_state["sona"]``),
+    start its background loop and make this module's hooks (registered with ``model.host`` if the
+    entry point was filtered out) forward that model's requests to it. Several models may each have
+    one; a model has at most one."""
+    where = Path(state_dir).expanduser() if state_dir else None
+    sona = attached.add(model, lambda: Sona.for_model(model, config, state_dir=where))
     if sona.config.gate:
         model.step_needs.add("hidden_states")  # the gate routes on them: the engine precompiles those steps
     # Steps carry the scopes' adapter snapshots: up to one per sequence (in-flight requests keep the
@@ -68,27 +60,20 @@ def attach(model: LoadedModel, config: SonaConfig | None = None, *, state_dir: s
 def detach(model: LoadedModel | None = None, save: bool = True) -> None:
     """Stop the learner attached to ``model`` (None: every attached one), saving its state when it has
     a directory."""
-    with _attach_lock:
-        keys = list(_attached) if model is None else [id(model)]
-        gone = [_attached.pop(k) for k in keys if k in _attached]
-    for m, sona in gone:
+    for m, sona in attached.remove(model):
         m.expect_adapters("sona", None)
         sona.close(save=save)
 
 
 def active(model: LoadedModel | None = None) -> Sona | None:
-    """The learner attached to ``model``; without one, the only attached learner (None when there is
-    none, or several)."""
-    if model is not None:
-        entry = _attached.get(id(model))
-        return entry[1] if entry is not None else None
-    entries = list(_attached.values())
-    return entries[0][1] if len(entries) == 1 else None
+    """The learner attached to ``model``; without one, the only attached learner in this process
+    (None when there is none, or several)."""
+    return attached.learner_of(model) if model is not None else attached.only()
 
 
 def attached_models() -> int:
     """How many models have a learner attached in this process."""
-    return len(_attached)
+    return attached.count()
 
 
 def _for(request: InferenceRequest) -> Sona | None:
@@ -149,13 +134,23 @@ def model_loaded(model: LoadedModel, options: Mapping[str, Mapping[str, str]]) -
     log.info("sona attached", scope=config.scope, gate=config.gate, state_dir=mine.get("state_dir"))
 
 
+class _RouteContext(Protocol):
+    """What SONA reads of the server's ``ruvllm_server.hookspecs.RouteContext`` (this package does not
+    depend on the server)."""
+
+    options: Mapping[str, Mapping[str, str]]
+
+    def api_key_id(self, request: Any) -> str | None: ...
+
+    def model(self) -> LoadedModel | None: ...
+
+
 @hookimpl
-def register_routes(register: Callable[[object], None], context: RouteContext) -> None:
+def register_routes(register: Callable[[object], None], context: _RouteContext) -> None:
     if _enabled(context.options) is None:
         return
-    from ruvllm_sona.http import sona_router
-
-    register(sona_router(api_key_id=context.api_key_id))
+    # The served model's learner, looked up per request (the model may load after startup).
+    register(sona_router(lambda: attached.learner_of(context.model()), api_key_id=context.api_key_id))
 
 
 @hookimpl
