@@ -54,7 +54,7 @@ class LoadedModel:
     adapter_needs: dict[str, AdapterLimits] = field(default_factory=dict)
     #: What plugins keep for this model, by plugin name (SONA's learner): state lives with its model,
     #: so several models in one process each have their own.
-    plugin_state: dict[str, Any] = field(default_factory=dict)
+    plugin_state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def config(self) -> ModelConfig:
