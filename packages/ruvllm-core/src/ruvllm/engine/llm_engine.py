@@ -1,4 +1,11 @@
-"""The synchronous, step-driven engine: add requests, call ``step()``, read outputs."""
+"""The synchronous, step-driven engine: add requests, call ``step()``, read outputs.
+
+:class:`LLMEngine` composes one part per job: the KV plan (:mod:`~ruvllm.engine.kv_plan`) sizes the
+cache, the scheduler picks each step's chunks, the step executor (:mod:`~ruvllm.engine.step_executor`)
+runs them with failures isolated per request, the batch sampler picks the tokens and the output
+processor (:mod:`~ruvllm.engine.output_processor`) turns them into text and outputs. X-LoRA's shadow
+sequences are handled in :mod:`~ruvllm.engine.xlora`, adapter routers in :mod:`~ruvllm.engine.routing`.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +13,27 @@ import copy
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 
-from ruvllm.adapters import AdapterMix, XLoraAdapter
-from ruvllm.backend import DeviceSampling, ForwardBatch, SequenceChunk, StepLimits
+from ruvllm.adapters import XLoraAdapter
+from ruvllm.backend import StepLimits
 from ruvllm.block_manager import BlockManager, HybridBlockManager
-from ruvllm.engine.config import EngineConfig, EngineConfigError, default_hybrid_blocks, default_num_blocks
-from ruvllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from ruvllm.engine.config import EngineConfig, EngineConfigError
+from ruvllm.engine.kv_plan import plan_kv_cache
+from ruvllm.engine.output_processor import OutputProcessor
+from ruvllm.engine.routing import AdapterRouter
+from ruvllm.engine.scheduler import Scheduler
 from ruvllm.engine.sequence import RequestState, Sequence
 from ruvllm.engine.step_budget import StepBudget
-from ruvllm.engine.types import (
-    ChoiceDelta,
-    EngineStats,
-    GenerationRequest,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprob,
-)
+from ruvllm.engine.step_executor import DeviceRow, StepExecutor
+from ruvllm.engine.types import ChoiceDelta, EngineStats, GenerationRequest, RequestMetrics, RequestOutput
+from ruvllm.engine.xlora import with_shadow
 from ruvllm.errors import BackendError, RequestError, RequestFailedError
-from ruvllm.inference import ChoiceResult, InferenceRequest, InferenceResult
-from ruvllm.sampling import Sampler, SampleResult, SamplingParams, device_sampling, sample_batch
+from ruvllm.inference import InferenceRequest
+from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -37,12 +41,6 @@ if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
 
 log = structlog.get_logger("ruvllm.engine")
-
-
-def _table(ids: list[int]) -> np.ndarray:
-    """A block table for the backend: blocks released out of a sliding window read as block 0
-    (never unmasked)."""
-    return np.maximum(np.asarray(ids, dtype=np.int32), 0)
 
 
 class LLMEngine:
@@ -71,58 +69,22 @@ class LLMEngine:
             config.sampling == "auto" and caps.device_sampling and caps.prefers_device_sampling
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.block_bytes = model.kv_block_bytes(config.block_size, **config.kv_cache_options)
+        plan = plan_kv_cache(model, config, self.max_model_len)
+        self.block_bytes = plan.block_bytes
         #: A hybrid KV cache (windowed layers in a pool of their own, see HybridBlockManager) where
         #: the model interleaves windowed and global layers and the backend keeps such pools.
-        self.hybrid = bool(mc.hybrid_window) and caps.hybrid_kv
-        self.local_blocks = 0
-        cache_options = dict(config.kv_cache_options)
-        # What the cache holds besides its blocks (a two-tier cache's float slots) comes off the budget.
-        reserved, extra = model.kv_reserve(config.block_size, config.max_num_seqs, **config.kv_cache_options)
-        cache_options.update(extra)
-        sizing = config
-        if reserved:
-            if config.num_blocks is None and reserved >= config.kv_cache_memory_bytes:
-                raise EngineConfigError(
-                    f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} does not cover the KV cache's "
-                    f"fixed part ({reserved} bytes for {config.max_num_seqs} sequences: {extra}); "
-                    "give more memory or fewer sequences"
-                )
-            sizing = replace(config, kv_cache_memory_bytes=config.kv_cache_memory_bytes - reserved)
-        if self.hybrid:
-            self.num_blocks, self.local_blocks = default_hybrid_blocks(mc, sizing, self.max_model_len, self.block_bytes)
-            self.block_manager: BlockManager | HybridBlockManager = HybridBlockManager(
-                self.num_blocks,
-                self.local_blocks,
-                config.block_size,
-                mc.hybrid_window,
-                enable_prefix_caching=config.enable_prefix_caching,
-                eviction=config.eviction,
-            )
-            cache_options["local_blocks"] = self.local_blocks
-            per_layer = self.block_bytes / mc.num_layers
-            local_layers = len(mc.local_layers)
-            #: Bytes the KV cache holds.
-            self.kv_cache_bytes = reserved + int(
-                per_layer * ((mc.num_layers - local_layers) * self.num_blocks + local_layers * self.local_blocks)
-            )
-        else:
-            self.num_blocks = config.num_blocks or default_num_blocks(mc, sizing, self.max_model_len, self.block_bytes)
-            self.block_manager = BlockManager(
-                self.num_blocks,
-                config.block_size,
-                enable_prefix_caching=config.enable_prefix_caching,
-                eviction=config.eviction,
-                sliding_window=mc.uniform_window,
-            )
-            self.kv_cache_bytes = reserved + self.num_blocks * self.block_bytes
+        self.hybrid = plan.hybrid
+        self.num_blocks, self.local_blocks = plan.num_blocks, plan.local_blocks
+        #: Bytes the KV cache holds.
+        self.kv_cache_bytes = plan.kv_cache_bytes
+        self.block_manager: BlockManager | HybridBlockManager = plan.block_manager(config, mc)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.policy,
         )
-        self.cache = model.allocate_cache(self.num_blocks, config.block_size, **cache_options)
+        self.cache = model.allocate_cache(self.num_blocks, config.block_size, **plan.cache_options)
         #: Prompt tokens per step under ``max_step_ms`` (None: only ``max_num_batched_tokens`` bounds them).
         self.step_budget = (
             StepBudget(config.max_step_ms, config.max_num_batched_tokens, config.max_step_ratio)
@@ -137,15 +99,27 @@ class LLMEngine:
         #: Requests that failed alone in the last steps (their streams get the error), taken by
         #: :meth:`take_failures`.
         self._failures: list[RequestFailedError] = []
-        #: Set when the forward keeps failing for one request after another: the engine is unusable.
-        self.broken: str | None = None
-        self._failed_steps = 0
         self._requests: dict[str, RequestState] = {}
         self._order = itertools.count()
         #: Outputs of other requests produced while ``stream``/``generate`` drove the engine.
         self._undelivered: list[RequestOutput] = []
-        #: Last-prompt-token hidden states awaiting their request's adapter router, by sequence id.
-        self._route_hidden: dict[int, np.ndarray] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, model.host)
+        self.router = AdapterRouter(self.scheduler)
+        self.executor = StepExecutor(
+            model,
+            self.cache,
+            self.block_manager,
+            self.outputs,
+            self.router,
+            device_sampling=self.device_sampling,
+            fail=self._fail,
+            fail_all=self._fail_all,
+        )
+
+    @property
+    def broken(self) -> str | None:
+        """Set when the forward keeps failing for one request after another: the engine is unusable."""
+        return self.executor.broken
 
     # ------------------------------------------------------------------------------ requests
 
@@ -213,9 +187,7 @@ class LLMEngine:
                 f"context of {self.max_model_len} tokens"
             )
         need = self.block_manager.peak_blocks(len(prompt) + sampling.max_tokens, self.config.max_num_batched_tokens)
-        needs = need if isinstance(need, tuple) else (need,)
-        if isinstance(adapter, XLoraAdapter):
-            needs = tuple(2 * n for n in needs)
+        needs = with_shadow(need if isinstance(need, tuple) else (need,), adapter)
         for want, have, what in zip(needs, (self.num_blocks, self.local_blocks), ("", " windowed-layer"), strict=False):
             if want > have:
                 raise RequestError(
@@ -234,10 +206,10 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
         n_known = len(state.seqs)
-        output = self._output(state, time.monotonic(), finished=True)
+        output = self.outputs.output(state, time.monotonic(), finished=True)
         # Choices never forked off still get their (empty) final delta.
         output.deltas.extend(ChoiceDelta(i, "", [], finish_reason="abort") for i in range(n_known, state.sampling.n))
-        self._finish_request(state, "abort")
+        self.outputs.finish_request(state, "abort")
         return output
 
     def has_unfinished(self) -> bool:
@@ -374,8 +346,8 @@ class LLMEngine:
                 st.metrics.queue_time = now - st.request.arrival_time
                 st.metrics.cached_tokens = seq.num_cached_tokens or 0
         t0 = time.perf_counter()
-        sampling = self._device_sampling(sched)
-        logits_of = self._forward_isolating(sched, sampling)
+        sampling = self.executor.sampling_rows(sched)
+        logits_of = self.executor.run(sched, sampling)
         if self.broken is not None:
             return []
         if self.step_budget is not None and len(logits_of) == len(sched.chunks):  # a clean step: learn its cost
@@ -393,7 +365,7 @@ class LLMEngine:
         rows: list[np.ndarray] = []
         on_device: dict[int, SampleResult] = {}
         for _, (chunk, logits) in sorted(logits_of.items()):
-            if not chunk.completes or self._route(chunk):
+            if not chunk.completes or self.router.route(chunk):
                 continue
             seq, st = chunk.seq, chunk.seq.state
             if not st.forked and st.sampling.n > 1:
@@ -401,7 +373,7 @@ class LLMEngine:
             else:
                 targets = [seq]
             error: Exception | None = None
-            if isinstance(logits, _DeviceRow):  # sampled in the step (one target: no fork there)
+            if isinstance(logits, DeviceRow):  # sampled in the step (one target: no fork there)
                 if not logits.finite:
                     error = FloatingPointError("the model produced non-finite logits for this sequence")
                 else:
@@ -429,7 +401,7 @@ class LLMEngine:
                 for s, sample in zip(targets, picked, strict=False):
                     if isinstance(sample, Exception):
                         raise sample
-                    self._append_token(s, sample)
+                    self.outputs.append_token(s, sample)
             except Exception as exc:  # tied to this request: it fails alone
                 self._fail(rid, exc)
                 progressed.pop(rid, None)
@@ -447,10 +419,10 @@ class LLMEngine:
                 if s.finished and s in self.scheduler.running:
                     self.scheduler.remove(s)
             finished = st.finished
-            outputs.append(self._output(st, now, finished))
+            outputs.append(self.outputs.output(st, now, finished))
             if finished:
                 del self._requests[st.request.request_id]
-                self._finish_request(st, st.seqs[0].finish_reason or "stop")
+                self.outputs.finish_request(st, st.seqs[0].finish_reason or "stop")
         return outputs
 
     def _fail(self, rid: str, exc: BaseException) -> None:
@@ -459,238 +431,18 @@ class LLMEngine:
         self.abort(rid)
         self._failures.append(RequestFailedError(rid, reason))
 
+    def _fail_all(self, reason: str) -> None:
+        for rid in list(self._requests):
+            self._fail(rid, RuntimeError(reason))
+
     def take_failures(self) -> list[RequestFailedError]:
         """Requests that failed alone since the last call (already removed, their blocks free)."""
         out, self._failures = self._failures, []
         return out
 
-    def _device_sampling(self, sched: SchedulerOutput) -> DeviceSampling | None:
-        """The step's device-sampling rows, when this engine samples on the device and no chunk
-        needs its logits on the host (a request that forks into its ``n`` choices draws them all
-        from one row; a prompt whose end an adapter router reads may run again)."""
-        if not self.device_sampling:
-            return None
-        samplers: list[Sampler | None] = []
-        for c in sched.chunks:
-            st = c.seq.state
-            if c.completes and (self._wants_route(c) or (not st.forked and st.sampling.n > 1)):
-                return None
-            samplers.append(c.seq.sampler if c.completes else None)
-        try:
-            return device_sampling(samplers, self.model.config.vocab_size)
-        except Exception as exc:  # a row's grammar failed: the host sampler fails that request alone
-            log.warning("device sampling rows failed; sampling this step on the host", error=repr(exc))
-            return None
-
-    def _forward_isolating(
-        self, sched: SchedulerOutput, sampling: DeviceSampling | None = None
-    ) -> dict[int, tuple[ScheduledChunk, np.ndarray | _DeviceRow]]:
-        """Run the step; returns chunk index -> (chunk, its logits row, or what device ``sampling``
-        picked for it) for the chunks that ran (and records the prompt logprobs of chunks that
-        compute them).
-
-        A step-wide backend error is not blamed on every request in it: the chunks are split in halves
-        and each half runs again (a transient error is thus retried once), down to single requests, so
-        an error tied to one sequence fails that request alone. Cache positions a failed attempt wrote
-        are rewritten by the retry. Requests that fail alone with nothing running in between count
-        against the engine; three in a row mark it broken (:attr:`broken`) and fail every request."""
-        out: dict[int, tuple[ScheduledChunk, np.ndarray | _DeviceRow]] = {}
-        errors: list[Exception] = []
-
-        copied = False  # the step's copy-on-write copies ran (in a pass that succeeded)
-
-        def attempt(indices: list[int]) -> None:
-            nonlocal copied
-            part = SchedulerOutput(chunks=[sched.chunks[i] for i in indices])
-            if not copied:
-                part.block_copies, part.local_block_copies = sched.block_copies, sched.local_block_copies
-            try:
-                mixes = self._scaling_pass(part)  # X-LoRA requests' first pass (it takes the copies)
-                if mixes:
-                    copied = True
-                    part.block_copies, part.local_block_copies = [], []
-                batch = self._batch(part, mixes)
-                if sampling is not None:
-                    batch.sampling = sampling if len(indices) == len(sched.chunks) else sampling.rows(indices)
-                result = self.model.forward(batch, self.cache)
-                copied = True
-                if sampling is not None and result.sampled is None:
-                    raise BackendError("the backend returned no device-sampled tokens for a step that asked")
-            except Exception as exc:
-                errors.append(exc)
-                log.warning("engine step failed; retrying in parts", error=repr(exc), chunks=len(indices))
-                rids = {sched.chunks[i].seq.state.request.request_id for i in indices}
-                if len(rids) == 1:
-                    self._fail(next(iter(rids)), exc)
-                    return
-                # Halves along request boundaries (an n > 1 request's chunks stay together).
-                order = list(dict.fromkeys(sched.chunks[i].seq.state.request.request_id for i in indices))
-                first = set(order[: len(order) // 2])
-                attempt([i for i in indices if sched.chunks[i].seq.state.request.request_id in first])
-                attempt([i for i in indices if sched.chunks[i].seq.state.request.request_id not in first])
-                return
-            got = result.sampled
-            for row, i in enumerate(indices):
-                if got is not None:
-                    k = min(sched.chunks[i].seq.state.sampling.logprobs or 0, got.top_ids.shape[1])
-                    ids, lps = got.top_ids[row, :k].tolist(), got.top_logprobs[row, :k].tolist()
-                    top = list(zip(ids, lps, strict=True))
-                    out[i] = (
-                        sched.chunks[i],
-                        _DeviceRow(int(got.tokens[row]), float(got.logprobs[row]), top, bool(got.finite[row])),
-                    )
-                else:
-                    out[i] = (sched.chunks[i], np.asarray(result.logits[row]))
-                rows = result.all_logits.get(row)
-                if rows is not None and self._wants_prompt_logprobs(sched.chunks[i]):
-                    self._record_prompt_logprobs(sched.chunks[i], np.asarray(rows))
-                hidden = result.hidden_states.get(row)
-                if hidden is not None and self._wants_route(sched.chunks[i]):
-                    self._route_hidden[sched.chunks[i].seq.seq_id] = np.asarray(hidden[-1], np.float32)
-
-        attempt(list(range(len(sched.chunks))))
-        if out:
-            self._failed_steps = 0
-        elif errors:
-            self._failed_steps += len({sched.chunks[i].seq.state.request.request_id for i in range(len(sched.chunks))})
-            if self._failed_steps >= 3:
-                last = errors[-1]
-                self.broken = (
-                    f"forward failed for 3 requests in a row, none ran; last error: {type(last).__name__}: {last}"
-                )
-                log.error("engine broken", reason=self.broken)
-                for rid in list(self._requests):
-                    self._fail(rid, RuntimeError(self.broken))
-        return out
-
     def _full_group(self) -> BlockManager:
         bm = self.block_manager
         return bm.full if isinstance(bm, HybridBlockManager) else bm
-
-    def _scaling_pass(self, part: SchedulerOutput) -> dict[int, AdapterMix]:
-        """X-LoRA's first pass: the shadow sequences of the X-LoRA chunks of ``part`` run the same
-        tokens with the scaling pass's adapters (every expert weighted ``scaling_pass_value``) into
-        their own blocks; the classifier turns their final hidden states into each token's expert
-        weights. Returns chunk index (in ``part``) -> the real pass's :class:`AdapterMix`."""
-        rows = [i for i, c in enumerate(part.chunks) if c.seq.shadow_id is not None]
-        if not rows:
-            return {}
-        bm = self.block_manager
-        hybrid = isinstance(bm, HybridBlockManager)
-        chunks = []
-        for i in rows:
-            c = part.chunks[i]
-            xl = c.seq.state.adapter
-            chunks.append(
-                SequenceChunk(
-                    token_ids=np.asarray(c.token_ids, dtype=np.int32),
-                    start_pos=c.start,
-                    block_table=_table(bm.block_table(c.seq.shadow_id)),
-                    adapter=xl.scaling_pass(c.num_tokens),
-                    hidden_states=True,
-                    local_block_table=_table(bm.local_block_table(c.seq.shadow_id)) if hybrid else None,
-                )
-            )
-        batch = ForwardBatch(
-            chunks=chunks,
-            block_size=bm.block_size,
-            block_copies=part.block_copies,
-            local_block_copies=part.local_block_copies,
-        )
-        result = self.model.forward(batch, self.cache)
-        mixes = {}
-        for row, i in enumerate(rows):
-            hidden = result.hidden_states.get(row)
-            if hidden is None:
-                raise BackendError("the backend returned no hidden states for an X-LoRA scaling pass")
-            mixes[i] = part.chunks[i].seq.state.adapter.mix(np.asarray(hidden, np.float32))
-        return mixes
-
-    def _batch(self, sched: SchedulerOutput, mixes: dict[int, AdapterMix] | None = None) -> ForwardBatch:
-        bm = self.block_manager
-        hybrid = isinstance(bm, HybridBlockManager)
-        mixes = mixes or {}
-
-        chunks = [
-            SequenceChunk(
-                token_ids=np.asarray(c.token_ids, dtype=np.int32),
-                start_pos=c.start,
-                block_table=_table(bm.block_table(c.seq.seq_id)),
-                adapter=mixes.get(i, c.seq.state.adapter),
-                all_logits=self._wants_prompt_logprobs(c),
-                hidden_states=self._wants_route(c),
-                local_block_table=_table(bm.local_block_table(c.seq.seq_id)) if hybrid else None,
-            )
-            for i, c in enumerate(sched.chunks)
-        ]
-        return ForwardBatch(
-            chunks=chunks,
-            block_size=bm.block_size,
-            block_copies=sched.block_copies,
-            local_block_copies=sched.local_block_copies,
-        )
-
-    @staticmethod
-    def _wants_route(c: ScheduledChunk) -> bool:
-        """The chunk that ends the prompt of a request whose adapter a router picks."""
-        st = c.seq.state
-        return (
-            st.inference.adapter_router is not None
-            and st.inference.adapter is None
-            and not st.routed
-            and c.seq.index == 0
-            and c.completes
-            and c.start + c.num_tokens == c.seq.num_prompt_tokens
-        )
-
-    def _route(self, chunk: ScheduledChunk) -> bool:
-        """Ask the request's router; True when it picked an adapter and the prompt must run again."""
-        st = chunk.seq.state
-        hidden = self._route_hidden.pop(chunk.seq.seq_id, None)
-        if hidden is None or st.routed:
-            return False
-        st.routed = True
-        try:
-            adapter = st.inference.adapter_router(hidden)
-        except Exception as exc:  # a plugin's failure leaves the request on the base model
-            log.warning("adapter router failed", request_id=st.request.request_id, error=repr(exc))
-            return False
-        if adapter is None:
-            return False
-        st.inference.adapter = adapter
-        self.scheduler.recompute(chunk.seq)
-        return True
-
-    @staticmethod
-    def _wants_prompt_logprobs(c: ScheduledChunk) -> bool:
-        st = c.seq.state
-        return st.sampling.prompt_logprobs is not None and c.seq.index == 0 and c.start < c.seq.num_prompt_tokens
-
-    def _record_prompt_logprobs(self, c: ScheduledChunk, rows: np.ndarray) -> None:
-        """Row j of a chunk's logits (position ``start + j``) scores the prompt token at the next
-        position: its log-probability under the model's raw logits, its rank, the top alternatives."""
-        st = c.seq.state
-        prompt, top = st.prompt_token_ids, int(st.sampling.prompt_logprobs or 0)
-        if st.prompt_logprobs is None:
-            st.prompt_logprobs = [None] * len(prompt)
-        decode = self.tokenizer.decode
-        x = rows.astype(np.float64)
-        lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
-        for j in range(len(x)):
-            q = c.start + j + 1
-            if q >= len(prompt):
-                break
-            t = int(prompt[q])
-            lp = x[j] - lse[j]
-            best = np.argpartition(-lp, top)[:top] if 0 < top < len(lp) else np.arange(len(lp) if top else 0)
-            best = best[np.argsort(-lp[best], kind="stable")]
-            st.prompt_logprobs[q] = TokenLogprob(
-                token_id=t,
-                token=decode([t]),
-                logprob=float(lp[t]),
-                top=[(int(k), decode([int(k)]), float(lp[k])) for k in best],
-                rank=1 + int(np.count_nonzero(lp > lp[t])),
-            )
 
     # --------------------------------------------------------------------------- sequences
 
@@ -723,111 +475,7 @@ class LLMEngine:
         st.forked = True
         return list(st.seqs)
 
-    def _append_token(self, seq: Sequence, sample: SampleResult) -> None:
-        p = seq.state.sampling
-        token = sample.token_id
-        seq.token_ids.append(token)
-        seq.new_token_ids.append(token)
-        if p.logprobs is not None:
-            seq.new_logprobs.append(self._token_logprob(sample))
-        produced = len(seq.token_ids) - seq.num_prompt_tokens
-        may_stop = produced >= p.min_tokens
-        if token in self.eos_token_ids and not p.ignore_eos and may_stop:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids and may_stop:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        else:
-            text, stop = seq.text.feed(seq.detokenizer.push(token), may_stop)
-            seq.emit_text(text)
-            if stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return
-        constraint = seq.sampler.constraint
-        if seq.finish_reason is None and constraint is not None and constraint.finished:
-            seq.finish_reason = "stop"  # the grammar is complete and allows nothing more
-        if seq.finish_reason is None and (produced >= p.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            text, stop = seq.text.finish(seq.detokenizer.flush(), may_stop)
-            seq.emit_text(text)
-            if stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-
-    def _token_logprob(self, sample: SampleResult) -> TokenLogprob:
-        decode = self.tokenizer.decode
-        return TokenLogprob(
-            token_id=sample.token_id,
-            token=decode([sample.token_id]),
-            logprob=sample.logprob,
-            top=[(t, decode([t]), lp) for t, lp in sample.top_logprobs],
-        )
-
-    # ------------------------------------------------------------------------------ outputs
-
-    def _output(self, st: RequestState, now: float, finished: bool) -> RequestOutput:
-        deltas = []
-        for s in st.seqs:
-            report_finish = s.finished and not s.finish_reported
-            if not (s.new_token_ids or s.new_text or report_finish):
-                continue
-            deltas.append(
-                ChoiceDelta(
-                    index=s.index,
-                    text=s.new_text,
-                    token_ids=s.new_token_ids,
-                    logprobs=s.new_logprobs if st.sampling.logprobs is not None else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                )
-            )
-            s.new_token_ids, s.new_text, s.new_logprobs = [], "", []
-            s.finish_reported = s.finished
-        m = st.metrics
-        m.completion_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in st.seqs)
-        if finished:
-            m.e2e = now - st.request.arrival_time
-        metrics = replace(m, inter_token_latencies=list(m.inter_token_latencies))
-        prompt_logprobs = None
-        if st.sampling.prompt_logprobs is not None and not st.prompt_logprobs_sent:
-            # Reached only once a token was sampled, so the whole prompt has run.
-            prompt_logprobs = st.prompt_logprobs or [None] * len(st.prompt_token_ids)
-            st.prompt_logprobs_sent = True
-        return RequestOutput(st.request.request_id, deltas, finished, metrics, prompt_logprobs)
-
-    def _finish_request(self, st: RequestState, finish_reason: str) -> None:
-        first = st.seqs[0]
-        m = st.metrics
-        result = InferenceResult(
-            request_id=st.request.request_id,
-            output_token_ids=list(first.output_token_ids),
-            text=first.output_text,
-            finish_reason=finish_reason,
-            prompt_tokens=m.prompt_tokens,
-            cached_tokens=m.cached_tokens,
-            queue_time=m.queue_time,
-            ttft=m.ttft,
-            e2e=m.e2e,
-            choices=[
-                ChoiceResult(s.index, list(s.output_token_ids), s.output_text, s.finish_reason or finish_reason)
-                for s in sorted(st.seqs, key=lambda q: q.index)
-            ],
-        )
-        try:
-            self.model.host.hook.post_inference(request=st.inference, result=result)
-        except Exception as exc:  # an observer's failure must not take the engine down
-            log.warning("post_inference hook failed", request_id=st.request.request_id, error=repr(exc))
-
     def __repr__(self) -> str:
         s = self.stats()
         blocks = f"{s.blocks_used}/{s.blocks_total}"
         return f"LLMEngine({self.model.name}, running={s.running}, waiting={s.waiting}, blocks={blocks})"
-
-
-@dataclass(slots=True)
-class _DeviceRow:
-    """What device sampling picked for one chunk."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-    finite: bool
