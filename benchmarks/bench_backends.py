@@ -152,7 +152,7 @@ def ruvllm_engine(
     """``hybrid``: the windowed layers of a model interleaving them with global ones keep their K/V in
     a pool of their own (the engine's hybrid KV cache), here as large as the global one and with the
     same tables: what it costs a step to read two pools."""
-    from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
+    from ruvllm.backend import ForwardBatch, LoadOptions, ReportsWeightBytes, SequenceChunk
     from ruvllm.runtime import load_model
 
     extra = {} if native else {"native": False}
@@ -194,7 +194,7 @@ def ruvllm_engine(
     if backend == "jax":
         r.isa = native_isa() if model.model.native else "xla"
         r.weights = _jax_weights(model.model.weights)
-    weight_bytes = getattr(model.model, "weight_bytes", None)
+    weight_bytes = model.model.weight_bytes if isinstance(model.model, ReportsWeightBytes) else None
     if weight_bytes:
         r.notes = f"weights {weight_bytes / 1e6:.0f} MB"
     return Engine(r, prefill, decode)
