@@ -1,7 +1,7 @@
 """Activation statistics for w8a8 smoothing (SmoothQuant): one float32 forward pass over a fixed text
 records, per layer and input channel, the largest magnitude each projection's input reaches.
 
-The pass runs :func:`ruvllm_jax.model.decoder_layer`, the serving step's layer arithmetic, with plain
+The pass runs :func:`ruvllm.modeling.decoder_layer`, the serving step's layer arithmetic, with plain
 causal attention over one sequence (no KV cache); :func:`calibration_logits` exposes its logits so a
 test can hold it to the serving forward.
 """
@@ -79,8 +79,9 @@ def _forward(weights: Weights, tokens: jax.Array, spec: ModelSpec):
         def project(h, names):
             return [linear(h, getattr(lw, n)) for n in names]
 
-        x, inputs = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend)
-        return x, tuple(jnp.max(jnp.abs(z), axis=0) for z in inputs)
+        x, a = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend)
+        # The inputs of the four projection groups (q/k/v, o, gate/up, down).
+        return x, tuple(jnp.max(jnp.abs(z), axis=0) for z in (a.h, a.a, a.h2, a.act))
 
     x, stats = lax.scan(layer, x, (weights.layers, spec.layer_constants()))
     head_in = rms_norm(x, weights.final_norm, spec.rms_norm_eps)

@@ -11,6 +11,7 @@ import structlog
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
+from ruvllm.modeling import LAYER_TENSORS, PROJECTION_GROUPS, PROJECTIONS, LayerWeights
 from ruvllm_jax.gguf_blocks import (
     GGUF_DIRECT_TYPES,
     WXA8_GGUF_TYPES,
@@ -20,22 +21,8 @@ from ruvllm_jax.gguf_blocks import (
     storage_format,
     wxa8_from_gguf_blocks,
 )
-from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
+from ruvllm_jax.model import ModelSpec, Weights
 from ruvllm_jax.quant import ROW_FIELDS, QuantArray, quantize, quantize_int8, quantize_w8a8, quantize_wxa8, to_panels
-
-_MATRICES = {
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-}
-_VECTORS = {"input_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight"}
-_BIASES = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias"}
-_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
-_OUTPUT_NORMS = {"attn_output_norm": "attn_output_norm.weight", "mlp_output_norm": "mlp_output_norm.weight"}
 
 log = structlog.get_logger("ruvllm_jax.loading")
 
@@ -151,12 +138,8 @@ class WeightLoader:
         else:
             r = activation_ranges(w, self.spec, ids)
         lw = w.layers
-        groups = {
-            "attention_in": ("q_proj", "k_proj", "v_proj"),
-            "output_in": ("o_proj",),
-            "mlp_in": ("gate_proj", "up_proj"),
-            "down_in": ("down_proj",),
-        }
+        # The calibration's measuring point of each group of projections that share an input.
+        groups = dict(zip(("attention_in", "output_in", "mlp_in", "down_in"), PROJECTION_GROUPS, strict=True))
         quantized: dict[str, list] = {}
         for point, projs in groups.items():
             for name in projs:
@@ -177,23 +160,17 @@ class WeightLoader:
     def _load(self) -> Weights:
         spec = self.spec
         names = set(self.ckpt.tensor_names())
-        vectors = dict(_VECTORS)
-        for wanted, group in (
-            (spec.attention_bias, _BIASES),
-            (spec.qk_norm, _QK_NORMS),
-            (spec.output_norms, _OUTPUT_NORMS),
-        ):
-            if wanted:
-                vectors.update(group)
-        per_layer: dict[str, list] = {k: [] for k in (*_MATRICES, *vectors)}
+        tensors = [t for t in LAYER_TENSORS if t.present(spec)]
+        per_layer: dict[str, list] = {t.field: [] for t in tensors}
         for i in range(spec.num_layers):
-            pre = f"model.layers.{i}."
-            for key, suffix in _MATRICES.items():
-                per_layer[key].append(self.matrix(pre + suffix))
-            for key, suffix in vectors.items():
-                if pre + suffix not in names:
-                    raise ModelFormatError(f"{self.ckpt.path}: tensor {pre + suffix!r} is missing")
-                per_layer[key].append(self.vector(pre + suffix))
+            for t in tensors:
+                name = t.name(i)
+                if t.field in PROJECTIONS:
+                    per_layer[t.field].append(self.matrix(name))
+                    continue
+                if name not in names:
+                    raise ModelFormatError(f"{self.ckpt.path}: tensor {name!r} is missing")
+                per_layer[t.field].append(self.vector(name))
         layers = LayerWeights(**{k: _stack(v) for k, v in per_layer.items()})
         self._check_shapes(layers)
         lm_head = None if spec.tie_word_embeddings else self.embedding("lm_head.weight")
@@ -205,22 +182,10 @@ class WeightLoader:
         )
 
     def _check_shapes(self, layers: LayerWeights) -> None:
-        s = self.spec
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        want = {
-            "q_proj": (q, s.hidden_size),
-            "k_proj": (kv, s.hidden_size),
-            "v_proj": (kv, s.hidden_size),
-            "o_proj": (s.hidden_size, q),
-            "gate_proj": (s.intermediate_size, s.hidden_size),
-            "up_proj": (s.intermediate_size, s.hidden_size),
-            "down_proj": (s.hidden_size, s.intermediate_size),
-        }
-        if s.qk_norm:
-            want.update(q_norm=(s.head_dim,), k_norm=(s.head_dim,))
-        if s.output_norms:
-            want.update(attn_output_norm=(s.hidden_size,), mlp_output_norm=(s.hidden_size,))
-        for key, shape in want.items():
+        for t in LAYER_TENSORS:
+            if not t.present(self.spec):
+                continue
+            key, shape = t.field, t.shape(self.spec)
             got = tuple(getattr(layers, key).shape[1:])
             if got != shape:
                 raise ModelFormatError(f"{self.ckpt.path}: {key} has shape {got}, the config implies {shape}")

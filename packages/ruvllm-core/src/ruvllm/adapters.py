@@ -23,9 +23,8 @@ import numpy as np
 
 from ruvllm.errors import ModelFormatError, ModelNotFoundError
 from ruvllm.model_config import ModelConfig
+from ruvllm.modeling import PROJECTIONS, projection_module, projection_shape
 
-#: PEFT module name -> the canonical projection names the backends adapt.
-_PROJ = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -66,16 +65,7 @@ class LoraWeights:
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each projection of the base model."""
-    q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    return {
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (f, h),
-        "up_proj": (f, h),
-        "down_proj": (h, f),
-    }
+    return {p: projection_shape(cfg, p) for p in PROJECTIONS}
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
@@ -149,7 +139,7 @@ def load_peft_adapter(
                 f"{where}: tensor {tname!r} is not a LoRA factor of a decoder projection (not supported)"
             )
         layer, proj, which = int(m.group(1)), m.group(2), m.group(3)
-        if proj not in _PROJ:
+        if proj not in PROJECTIONS:
             raise AdapterError(f"{where}: module {proj!r} of {tname!r} is not one ruvllm adapts")
         if layer >= cfg.num_layers:
             raise AdapterError(f"{where}: {tname!r} is for layer {layer}, the base model has {cfg.num_layers}")
@@ -157,9 +147,7 @@ def load_peft_adapter(
         found.setdefault((layer, proj), {})[which] = arr.T.copy() if fan_in_fan_out else arr
     params: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]] = {}
     for (layer, proj), ab in sorted(found.items()):
-        module = (
-            f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
-        )
+        module = f"model.layers.{layer}.{projection_module(proj)}.{proj}"
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{where}: {module} has lora_{'B' if 'A' in ab else 'A'} missing")
         a, b = ab["A"], ab["B"]
@@ -184,7 +172,7 @@ def load_peft_adapter(
 
 #: Projection order within a layer, as PEFT walks a decoder layer's modules (attention, then MLP):
 #: the order of X-LoRA's per-module ("layerwise") scalings.
-MODULE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_ORDER = PROJECTIONS
 _CLASSIFIER = re.compile(r"(?:^|\.)internal_xlora_classifier\.layers\.(\d+)\.(weight|bias)$")
 
 

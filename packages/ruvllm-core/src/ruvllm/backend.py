@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ruvllm.modeling import PROJECTIONS
+
 if TYPE_CHECKING:
     from ruvllm.checkpoint import Checkpoint
     from ruvllm.model_config import ModelConfig
@@ -48,8 +50,8 @@ class LoadOptions:
 #: What ``LoadOptions.dtype`` (``--dtype``) may name; a backend runs some of the concrete ones.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
-#: Projections an adapter may adapt, in Hugging Face naming.
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Projections an adapter may adapt, in Hugging Face naming (:data:`ruvllm.modeling.PROJECTIONS`).
+LORA_PROJECTIONS = PROJECTIONS
 
 #: Block-table entry (``SequenceChunk.local_block_table``) of a block the sequence no longer holds: it
 #: fell out of the sliding window. Backends never read through it.

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ruvllm.modeling import ATTENTION_PROJECTIONS
 from ruvllm_sona.ewc import Group, TrajectoryFisher, group_of
 from ruvllm_sona.model import LoraFactors, LoraGrads, LoraLlama, Taps, lora_factor_grads
 
 #: Projections the instant loop can update (those whose effect reaches the logits through one row).
-INSTANT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+INSTANT_PROJECTIONS = ATTENTION_PROJECTIONS
 
 
 @dataclass(frozen=True)
