@@ -103,7 +103,7 @@ def _run_engine(llm, smollm2_checkpoint, kv_options=None, memory=2**16, precompi
     )
     if precompile:  # then the run compiles nothing: the hybrid steps are in the precompiled set
         engine.precompile()
-        compiled = (set(llm.model._compiled), set(llm.model._copy_fns))
+        compiled = (llm.model.compiled_steps.stats.count, llm.model.block_copier.programs.stats.count)
     bm = engine.block_manager
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, 101, size=23).tolist()
@@ -125,7 +125,7 @@ def _run_engine(llm, smollm2_checkpoint, kv_options=None, memory=2**16, precompi
     assert engine.scheduler.prefix_cache_hit_tokens >= 16
     assert engine.scheduler.preemptions == 0
     if precompile:
-        assert (set(llm.model._compiled), set(llm.model._copy_fns)) == compiled
+        assert (llm.model.compiled_steps.stats.count, llm.model.block_copier.programs.stats.count) == compiled
     assert engine.block_manager.num_used_blocks == 0 if not engine.hybrid else bm.full.num_used_blocks == 0
     return engine, (prompt, other), list(got.values()), local_peak
 

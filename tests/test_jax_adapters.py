@@ -142,7 +142,7 @@ def test_adapted_logits_match_float64_reference_and_numpy_backend(tiny, jax_mode
     assert np.abs(got - base).max() > 0.5
     assert_close(got[: len(ids)], hf_float64_logits(tiny, ids, adapter)[: len(ids)])
     assert_close(got, run(numpy_model, [(ids, adapter)])[0])
-    plan = next(key[0] for key in jax_model._compiled if key[0].lora is not None)
+    plan = next(p for p in jax_model.compiled_steps.stats.plans if p.lora is not None)
     assert plan.lora.rank == 2 and plan.lora.projections == ("q_proj", "v_proj", "down_proj")
 
 
@@ -153,7 +153,8 @@ def test_mixed_batch_equals_each_sequence_alone(jax_model, numpy_model, adapters
     for (ids, adapter), mixed in zip(seqs, together, strict=True):
         alone = run(jax_model, [(ids, adapter)])[0]
         np.testing.assert_allclose(mixed, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
-    assert any(k[0].lora is not None and k[0].lora.slots == 2 and k[0].lora.rank == 4 for k in jax_model._compiled)
+    plans = jax_model.compiled_steps.stats.plans
+    assert any(p.lora is not None and p.lora.slots == 2 and p.lora.rank == 4 for p in plans)
     # and the mixed step is the NumPy backend's mixed step
     for got, want in zip(together, run(numpy_model, seqs), strict=True):
         assert_close(got, want)

@@ -523,7 +523,7 @@ def test_smollm2_w4a8_attends_natively_over_a_16_bit_cache(smollm2_checkpoint, w
         runs.append((np.concatenate(logits), tokens, cache))
     (want, want_tokens, _), (got, got_tokens, half_cache) = runs
     assert str(half_cache.state.k.dtype) == dtype
-    hlo = [step.as_text() for step in w4a8_model._compiled.values()]
+    hlo = [step.as_text() for step in w4a8_model.compiled_steps.programs()]
     for target in ("ruvllm_paged_decode", "ruvllm_paged_prefill"):
         called = [text for text in hlo if target in text]
         assert any(f"{'f16' if dtype == 'float16' else 'bf16'}[" in text for text in called), target

@@ -88,7 +88,7 @@ def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backe
             step.append(("c", pos - 2, pos - 1))
         run(step)
     if backend.startswith("jax"):  # the steps ran as asked: scanned layers, or unrolled
-        assert {plan.unroll_layers for plan, *_ in model._compiled} == {backend == "jax-unrolled"}
+        assert {plan.unroll_layers for plan in model.compiled_steps.stats.plans} == {backend == "jax-unrolled"}
 
 
 def test_context_is_the_short_factor_range_for_longrope(tmp_path) -> None:

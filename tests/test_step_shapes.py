@@ -111,9 +111,9 @@ def test_after_precompile_a_mixed_workload_compiles_nothing_and_matches_requests
     shapes = engine.precompile()
     jm = tiny_jax.model
     assert len(shapes) == len(step_shapes(4, 128)) + 3  # and block copies of 1, 2, 4 pairs
-    compiled, copies = set(jm._compiled), set(jm._copy_fns)
+    compiled, copies = jm.compiled_steps.stats.count, jm.block_copier.programs.stats.count
     together = engine.generate(_requests())
-    assert set(jm._compiled) == compiled and set(jm._copy_fns) == copies
+    assert jm.compiled_steps.stats.count == compiled and jm.block_copier.programs.stats.count == copies
     for req, outs in zip(_requests("alone-"), together, strict=True):
         alone = LLMEngine(tiny_jax, EngineConfig(num_blocks=64)).generate([req])[0]
         assert _tokens(outs) == _tokens(alone), req.request_id
@@ -133,7 +133,7 @@ def test_device_sampling_functions_are_precompiled_and_sample_like_the_host(tiny
     rows = {s.decode_seqs + s.prefill_seqs for s in step_shapes(4, 128)}
     sampling = [name for name, _ in shapes if name.startswith("sampling")]
     assert len(sampling) == len(rows) * len(overlay_widths(tiny_jax.config.vocab_size)) * 2
-    compiled, samplers = set(jm._compiled), set(jm._samplers)
+    compiled, samplers = jm.compiled_steps.stats.count, jm.compiled_samplers.stats.count
 
     def requests(prefix: str) -> list[GenerationRequest]:
         out = []
@@ -147,7 +147,7 @@ def test_device_sampling_functions_are_precompiled_and_sample_like_the_host(tiny
         return out
 
     got = engine.generate(requests("device-"))
-    assert set(jm._compiled) == compiled and set(jm._samplers) == samplers
+    assert jm.compiled_steps.stats.count == compiled and jm.compiled_samplers.stats.count == samplers
     want = LLMEngine(
         tiny_jax, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, sampling="host")
     ).generate(requests("host-"))
@@ -163,7 +163,7 @@ def test_prompt_logprob_steps_are_precompiled_when_asked(tiny_jax):
     shapes = engine.precompile()
     jm = tiny_jax.model
     assert len([n for n, _ in shapes if n.endswith("all logits")]) == len(step_shapes(4, 128))
-    compiled = set(jm._compiled)
+    compiled = jm.compiled_steps.stats.count
 
     def requests(prefix: str) -> list[GenerationRequest]:
         out = []
@@ -174,7 +174,7 @@ def test_prompt_logprob_steps_are_precompiled_when_asked(tiny_jax):
         return out
 
     together = engine.generate(requests("all-"))
-    assert set(jm._compiled) == compiled
+    assert jm.compiled_steps.stats.count == compiled
     for req, outs in zip(requests("alone-"), together, strict=True):
         if req.sampling.prompt_logprobs is None:
             continue
@@ -211,9 +211,9 @@ def test_with_an_adapter_router_the_hidden_state_steps_are_precompiled_too(tiny_
         shapes = engine.precompile()
         assert len(shapes) == 2 * len(step_shapes(4, 128)) + 3
         jm = tiny_jax.model
-        compiled = set(jm._compiled)
+        compiled = jm.compiled_steps.stats.count
         engine.generate(_requests("routed-"))
-        assert set(jm._compiled) == compiled
+        assert jm.compiled_steps.stats.count == compiled
         assert router.asked == len(_requests())
     finally:
         tiny_jax.host.pm.unregister(router)
@@ -257,12 +257,12 @@ def test_declared_adapters_are_precompiled_and_their_padded_steps_give_the_same_
         shapes = engine.precompile()
         assert len(shapes) == 2 * len(step_shapes(4, 128)) + 3
         assert jm.fixed_lora == LoraPlan(slots=4, rank=4, projections=("q_proj", "v_proj", "down_proj"))
-        compiled = set(jm._compiled)
+        compiled = jm.compiled_steps.stats.count
         padded = engine.generate(requests("padded-"))
-        assert set(jm._compiled) == compiled
+        assert jm.compiled_steps.stats.count == compiled
         jm.fixed_lora = None  # plans sized to each step's adapters from here on
         sized = LLMEngine(tiny_jax, config).generate(requests("sized-"))
-        assert len(jm._compiled) > len(compiled)  # those steps did need shapes of their own
+        assert jm.compiled_steps.stats.count > compiled  # those steps did need shapes of their own
         base = LLMEngine(tiny_jax, config).generate(_requests("base-"))
     finally:
         tiny_jax.expect_adapters("test", None)
@@ -401,7 +401,7 @@ def test_a_precompiled_server_compiles_nothing_while_serving(tmp_path):
         assert r.status_code == 200, r.text
         jm = model.model
         assert jm.precompiled
-        compiled = set(jm._compiled)
+        compiled = jm.compiled_steps.stats.count
 
         def ask(n: int) -> int:
             prompt = " ".join(f"w{(n * 7 + j) % 90 + 1}" for j in range(n))
@@ -411,7 +411,7 @@ def test_a_precompiled_server_compiles_nothing_while_serving(tmp_path):
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             codes = list(pool.map(ask, [1, 2, 9, 30, 60, 100, 3, 45, 70, 12]))
         assert codes == [200] * 10
-        assert set(jm._compiled) == compiled
+        assert jm.compiled_steps.stats.count == compiled
 
 
 def test_ready_says_503_compiling_until_every_shape_is_compiled(tmp_path):

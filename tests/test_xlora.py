@@ -275,13 +275,13 @@ def test_precompiled_steps_cover_xlora_requests(root, xloras):
                        tokenizer=_tokenizer())  # fmt: skip
     names = [name for name, _ in engine.precompile()]
     assert any(n.endswith("hidden adapters mixed") for n in names)
-    compiled = set(llm.model._compiled)
+    compiled = llm.model.compiled_steps.stats.count
     rng = np.random.default_rng(3)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     adapters = [loaded["lw"], loaded["sp"], loaded["e3"], None]
     engine.generate([GenerationRequest(rng.integers(3, 101, size=n).tolist(), params, adapter=a)
                      for n, a in zip((9, 14, 5, 7), adapters, strict=True)])  # fmt: skip
-    assert set(llm.model._compiled) == compiled
+    assert llm.model.compiled_steps.stats.count == compiled
 
 
 def test_smollm2_xlora_matches_peft(smollm2_path, tmp_path):

@@ -35,7 +35,7 @@ class JaxBackend(Backend):
         """What ``ruvllm info`` says of this backend here: the form ``auto`` loads the weights in and
         the CPU kernels (ISA variant, threads) that would multiply them."""
         from ruvllm_jax import native
-        from ruvllm_jax.runner import auto_quantization
+        from ruvllm_jax.options import auto_quantization
 
         rows = [("quantization auto", auto_quantization(checkpoint, LoadOptions(quantization="auto")))]
         if native.available():
