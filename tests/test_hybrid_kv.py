@@ -26,7 +26,7 @@ def _refcounts_exact(bm: HybridBlockManager) -> None:
             for b in entry.table:
                 if b != NO_BLOCK:
                     held[b] += 1
-        assert held == group._ref
+        assert held == [group.ref_count(b) for b in range(group.num_blocks)]
 
 
 def test_the_windowed_group_releases_what_the_global_group_keeps():

@@ -1,8 +1,10 @@
 """Paged KV-cache bookkeeping: which fixed-size blocks each sequence owns, shared and cached.
 
 The block manager speaks only block ids and token ids; the backend owns the tensors. Every sequence
-has a block table (slot ``p`` of the sequence lives in ``table[p // block_size]``). Blocks carry a
-reference count, so sequences can share them:
+has a block table (slot ``p`` of the sequence lives in ``table[p // block_size]``). The blocks come
+from a :class:`~ruvllm.block_pool.BlockPool` (reference counts, the free queue, the prefix cache's
+hash map); the manager holds the policy over it: which blocks a sequence takes, shares and releases.
+Blocks carry a reference count, so sequences can share them:
 
 * **Prefix caching.** Once a block is full and its keys/values are computed, it is registered under
   a hash of (hash of the previous block, the block's token ids). A later sequence whose prompt starts
@@ -28,20 +30,24 @@ reference count, so sequences can share them:
 from __future__ import annotations
 
 import hashlib
-import heapq
 from array import array
-from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ruvllm.backend import NO_BLOCK  # the table entry of a block that fell out of the window
-from ruvllm.errors import RuvllmError
+from ruvllm.block_pool import EVICTION_POLICIES, BlockManagerError, BlockPool
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
-
-
-class BlockManagerError(RuvllmError):
-    """The block manager was asked for something inconsistent (unknown sequence, bad sizes)."""
+__all__ = [
+    "EVICTION_POLICIES",
+    "NO_BLOCK",
+    "BlockManager",
+    "BlockManagerError",
+    "BlockPool",
+    "HybridBlockManager",
+    "HybridPrefixHit",
+    "PrefixHit",
+    "block_hash",
+]
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -83,42 +89,26 @@ class BlockManager:
         eviction: str = "lru",
         sliding_window: int = 0,
     ) -> None:
-        if num_blocks < 1:
-            raise BlockManagerError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise BlockManagerError(f"block_size must be at least 1, got {block_size}")
-        if eviction not in EVICTION_POLICIES:
-            raise BlockManagerError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
         if sliding_window < 0:
             raise BlockManagerError(f"sliding_window must be 0 (none) or positive, got {sliding_window}")
+        #: The blocks (reference counts, free queue, prefix cache) this manager hands out.
+        self.pool = BlockPool(num_blocks, eviction)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.eviction = eviction
-        self._ref = [0] * num_blocks
-        self._hash: list[bytes | None] = [None] * num_blocks
-        self._last_used = [0] * num_blocks
-        self._hits = [0] * num_blocks
-        self._cached_at = [0] * num_blocks
-        self._clock = 0
-        #: Unreferenced blocks holding nothing worth keeping: handed out first.
-        self._free: deque[int] = deque(range(num_blocks))
-        #: Unreferenced cached blocks, evicted by policy; heap entries go stale when a block is taken.
-        self._evictable: dict[int, int] = {}  # block id -> version of its live heap entry
-        self._heap: list[tuple[tuple[int, ...], int, int]] = []  # (policy key, version, block id)
-        self._version = 0
-        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._seqs: dict[Hashable, _SequenceBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self.evictions = 0
 
     # ----------------------------------------------------------------------------------- queries
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (empty ones plus unreferenced cached ones)."""
-        return len(self._free) + len(self._evictable)
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -127,7 +117,12 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return self.pool.num_cached_blocks
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks evicted to be handed out again."""
+        return self.pool.evictions
 
     def has(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -137,7 +132,7 @@ class BlockManager:
         return self._entry(seq_id).table
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref[block_id]
+        return self.pool.ref_count(block_id)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -170,7 +165,7 @@ class BlockManager:
         parent = b""
         for i in range((len(token_ids) - 1) // bs):
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            block = self._cached.get(h)
+            block = self.pool.cached_block(h)
             if block is None:
                 break
             hit.block_ids.append(block)
@@ -193,6 +188,7 @@ class BlockManager:
         need_new, to_copy, taken_from_pool = self._plan(seq_id, num_computed, num_new, prefix)
         if need_new + len(to_copy) + taken_from_pool > self.num_free_blocks:
             return False
+        pool = self.pool
         entry = self._seqs.get(seq_id)
         table = entry.table if entry is not None else []
         if entry is None:
@@ -201,18 +197,17 @@ class BlockManager:
         if prefix is not None and prefix.block_ids:
             for b in prefix.block_ids:
                 if b != NO_BLOCK:  # (a windowed group's hit: blocks before the window are not needed)
-                    self._take(b)
-                    self._hits[b] += 1
+                    pool.take(b, hit=True)
             table.extend(prefix.block_ids)
             entry.hashes = list(prefix.hashes)
         for i in to_copy:
             src = table[i]
-            dst = self._pop_free()
+            dst = pool.allocate()
             self._pending_copies.append((src, dst))
             table[i] = dst
-            self._release(src)
+            pool.release(src)
         for _ in range(need_new):
-            table.append(self._pop_free())
+            table.append(pool.allocate())
         self._release_out_of_window(entry, num_computed)  # a prefix hit may reach past the window
         return True
 
@@ -239,13 +234,16 @@ class BlockManager:
         have = len(table) + (len(prefix.block_ids) if prefix is not None else 0)
         need_new = max(0, self.blocks_needed(num_computed + num_new) - have)
         first, last = num_computed // self.block_size, self.blocks_needed(num_computed + num_new)
-        to_copy = [i for i in range(first, min(last, len(table))) if self._must_copy(table[i])]
-        taken_from_pool = sum(1 for b in (prefix.block_ids if prefix else ()) if b != NO_BLOCK and self._ref[b] == 0)
+        pool = self.pool
+        to_copy = [i for i in range(first, min(last, len(table))) if pool.must_copy(table[i])]
+        taken_from_pool = sum(
+            1 for b in (prefix.block_ids if prefix else ()) if b != NO_BLOCK and pool.ref_count(b) == 0
+        )
         return need_new, to_copy, taken_from_pool
 
     def cached_block(self, block_hash_: bytes) -> int | None:
         """The block cached under a hash, if any."""
-        return self._cached.get(block_hash_) if self.enable_prefix_caching else None
+        return self.pool.cached_block(block_hash_) if self.enable_prefix_caching else None
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the sequence's full blocks whose keys/values are now all computed, so later
@@ -260,13 +258,8 @@ class BlockManager:
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             entry.hashes.append(h)
             b = entry.table[i]
-            if b == NO_BLOCK or h in self._cached or self._hash[b] is not None:
-                continue  # an identical block is cached already (keep the first), or b is shared
-            self._hash[b] = h
-            self._cached[h] = b
-            self._clock += 1
-            self._cached_at[b] = self._clock
-            self._hits[b] = 0
+            if b != NO_BLOCK:
+                self.pool.cache(b, h)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (shared until one of them writes)."""
@@ -275,7 +268,7 @@ class BlockManager:
         parent = self._entry(parent_id)
         for b in parent.table:
             if b != NO_BLOCK:
-                self._ref[b] += 1
+                self.pool.take(b)
         self._seqs[child_id] = _SequenceBlocks(list(parent.table), list(parent.hashes))
 
     def free(self, seq_id: Hashable) -> None:
@@ -288,7 +281,7 @@ class BlockManager:
         # more future prompts share.
         for b in reversed(entry.table):
             if b != NO_BLOCK:
-                self._release(b)
+                self.pool.release(b)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies owed to the backend since the last call."""
@@ -297,11 +290,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that nobody references."""
-        for b in list(self._evictable):
-            del self._evictable[b]
-            self._uncache(b)
-            self._free.append(b)
-        self._heap.clear()
+        self.pool.reset_prefix_cache()
 
     # -------------------------------------------------------------------------------- internals
 
@@ -315,65 +304,8 @@ class BlockManager:
         table = entry.table
         for i in range(min(self.first_live_block(num_computed), len(table))):
             if table[i] != NO_BLOCK:
-                self._release(table[i])
+                self.pool.release(table[i])
                 table[i] = NO_BLOCK
-
-    def _must_copy(self, block: int) -> bool:
-        # A block someone else references, or one registered in the cache, must not be overwritten.
-        return self._ref[block] > 1 or self._hash[block] is not None
-
-    def _take(self, block: int) -> None:
-        if self._ref[block] == 0:
-            self._evictable.pop(block, None)
-        self._ref[block] += 1
-
-    def _release(self, block: int) -> None:
-        self._ref[block] -= 1
-        if self._ref[block] > 0:
-            return
-        self._clock += 1
-        self._last_used[block] = self._clock
-        if self._hash[block] is None:
-            self._free.append(block)
-            return
-        self._version += 1
-        self._evictable[block] = self._version
-        heapq.heappush(self._heap, (self._eviction_key(block), self._version, block))
-        if len(self._heap) > 2 * len(self._evictable) + 64:
-            # Taking a cached block leaves its heap entry behind; rebuild before they pile up.
-            self._heap = [e for e in self._heap if self._evictable.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
-
-    def _eviction_key(self, block: int) -> tuple[int, ...]:
-        if self.eviction == "lru":
-            return (self._last_used[block],)
-        if self.eviction == "lfu":
-            return (self._hits[block], self._last_used[block])
-        return (self._cached_at[block],)
-
-    def _pop_free(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block = self._evict()
-        self._ref[block] = 1
-        return block
-
-    def _evict(self) -> int:
-        while self._heap:
-            _, version, block = heapq.heappop(self._heap)
-            if self._evictable.get(block) == version:
-                del self._evictable[block]
-                self._uncache(block)
-                self.evictions += 1
-                return block
-        raise BlockManagerError("no free KV block (the caller must check free blocks first)")
-
-    def _uncache(self, block: int) -> None:
-        h = self._hash[block]
-        if h is not None and self._cached.get(h) == block:
-            del self._cached[h]
-        self._hash[block] = None
 
 
 @dataclass
