@@ -14,19 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for p in (ROOT / "packages").glob("*/src/*") if (p / "__init__.py").is_file())
 
-#: Cycles known when this test was written and being removed elsewhere, by their exact modules: met
-#: exactly, the test is an expected failure; any other cycle fails. Drop an entry when its cycle goes.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset(
-        {
-            "ruvllm_jax.attention",
-            "ruvllm_jax.kernels",
-            "ruvllm_jax.kernels.paged_attention",
-            "ruvllm_jax.model",
-        }
-    ): "issue 43: the int8 KV codec and MASK_VALUE are moving out of model.py and kernels (jax backend's split)",
-}
-
 
 def module_files() -> dict[str, Path]:
     """Every module of every package's sources, by dotted name (a package by its ``__init__``)."""
@@ -140,10 +127,7 @@ def test_no_import_cycle(source: Path) -> None:
     graph = import_graph()
     top = source.name
     cycles = [c for c in strongly_connected(graph) if len(c) > 1 and c[0].split(".")[0] == top]
-    unknown = [c for c in cycles if frozenset(c) not in KNOWN_CYCLES]
-    assert not unknown, "import cycles: " + " | ".join(describe(c, graph) for c in unknown)
-    if cycles:
-        pytest.xfail("; ".join(KNOWN_CYCLES[frozenset(c)] for c in cycles))
+    assert not cycles, "import cycles: " + " | ".join(describe(c, graph) for c in cycles)
 
 
 def test_the_graph_sees_lazy_and_relative_imports_and_skips_type_checking(tmp_path: Path) -> None:
