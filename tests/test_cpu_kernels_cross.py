@@ -2,7 +2,7 @@
 
 ``tests/native/kernel_check.cc`` links the variant objects of one architecture (``cpu_kernels_variant.cc``
 compiled once per variant with the flags of ``ruvllm_jax/native/variants.py``, loaded by path, so this
-does not depend on how the package was built), quantizes activations as ``cpu_ffi.cc`` does and checks
+does not depend on how the package was built), quantizes activations as ``cpu_acts.h`` does and checks
 each variant the CPU runs: bit for bit where the kernels promise it, within rounding for the row-major
 group kernel and decode attention. It runs natively, which also proves the harness, and for aarch64
 cross-compiled (``aarch64-linux-gnu-g++ -static``) under ``qemu-aarch64 -cpu max``, whose CPU has every

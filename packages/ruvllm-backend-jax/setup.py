@@ -1,12 +1,13 @@
 """Builds the native CPU kernels at install (metadata lives in pyproject.toml).
 
-One shared library, ``ruvllm_jax/native/_cpu_kernels*.so``: ``cpu_ffi.cc`` for the architecture's
-baseline, plus ``cpu_kernels_variant.cc`` once per ISA variant with that variant's flags (see
-``native/variants.py``); the library picks a variant at run time. The extension is optional: where no
-C++ compiler is found the package installs without it, and the backend runs its XLA formulations and
-says why in its load log. A variant the compiler cannot build (too old for ``-mavxvnni``, say) is left
-out with a warning. ``RUVLLM_NATIVE_REQUIRED=1`` makes a failed build fail the install (the test
-suite sets it, so a kernel that stops compiling cannot pass unnoticed).
+One shared library, ``ruvllm_jax/native/_cpu_kernels*.so``: the XLA FFI handlers (``cpu_ffi.cc``), the
+choice of variant (``cpu_isa.cc``) and the thread pool (``cpu_pool.cc``) for the architecture's
+baseline, plus ``cpu_kernels_variant.cc`` (with the ISA bodies it includes) once per ISA variant with
+that variant's flags (see ``native/variants.py``); the library picks a variant at run time. The
+extension is optional: where no C++ compiler is found the package installs without it, and the backend
+runs its XLA formulations and says why in its load log. A variant the compiler cannot build (too old for
+``-mavxvnni``, say) is left out with a warning. ``RUVLLM_NATIVE_REQUIRED=1`` makes a failed build fail
+the install (the test suite sets it, so a kernel that stops compiling cannot pass unnoticed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from setuptools.command.build_ext import build_ext
 
 NATIVE = Path("src/ruvllm_jax/native")
 KERNELS = runpy.run_path(str(NATIVE / "variants.py"))
+#: Compiled once, for the architecture's baseline.
+BASELINE_SOURCES = ("cpu_ffi.cc", "cpu_isa.cc", "cpu_pool.cc")
 
 
 def _ffi_include_dir() -> str:
@@ -41,12 +44,11 @@ class BuildNative(build_ext):
         common = list(KERNELS["COMMON_FLAGS"])
         tmp = Path(self.build_temp) / "ruvllm_native"
 
-        def compile_one(sym: str | None, flags: list[str]) -> list[str]:
-            src = NATIVE / ("cpu_ffi.cc" if sym is None else "cpu_kernels_variant.cc")
+        def compile_one(sym: str | None, flags: list[str], src: str = "cpu_kernels_variant.cc") -> list[str]:
             macros = [] if sym is None else [("RUVLLM_VARIANT", sym)]
             return self.compiler.compile(
-                [str(src)],
-                output_dir=str(tmp / (sym or "ffi")),
+                [str(NATIVE / src)],
+                output_dir=str(tmp / (sym or "baseline")),
                 macros=macros,
                 include_dirs=include,
                 extra_postargs=[*common, *flags],
@@ -54,9 +56,9 @@ class BuildNative(build_ext):
 
         variants = KERNELS["VARIANTS"][machine]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            ffi = pool.submit(compile_one, None, [])
+            baseline = [pool.submit(compile_one, None, [], src) for src in BASELINE_SOURCES]
             jobs = {sym: pool.submit(compile_one, sym, flags) for sym, flags in variants.items()}
-            objects = list(ffi.result())
+            objects = [obj for job in baseline for obj in job.result()]
             for sym, job in jobs.items():
                 try:
                     objects += job.result()

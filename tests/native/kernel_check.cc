@@ -2,7 +2,7 @@
 //
 // Linked with the variant objects of one architecture (cpu_kernels_variant.cc compiled once per
 // variant with its flags from variants.py; tests/test_cpu_kernels_cross.py builds it natively and for
-// aarch64 under qemu). Builds its inputs with a fixed PRNG, quantizes activations as cpu_ffi.cc does
+// aarch64 under qemu). Builds its inputs with a fixed PRNG, quantizes activations as cpu_acts.h does
 // (written out here), and checks each variant the CPU supports:
 //   quantize_groups, w8a8_rows, panel_rows, kpanel_rows  bit for bit (the same integers, then the
 //                                                         same float operations in the same order);
@@ -44,7 +44,7 @@ VARIANTS(DECLARE_WEAK)
 
 namespace {
 
-// -- which variants this CPU runs (cpu_ffi.cc's detect_features) ------------------------------------
+// -- which variants this CPU runs (cpu_isa.cc's detect_features) ------------------------------------
 
 bool cpu_runs(const std::string& v) {
   if (v == "scalar") return true;
@@ -121,7 +121,7 @@ std::vector<float> activations(Rng& r, int64_t M, int64_t K) {
   return x;
 }
 
-// cpu_ffi.cc's RowActsBuf::quantize.
+// cpu_acts.h's RowActsBuf::quantize.
 struct RowActsBuf {
   int64_t M = 0, K = 0, Kp = 0;
   std::vector<int8_t> q;
@@ -151,7 +151,7 @@ struct RowActsBuf {
   ruvllm::RowActs view() const { return {q.data(), a.data(), scale.data(), M, K, Kp}; }
 };
 
-// cpu_ffi.cc's GroupActsBuf::quantize (the scalar quantize_groups), q4 included.
+// cpu_acts.h's GroupActsBuf::quantize (the scalar quantize_groups), q4 included.
 struct GroupActsBuf {
   int64_t M = 0, K = 0, G = 0, Gp = 0;
   std::vector<int8_t> q, q4;

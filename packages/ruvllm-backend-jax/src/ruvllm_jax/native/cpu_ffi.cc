@@ -1,10 +1,9 @@
-// ruvllm CPU kernels for XLA:CPU, called from jitted steps through the XLA FFI: the handlers, the
-// work split over a small thread pool, activation quantization and the choice of ISA variant.
-//
-// Built at install (setup.py) for the baseline ISA of the target architecture; the kernels
-// themselves are in cpu_kernels_variant.cc, compiled once per ISA variant into the same library.
-// The best variant the CPU supports is chosen once, at load, from its features (cpuid and xgetbv on
-// x86-64, getauxval(AT_HWCAP) on Linux/aarch64); ruvllm_select_isa forces another it supports.
+// ruvllm CPU kernels for XLA:CPU, called from jitted steps through the XLA FFI: the handlers (operand
+// checks, the activations quantized into cpu_acts.h's buffers, the split of attention and LoRA over
+// the pool). The kernels are in cpu_kernels_variant.cc, compiled once per ISA variant into the same
+// library; which variant runs is cpu_isa.cc's choice, the thread pool and the split of the quantized
+// products cpu_pool.cc's.
+// This file is built at install (setup.py) for the baseline ISA of the target architecture.
 //
 // ruvllm_w8a8: y_i = x @ W_i.T for a group of int8 weight matrices W_i that share one input x
 // (q/k/v, or gate/up). x [M, K] float32 is multiplied by the group's per-input-channel smoothing
@@ -18,421 +17,36 @@
 // the paged cache (float32, float16 or bfloat16), read in place, from a first key per sequence
 // (sliding windows) with the model's score scale (attribute "scale").
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <cmath>
-#include <functional>
-#include <mutex>
+#include <cstdint>
+#include <cstring>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
-
-#include <unistd.h>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <cpuid.h>
-#include <immintrin.h>
-#endif
-#if defined(__linux__) && defined(__aarch64__)
-#include <sys/auxv.h>
-#endif
 
 #include "xla/ffi/api/ffi.h"
 
+#include "cpu_acts.h"
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
+#include "cpu_pool.h"
 
 namespace ffi = xla::ffi;
 using ruvllm::DecodeJob;
 using ruvllm::LoraJob;
 using ruvllm::PrefillJob;
+using ruvllm::GroupActsBuf;
 using ruvllm::GroupMatrix;
 using ruvllm::KernelTable;
+using ruvllm::RowActsBuf;
 using ruvllm::RowMatrix;
-
-// Every variant the build may hold; those it did not compile (another architecture) are null.
-#define RUVLLM_VARIANTS(X) \
-  X(scalar) X(avx2) X(avxvnni) X(avxvnni_evex) X(avx512vnni) X(neon) X(neon_dotprod) X(neon_i8mm)
-#define RUVLLM_WEAK_DECL(sym) extern "C" const KernelTable* ruvllm_kernels_##sym() __attribute__((weak));
-RUVLLM_VARIANTS(RUVLLM_WEAK_DECL)
+using ruvllm::kernels;
+using ruvllm::kHelperRows;
+using ruvllm::Pool;
+using ruvllm::run_group_split;
+using ruvllm::run_split;
 
 namespace {
-
-// -- CPU features and the variant in use -------------------------------------------------------------
-
-enum Feature : unsigned {
-  kAvx2 = 1u << 0,        // AVX2 + FMA + F16C, YMM state enabled by the OS
-  kAvxVnni = 1u << 1,     // AVX-VNNI (VEX vpdpbusd)
-  kAvx512Vnni = 1u << 2,  // AVX-512 F + BW + VL + VNNI, ZMM state enabled by the OS
-  kNeon = 1u << 8,
-  kNeonDot = 1u << 9,     // sdot / udot
-  kNeonI8mm = 1u << 10,   // smmla / usdot
-};
-
-unsigned detect_features() {
-  unsigned f = 0;
-#if defined(__x86_64__) || defined(_M_X64)
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29), avx = c & (1u << 28);
-  if (!osxsave || !avx) return 0;
-  unsigned xlo, xhi;
-  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  const bool ymm = (xlo & 0x6u) == 0x6u, zmm = (xlo & 0xE6u) == 0xE6u;
-  if (!ymm || __get_cpuid_max(0, nullptr) < 7) return 0;
-  __cpuid_count(7, 0, a, b, c, d);
-  const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30), avx512vl = b & (1u << 31);
-  const bool avx512vnni = c & (1u << 11);
-  __cpuid_count(7, 1, a, b, c, d);
-  const bool avxvnni = a & (1u << 4);
-  if (avx2 && fma && f16c) {
-    f |= kAvx2;
-    if (avxvnni) f |= kAvxVnni;
-    if (zmm && avx512f && avx512bw && avx512vl && avx512vnni) f |= kAvx512Vnni;
-  }
-#elif defined(__aarch64__)
-  f |= kNeon;
-#if defined(__linux__)
-  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
-  if (hw & (1ul << 20)) f |= kNeonDot;               // HWCAP_ASIMDDP
-  if ((f & kNeonDot) && (hw2 & (1ul << 13))) f |= kNeonI8mm;  // HWCAP2_I8MM
-#endif
-#endif
-  return f;
-}
-
-struct Variant {
-  const char* name;                        // what RUVLLM_CPU_ISA calls it
-  const KernelTable* (*table)();           // null where this build lacks it
-  unsigned needs;                          // features the CPU must have
-};
-
-// Best last. "avxvnni" has two builds of the same 256-bit code: VEX-encoded for CPUs with AVX-VNNI,
-// EVEX-encoded for CPUs with AVX-512 VNNI but not AVX-VNNI (most AVX-512 server parts), so the
-// AVX-VNNI path can be measured on either.
-const Variant kVariants[] = {
-    {"scalar", ruvllm_kernels_scalar, 0},
-    {"avx2", ruvllm_kernels_avx2, kAvx2},
-    {"avxvnni", ruvllm_kernels_avxvnni_evex, kAvx512Vnni},
-    {"avxvnni", ruvllm_kernels_avxvnni, kAvxVnni},
-    {"avx512vnni", ruvllm_kernels_avx512vnni, kAvx512Vnni},
-    {"neon", ruvllm_kernels_neon, kNeon},
-    {"neon-dotprod", ruvllm_kernels_neon_dotprod, kNeonDot},
-    {"neon-i8mm", ruvllm_kernels_neon_i8mm, kNeonI8mm},
-};
-
-std::atomic<const KernelTable*> g_table{nullptr};
-std::string g_isa;
-std::atomic<int> g_threads{0};
-std::atomic<int> g_pool_threads{0};  // nonzero once the pool has started
-
-bool usable(const Variant& v, unsigned f) { return v.table != nullptr && (v.needs & f) == v.needs; }
-
-const KernelTable* kernels() {
-  const KernelTable* t = g_table.load(std::memory_order_acquire);
-  return t != nullptr ? t : ruvllm_kernels_scalar();
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(_M_X64)
-  _mm_pause();
-#endif
-}
-
-// -- the thread pool ---------------------------------------------------------------------------------
-// A small pool of worker threads of our own. XLA's intra-op pool wakes a sleeping thread for each
-// task, which costs tens of microseconds; a decode step makes ~120 kernel calls, each a few hundred
-// microseconds of work, so that latency would be a large part of the step. A job's parts are claimed
-// (the calling thread runs whatever no worker took), so a worker without a core never holds a call
-// up. These workers spin for a short while after each job (RUVLLM_JAX_NATIVE_SPIN_US, default 50) and then sleep, so they are
-// hot during a step and idle between requests. The thread count is set from Python before the pool
-// starts (ruvllm_set_threads: --threads / RUVLLM_THREADS, else the CPUs this process may use).
-//
-// Calls of many rows (prompt chunks, large decode batches) also hand parts to XLA's own intra-op
-// threads (the FFI call's ffi::ThreadPool), as helpers that claim parts exactly as our workers do.
-// While one of XLA's threads runs the call, its others have nothing to do and share the cores with
-// our workers; a helper puts such a thread to work on the call instead. On a 2-core Zen 4
-// (docs/jax-backend.md) a 128-token Gemma-3-270M prefill took 15-25% less time with them, a decode
-// batch of 32 about 6% less, one of 16 the same, and one of 8 about 3% more, so calls of fewer than
-// kHelperRows rows (every one-row decode call among them) do not use them.
-class Pool {
- public:
-  static constexpr int kMaxParts = 0xffff;
-
-  static Pool& get() {
-    // Never destroyed: workers may outlive static destruction. A forked child has none of the
-    // parent's threads, so it builds its own pool.
-    static std::atomic<Pool*> pool{nullptr};
-    static std::mutex create;
-    Pool* p = pool.load(std::memory_order_acquire);
-    if (p == nullptr || p->pid_ != getpid()) {
-      std::lock_guard<std::mutex> lk(create);
-      p = pool.load(std::memory_order_acquire);
-      if (p == nullptr || p->pid_ != getpid()) {
-        p = new Pool();
-        pool.store(p, std::memory_order_release);
-      }
-    }
-    return *p;
-  }
-  int threads() const { return static_cast<int>(workers_.size()) + 1; }
-
-  // Calls fn(part) once for each part in [0, parts) (default: one per thread). Parts are claimed,
-  // not assigned: the calling thread takes every part no worker has claimed yet, so a worker that is
-  // not on a core (XLA's own threads may hold them) never stalls the call; the caller waits only for
-  // parts a worker is running. helpers: XLA's intra-op pool, given up to threads() - 1 tasks that
-  // claim parts too (one that starts after the job is over finds none left and returns).
-  template <typename F>
-  void run(F&& fn, int parts = 0, ffi::ThreadPool* helpers = nullptr) {
-    if (parts <= 0) parts = threads();
-    parts = std::min(parts, kMaxParts);
-    if (workers_.empty() || parts == 1) {
-      for (int p = 0; p < parts; ++p) fn(p);
-      return;
-    }
-    std::lock_guard<std::mutex> serial(run_mutex_);  // one job at a time (XLA may call concurrently)
-    std::function<void(int)> job = fn;
-    job_ = &job;
-    done_.store(0, std::memory_order_relaxed);
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      gen = generation_.fetch_add(1, std::memory_order_relaxed) + 1;
-      claim_.store(((gen & 0xffffffffu) << 32) | (static_cast<uint64_t>(parts) << 16), std::memory_order_release);
-    }
-    cv_.notify_all();
-    if (helpers != nullptr) {
-      const int64_t n = std::min<int64_t>(helpers->num_threads(), threads()) - 1;
-      for (int64_t i = 0; i < n; ++i) helpers->Schedule([this, gen] { work_on(gen); });
-    }
-    for (int p; (p = claim(gen)) >= 0;) {
-      fn(p);
-      done_.fetch_add(1, std::memory_order_acq_rel);
-    }
-    for (int spins = 0; done_.load(std::memory_order_acquire) != parts; ++spins) {
-      if (spins < 4096) {
-        cpu_relax();
-      } else {
-        std::this_thread::yield();
-      }
-    }
-    job_ = nullptr;
-  }
-
- private:
-  Pool() {
-    int n = g_threads.load() > 0 ? g_threads.load() : static_cast<int>(std::thread::hardware_concurrency());
-    if (n < 1) n = 1;
-    if (n > 256) n = 256;
-    g_pool_threads.store(n);
-    const char* spin = std::getenv("RUVLLM_JAX_NATIVE_SPIN_US");
-    spin_us_ = spin ? std::atoi(spin) : 50;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
-    for (auto& t : workers_) t.detach();
-  }
-
-  // The next unclaimed part of job `gen`, or -1 when none is left (or that job is over).
-  int claim(uint64_t gen) {
-    uint64_t v = claim_.load(std::memory_order_acquire);
-    for (;;) {
-      if ((v >> 32) != (gen & 0xffffffffu) || (v & 0xffff) >= ((v >> 16) & 0xffff)) return -1;
-      if (claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return static_cast<int>(v & 0xffff);
-    }
-  }
-
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t gen = generation_.load(std::memory_order_acquire);
-      if (gen == seen) {
-        const auto start = std::chrono::steady_clock::now();
-        while ((gen = generation_.load(std::memory_order_acquire)) == seen) {
-          // Yield rather than pause: XLA's own threads may need this core between our calls.
-          std::this_thread::yield();
-          if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
-            std::unique_lock<std::mutex> lk(mu_);
-            cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-            gen = generation_.load(std::memory_order_acquire);
-            break;
-          }
-        }
-      }
-      seen = gen;
-      work_on(gen);
-    }
-  }
-
-  // Runs parts of job `gen` until none is left. job_ stays set while a claimed part is unfinished.
-  void work_on(uint64_t gen) {
-    for (int p; (p = claim(gen)) >= 0;) {
-      (*job_)(p);
-      done_.fetch_add(1, std::memory_order_acq_rel);
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex run_mutex_, mu_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
-  // (job generation << 32) | (parts << 16) | next part to claim, one word so that a claim checks the
-  // job, its part count and the next part at once; job_ is written before it is stored.
-  std::atomic<uint64_t> claim_{0};
-  std::atomic<int> done_{0};
-  std::function<void(int)>* volatile job_ = nullptr;
-  int spin_us_ = 50;
-  pid_t pid_ = getpid();
-};
-
-// -- activation quantization (owning buffers; the kernels see cpu_kernels.h's views) ---------------
-
-struct RowActsBuf {
-  int64_t M = 0, K = 0, Kp = 0;
-  std::vector<int8_t> q;      // [M, Kp], zero padded
-  std::vector<uint8_t> a;     // [M, Kp], q + 128 (zero padding -> 128)
-  std::vector<float> scale;   // [M]
-
-  void quantize(const float* x, const float* in_scale, int64_t rows, int64_t cols) {
-    M = rows;
-    K = cols;
-    Kp = (cols + 63) / 64 * 64;
-    q.assign(M * Kp, 0);
-    a.assign(M * Kp, 128);
-    scale.assign(M, 1.0f);
-    std::vector<float> tmp(K);
-    for (int64_t m = 0; m < M; ++m) {
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) {
-        float v = x[m * K + k];
-        if (in_scale) v *= in_scale[k];
-        tmp[k] = v;
-        amax = std::fmax(amax, std::fabs(v));
-      }
-      const float sc = amax > 0.f ? amax / 127.0f : 1.0f;
-      scale[m] = sc;
-      for (int64_t k = 0; k < K; ++k) {
-        float r = std::nearbyint(tmp[k] / sc);
-        r = std::fmin(std::fmax(r, -127.f), 127.f);
-        const int8_t v = static_cast<int8_t>(r);
-        q[m * Kp + k] = v;
-        a[m * Kp + k] = static_cast<uint8_t>(v + 128);
-      }
-    }
-  }
-
-  ruvllm::RowActs view() const { return {q.data(), a.data(), scale.data(), M, K, Kp}; }
-};
-
-struct GroupActsBuf {
-  int64_t M = 0, K = 0, G = 0, Gp = 0;
-  std::vector<int8_t> q, q4;
-  std::vector<float> dx, sx;
-  std::vector<int32_t> isum, isum16;
-  std::vector<float> sx16;
-  bool with_q4 = false;
-
-  // with_q4: also lay the codes out for the row-major 4-bit kernel (panel matrices do not need it):
-  // per pair of groups (a, b): a[0:16] b[0:16] a[16:32] b[16:32], matching how one 32-byte load of
-  // packed codes unpacks (low nibbles of a and b, then their high nibbles).
-  void quantize(const float* x, int64_t rows, int64_t cols, bool want_q4) {
-    M = rows;
-    K = cols;
-    G = cols / 32;
-    Gp = (G + 15) / 16 * 16;
-    with_q4 = want_q4;
-    q.assign(M * K, 0);
-    if (with_q4) q4.assign(M * K, 0);
-    dx.assign(M * Gp, 0.f);
-    sx.assign(M * Gp, 0.f);
-    isum.assign(M * Gp, 0);
-    isum16.assign(M * 2 * Gp, 0);
-    sx16.assign(M * 2 * Gp, 0.f);
-    kernels()->quantize_groups(x, M, K, {q.data(), dx.data(), sx.data(), sx16.data(), isum.data(), isum16.data(), Gp});
-    for (int64_t m = 0; with_q4 && m < M; ++m) {
-      for (int64_t p = 0; with_q4 && p + 1 < G; p += 2) {
-        const int8_t* a = q.data() + m * K + p * 32;
-        const int8_t* b = a + 32;
-        int8_t* o = q4.data() + m * K + p * 32;
-        std::memcpy(o, a, 16);
-        std::memcpy(o + 16, b, 16);
-        std::memcpy(o + 32, a + 16, 16);
-        std::memcpy(o + 48, b + 16, 16);
-      }
-    }
-  }
-
-  ruvllm::GroupActs view() const {
-    return {q.data(), with_q4 ? q4.data() : nullptr, dx.data(), sx.data(), isum.data(), isum16.data(),
-            sx16.data(), M, K, G, Gp};
-  }
-};
-
-// How a product of `rows` activation rows and `work` multiply-adds is split: parts (runs of every
-// matrix's panels or row blocks), and XLA's pool as helpers or not. One part per thread, except for
-// calls of kHelperRows rows or more: kPartsPerThread per thread with helpers (see the pool), so that
-// whichever threads are on the cores take the parts.
-constexpr int64_t kHelperRows = 16;
-constexpr int kPartsPerThread = 4;
-
-struct Split {
-  int parts = 1;
-  ffi::ThreadPool* helpers = nullptr;
-};
-
-Split product_split(int64_t rows, int64_t work, ffi::ThreadPool* xla_pool) {
-  const int threads = Pool::get().threads();
-  if (work < (int64_t{1} << 16) || threads == 1) return {};
-  if (rows < kHelperRows || xla_pool == nullptr) return {threads, nullptr};
-  return {threads * kPartsPerThread, xla_pool};
-}
-
-// w8a8_rows over every matrix, each split into equal runs of 4-row blocks across the pool's threads.
-void run_split(const ruvllm::RowActs& x, ffi::ThreadPool* xla_pool, const std::vector<RowMatrix>& mats) {
-  const KernelTable* kt = kernels();
-  int64_t total = 0;
-  for (const auto& m : mats) total += m.N;
-  const Split split = product_split(x.M, total * x.K * x.M, xla_pool);
-  const int parts = split.parts;
-  Pool::get().run(
-      [&](int part) {
-        for (const auto& m : mats) {
-          const int64_t blocks = (m.N + 3) / 4;
-          const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
-          kt->w8a8_rows(x, m, std::min(m.N, b0 * 4), std::min(m.N, b1 * 4));
-        }
-      },
-      parts, split.helpers);
-}
-
-void run_group_split(const ruvllm::GroupActs& x, ffi::ThreadPool* xla_pool, const std::vector<GroupMatrix>& mats,
-                     const std::vector<ruvllm::KMatrix>& kmats = {}) {
-  const KernelTable* kt = kernels();
-  int64_t work = 0;
-  for (const auto& m : mats) work += m.N * x.K * x.M;
-  for (const auto& m : kmats) work += m.N * x.K * x.M;
-  Pool& pool = Pool::get();
-  const Split split = product_split(x.M, work, xla_pool);
-  const int parts = split.parts;
-  auto run_part = [&](int part) {
-    for (const auto& m : mats) {
-      if (m.panel) {
-        const int64_t panels = m.N / 16;
-        kt->panel_rows(x, m, panels * part / parts, panels * (part + 1) / parts);
-        continue;
-      }
-      const int64_t blocks = (m.N + 1) / 2;
-      const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
-      kt->group_rows(x, m, std::min(m.N, b0 * 2), std::min(m.N, b1 * 2));
-    }
-    for (const auto& m : kmats) {
-      const int64_t panels = m.N / 16;
-      kt->kpanel_rows(x, m, panels * part / parts, panels * (part + 1) / parts);
-    }
-  };
-  pool.run(run_part, parts, split.helpers);
-}
 
 // Rows, stacked layers and code width of a grouped matrix's codes [L?, N, bytes] for K inputs
 // (bytes per row: 4-bit K / 2, 5-bit 5 K / 8, 6-bit 3 K / 4, 8-bit K), with the layer index checked.
@@ -929,54 +543,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
-
-// -- choosing the variant (called from ruvllm_jax.native) --------------------------------------------
-
-// Comma-separated names of the variants this CPU can run with this build, worst first.
-extern "C" const char* ruvllm_supported_isas() {
-  static const std::string out = [] {
-    const unsigned f = detect_features();
-    std::vector<std::string> names;
-    for (const auto& v : kVariants)
-      if (usable(v, f) && std::find(names.begin(), names.end(), v.name) == names.end()) names.push_back(v.name);
-    std::string joined;
-    for (const auto& n : names) joined += (joined.empty() ? "" : ",") + n;
-    return joined;
-  }();
-  return out.c_str();
-}
-
-// Selects a variant by name ("auto": the best the CPU supports). Returns 0, or 1 for a name this
-// build does not know, 2 for a variant the CPU lacks the instructions for.
-extern "C" int ruvllm_select_isa(const char* name) {
-  const unsigned f = detect_features();
-  const Variant* pick = nullptr;
-  bool known = std::strcmp(name, "auto") == 0;
-  for (const auto& v : kVariants) {
-    if (std::strcmp(name, "auto") != 0 && std::strcmp(name, v.name) != 0) continue;
-    if (v.table != nullptr) known = true;
-    if (usable(v, f)) pick = &v;  // the last usable one: the best, or the preferred encoding
-  }
-  if (!known) return 1;
-  if (pick == nullptr) return 2;
-  g_isa = pick->name;
-  g_table.store(pick->table(), std::memory_order_release);
-  return 0;
-}
-
-// The selected variant's name and the build of it that runs (they differ for avxvnni_evex).
-extern "C" const char* ruvllm_isa() { return g_isa.empty() ? "scalar" : g_isa.c_str(); }
-extern "C" const char* ruvllm_isa_build() { return kernels()->name; }
-
-// Sets the pool's thread count before it starts; returns the count it has (n, or the count the pool
-// already started with).
-extern "C" int ruvllm_set_threads(int n) {
-  g_threads.store(n);
-  const int started = g_pool_threads.load();
-  return started != 0 ? started : n;
-}
-
-extern "C" int ruvllm_threads() { return Pool::get().threads(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()

@@ -2,8 +2,8 @@
 //
 // cpu_kernels_variant.cc is compiled once per ISA variant (scalar, avx2, avxvnni, avx512vnni on
 // x86-64; neon, neon-dotprod, neon-i8mm on aarch64), each time with its own -m flags and
-// RUVLLM_VARIANT set to the variant's symbol name; cpu_ffi.cc (built for the baseline ISA) scores
-// the CPU's features once and calls the best variant's table. Everything here is plain data: a
+// RUVLLM_VARIANT set to the variant's symbol name; cpu_isa.cc (built for the baseline ISA) scores
+// the CPU's features once and the handlers (cpu_ffi.cc) call the best variant's table. Everything here is plain data: a
 // variant translation unit instantiates no std templates and defines its functions with internal
 // linkage, so no code built for a wider ISA can be picked by the linker for a narrower one.
 #ifndef RUVLLM_CPU_KERNELS_H_
@@ -45,7 +45,7 @@ struct RowMatrix {
 // every variant's panel kernel gives the same float32 result, bit for bit.
 struct GroupActs {
   const int8_t* q;      // [M, K] natural order
-  const int8_t* q4;     // [M, K] in the row-major 4-bit kernel's order (see cpu_ffi.cc), or null
+  const int8_t* q4;     // [M, K] in the row-major 4-bit kernel's order (see cpu_acts.h), or null
   const float* dx;      // [M, Gp] (Gp: G padded to a multiple of 16 groups, zeros)
   const float* sx;      // [M, Gp] dx * sum of the group's codes
   const int32_t* isum;  // [M, Gp] sum of the group's codes

@@ -2,9 +2,11 @@
 
 Plain data, read by the package's ``setup.py`` at build time (it is loaded by path, so it imports
 nothing) and by the tests that cross-compile the kernels. ``cpu_kernels_variant.cc`` is compiled once
-per variant with these flags and ``-DRUVLLM_VARIANT=<symbol>``; ``cpu_ffi.cc`` is compiled for the
-architecture's baseline and picks a variant at run time. No variant uses ``-march=native``: a library
-built on one machine runs on every machine of its architecture.
+per variant with these flags and ``-DRUVLLM_VARIANT=<symbol>`` (it includes the one ISA body the flags
+choose: ``cpu_kernels_avx512.inc``, ``cpu_kernels_avx2.inc`` or ``cpu_kernels_neon.inc``); the rest of
+the library (``cpu_ffi.cc``, ``cpu_isa.cc``, ``cpu_pool.cc``) is compiled for the architecture's
+baseline and picks a variant at run time. No variant uses ``-march=native``: a library built on one
+machine runs on every machine of its architecture.
 """
 
 from __future__ import annotations
