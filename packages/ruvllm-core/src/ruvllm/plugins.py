@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import pluggy
 import structlog
@@ -40,7 +41,7 @@ class PluginHost:
     def hook(self) -> pluggy.HookRelay:
         return self.pm.hook
 
-    def add_hookspecs(self, module: object) -> None:
+    def add_hookspecs(self, module: ModuleType | type) -> None:
         """Add the hook specifications a host package defines for its own hooks (the server's routes
         and parsers: ``ruvllm_server.hookspecs``), checking the plugins already registered against
         them. Adding the same module again does nothing."""
