@@ -63,3 +63,14 @@ def test_unattached_router_says_so():
     with TestClient(litestar.Litestar(route_handlers=[sona_router()])) as client:
         r = client.get("/v1/sona/stats")
     assert r.status_code == 503 and "not attached" in r.json()["error"]["message"]
+
+
+def test_a_router_given_a_lookup_serves_what_it_finds_when_asked(tmp_path):
+    """The server's form: the router asks for the served model's learner per request (None until the
+    model has loaded and SONA is attached: 503), not a process-wide registry."""
+    found = {"sona": None}
+    with TestClient(litestar.Litestar(route_handlers=[sona_router(lambda: found["sona"])])) as client:
+        assert client.get("/v1/sona/stats").status_code == 503
+        found["sona"] = tiny_sona(tmp_path / "m")
+        r = client.get("/v1/sona/stats")
+    assert r.status_code == 200 and r.json()["counters"] == found["sona"].stats()["counters"]
