@@ -10,7 +10,7 @@ from typing import Any
 
 from ruvllm import hookimpl
 from ruvllm.backend import DTYPE_CHOICES
-from ruvllm.hub import QUANTIZATION_CHOICES, QUANTIZATION_HELP
+from ruvllm.hub_files import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
 
 def _add_serve_parser(subparsers: Any) -> None:
