@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from test_batch_sampling import KINDS, PARAMS, FakeGrammar, grammar_samplers, make_logits, pairs
 
-from ruvllm.sampling import Sampler, SamplingParams, device_sampling
+from ruvllm.sampling import DeviceOverlay, Sampler, SamplingParams, device_row, device_sampling
 from ruvllm_jax import sampling as dev
 
 EOS = 2
@@ -303,16 +303,16 @@ def test_the_overlay_kept_step_by_step_equals_one_built_from_scratch(name):
     rng = np.random.default_rng(2)
     params = SamplingParams(**{**PARAMS[name], "min_tokens": 50, "stop_token_ids": [STOP]})
     s = Sampler(params, rng.integers(0, vocab, 60).tolist(), (EOS,))
-    s._device_row(vocab)  # built now, kept from here on
+    device_row(s, vocab)  # built now, kept from here on
     for t in rng.integers(0, 40, 40):  # a small range: many repeats
         s._record(int(t))
-    ids, _, add, _, _ = s._device_row(vocab)
+    ids, _, add, _, _ = device_row(s, vocab)
     kept = s._overlay
-    s._overlay = None
-    fresh_ids, fresh_rep, fresh_add = s._build_overlay()
-    np.testing.assert_array_equal(kept[0], fresh_ids)
-    np.testing.assert_array_equal(kept[1], fresh_rep)
-    np.testing.assert_allclose(kept[2], fresh_add, rtol=1e-12, atol=1e-12)
+    fresh = DeviceOverlay.build(s)
+    np.testing.assert_array_equal(kept.ids, fresh.ids)
+    np.testing.assert_array_equal(kept.rep, fresh.rep)
+    np.testing.assert_allclose(kept.add, fresh.add, rtol=1e-12, atol=1e-12)
+    fresh_ids = fresh.ids
     # The row: the kept overlay plus eos and the stop token banned (min_tokens not reached).
     assert set(ids.tolist()) == set(fresh_ids.tolist()) | {EOS, STOP}
     assert np.all(np.isneginf(add[np.isin(ids, [EOS, STOP])]))
