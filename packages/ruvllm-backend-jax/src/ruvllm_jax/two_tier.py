@@ -1,6 +1,6 @@
 """The two-tier KV cache's float slots (issue 14): every block's keys and values are stored as int8
 codes, and the recent blocks of each sequence also in float, in a small pool of slots
-(:attr:`ruvllm_jax.model.KVState.hot_k`). Attention reads a recent block through its slot and every
+(:attr:`ruvllm_jax.kv_state.KVState.hot_k`). Attention reads a recent block through its slot and every
 older one through its codes, so a sequence keeps its last ``recent`` full blocks and the block being
 filled at full precision while the cache holds every block at int8's size.
 
