@@ -31,6 +31,7 @@ KERNEL_NAMES = (
 )  # fmt: skip
 INSTALL = "apt-get install -y g++-aarch64-linux-gnu qemu-user"
 MACHINE = KERNELS["normalise_machine"](platform.machine())
+pytestmark = pytest.mark.slow  # compiling every variant and running them under qemu: about a minute
 
 
 def _cc(args: list[str]) -> None:

@@ -38,6 +38,7 @@ def _run(*args: str) -> list[str]:
     return [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok ", "FAIL "))]
 
 
+@pytest.mark.slow
 def test_the_kernels_and_every_step_shape_lower_for_cuda(tmp_path, smollm2_path):
     tiny = write_tiny_hf_model(tmp_path, "llama")
     lines = _run(str(tiny), str(smollm2_path))

@@ -60,6 +60,7 @@ def tiny(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny", "smollm2", "tiny-lora", "tiny-device"])
 def test_two_processes_give_the_tokens_of_one(which, tiny, smollm2_path):
     """``tiny-lora``: two LoRA adapters and the base model in one batch (the adapters cross the

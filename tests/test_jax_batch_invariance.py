@@ -35,6 +35,7 @@ def setup(smollm2_path, smollm2_checkpoint):
     return jax_model_at(str(smollm2_path)), [tok.encode(p) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_sixteen_prompts_together_equal_each_alone(setup):
     model, prompts = setup
     assert len({tuple(p) for p in prompts}) == 16

@@ -40,6 +40,7 @@ def _argmax_after_prompt(logits: np.ndarray, ids: list[int], n: int) -> list[int
     return logits[len(ids) - 1 : len(ids) - 1 + n].argmax(-1).tolist()
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_continuations_match_transformers(smollm2_path, jax_model, sequences):
     for ids, ours in sequences:
         want = hf_logits(smollm2_path, ids + ours)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
@@ -57,6 +59,7 @@ print("RESULT" + json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_two_devices_match_one(tmp_path: Path, smollm2_path: Path) -> None:
     tests_dir = Path(__file__).parent
     env = {

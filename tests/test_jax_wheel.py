@@ -21,6 +21,9 @@ import pytest
 from _server_fixtures import free_port, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
+# Building the wheel compiles every kernel variant (about 2 minutes on a busy 2-core machine, in the
+# first test's setup): a slow module, with room for a slower runner.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")

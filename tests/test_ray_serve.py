@@ -28,6 +28,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'ruvllm-server[ray]')")
 
+pytestmark = pytest.mark.slow  # starting Ray and its replicas: about a minute
+
 SCRIPT = Path(__file__).parent / "_ray_check.py"
 #: Seconds within which a killed replica's replacement must serve (Ray restarts it; the tiny model
 #: loads in a few seconds; the bound leaves room for a loaded 2-core machine).

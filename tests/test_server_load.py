@@ -47,6 +47,7 @@ async def one_stream(client: httpx.AsyncClient, i: int) -> tuple[int, int, str |
     return 200, lines, last, drop
 
 
+@pytest.mark.slow
 def test_200_concurrent_streams_with_disconnects(server) -> None:
     async def run_all() -> list[tuple[int, int, str | None, bool]]:
         limits = httpx.Limits(max_connections=N_REQUESTS + 10, max_keepalive_connections=0)

@@ -107,6 +107,7 @@ def _generate(llm, pairs, *, num_blocks=64, max_tokens=12, budget=5, tokenizer=N
     return [[t for o in out for d in o.deltas for t in d.token_ids] for out in outs], engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cached_decoding_gives_peft_uncached_greedy_tokens(backend, xloras, models):
     """peft's X-LoRA generates without a KV cache (each step recomputes both passes over every
@@ -129,6 +130,7 @@ def test_cached_decoding_gives_peft_uncached_greedy_tokens(backend, xloras, mode
     assert len(distinct) >= 3  # the variants do differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_batch_mixing_adapters_xlora_and_the_base_model_equals_each_alone(backend, root, xloras, models):
     llm = models[backend]
@@ -147,6 +149,7 @@ def test_a_batch_mixing_adapters_xlora_and_the_base_model_equals_each_alone(back
     assert len({tuple(t) for t in together}) >= 6
 
 
+@pytest.mark.slow
 def test_xlora_requests_hold_twice_the_blocks_and_survive_preemption(xloras, models):
     """A shadow sequence takes blocks for the same positions; with too few blocks for all three
     requests at once, preemption frees and recomputes both, and the tokens stay those of each alone."""
@@ -247,6 +250,7 @@ def test_the_server_serves_an_xlora_model_by_name(root, xloras, models):
     assert tuned["choices"][0]["text"] != base["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_precompiled_steps_cover_xlora_requests(root, xloras):
     """Declared X-LoRA adapters (``AdapterLimits.mixes``) make the precompile cover their passes (the
     scaling pass's hidden states, the real pass's weighted plan): a run mixing an X-LoRA model with
@@ -284,6 +288,7 @@ def test_precompiled_steps_cover_xlora_requests(root, xloras):
     assert llm.model.compiled_steps.stats.count == compiled
 
 
+@pytest.mark.slow
 def test_smollm2_xlora_matches_peft(smollm2_path, tmp_path):
     """The real model: SmolLM2-135M (its Q4_1 GGUF dequantized, as transformers reads it) with three
     random rank-8 experts and a depth-2 top-2 classifier; every position's logits on both backends
