@@ -40,6 +40,7 @@ from ruvllm.modeling import (  # noqa: F401 (decoder_layer and the math stay imp
     apply_rope,
     decoder_layer,
     projection_shape,
+    register_primitives,
     rms_norm,
 )
 from ruvllm.modeling import softcap as apply_softcap
@@ -55,6 +56,9 @@ from ruvllm_jax.kv_state import (  # noqa: F401 (the KV state's names stay impor
     write_kv,
 )
 from ruvllm_jax.quant import QuantArray, Weight, linear, take_rows
+
+# XLA's own sigmoid (SiLU) and rsqrt (RMSNorm) for the model's formulas: the ops the step always ran.
+register_primitives(jnp, sigmoid=jax.nn.sigmoid, rsqrt=lax.rsqrt)
 
 
 def bucket(n: int) -> int:
@@ -413,6 +417,134 @@ def _native_projections(
     return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
 
 
+@dataclass(frozen=True)
+class _Projector:
+    """How a step multiplies a layer's weights: XLA's products of the scanned layer's matrices, or the
+    native kernels, which index the stacked (quantized) matrices by layer themselves, so native steps
+    keep those out of the scanned operands (a scanned operand would be copied out layer by layer)."""
+
+    stacked: LayerWeights
+    native: bool
+    live_tokens: jax.Array | None
+
+    @classmethod
+    def of(cls, layers: LayerWeights, plan: StepPlan, inp: StepInputs) -> _Projector:
+        formats = {_native_format(getattr(layers, f)) for f in _NATIVE_FIELDS}
+        return cls(layers, plan.native and len(formats) == 1 and None not in formats, inp.live_tokens)
+
+    def scanned(self) -> LayerWeights:
+        return dataclasses.replace(self.stacked, **{f: None for f in _NATIVE_FIELDS}) if self.native else self.stacked
+
+    def at(self, lw: LayerWeights, layer: jax.Array):
+        def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+            if self.native:
+                return _native_projections(h, [getattr(self.stacked, p) for p in group], layer, self.live_tokens)
+            return [linear(h, getattr(lw, p)) for p in group]
+
+        return project
+
+
+@dataclass(frozen=True)
+class _Adapters:
+    """How a step's tokens get their adapters' updates (:class:`LoraPlan`): none; the native kernel,
+    each token times its own adapter's factors (handed over gathered); or dense products over every
+    slot's factors, scanned with the layers, masked to each token's slot, weighted per token and slot
+    (mixes), or per layer, projection, token and slot (X-LoRA's layerwise scalings, scanned too)."""
+
+    plan: StepPlan
+    inp: StepInputs
+    native: dict[str, tuple[jax.Array, jax.Array]]
+    dense: dict[str, tuple[jax.Array, jax.Array]] | None = None  # proj -> (A [L, S * r, in], B [L, out, S * r])
+    mask: jax.Array | None = None  # [T, S * r]
+    layer_masks: jax.Array | None = None  # [L, P, T, S * r]
+
+    @classmethod
+    def of(cls, plan: StepPlan, lora: LoraFactors | None, inp: StepInputs) -> _Adapters:
+        if plan.lora is None:
+            return cls(plan, inp, {})
+        assert lora is not None and inp.lora_slot is not None, "a plan with adapters needs their factors and slots"
+        if native_lora(plan):
+            return cls(plan, inp, {p: slots[0] for p, slots in lora.items()})
+        r = plan.lora.rank
+        slot_of_column = jnp.arange(plan.lora.slots * r, dtype=jnp.int32) // r
+        mask = layer_masks = None
+        if plan.lora.weighted == 0:
+            mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)
+        elif plan.lora.weighted == 1:
+            mask = inp.lora_weight[:, slot_of_column]
+        else:
+            layer_masks = inp.lora_weight[..., slot_of_column]
+        dense = {
+            p: (jnp.concatenate([a for a, _ in slots], axis=1), jnp.concatenate([b for _, b in slots], axis=2))
+            for p, slots in lora.items()
+        }
+        return cls(plan, inp, {}, dense, mask, layer_masks)
+
+    def at(self, layer: jax.Array, dense: dict | None, layer_mask: jax.Array | None):
+        """``adapt`` for one layer, given its slices of the scanned factors and masks."""
+
+        def adapt(y: jax.Array, y_in: jax.Array, proj: str) -> jax.Array:
+            # Python-level: projections no adapter touches (and steps without adapters) get no op.
+            if proj in self.native:
+                a, bt = self.native[proj]
+                delta = native.lora_delta(y_in, layer, a, bt, self.inp.lora_slot, self.plan.lora.rank)
+                return (y.astype(jnp.float32) + delta).astype(y.dtype)
+            if dense is None or proj not in dense:
+                return y
+            a, b = dense[proj]
+            m = self.mask if layer_mask is None else layer_mask[self.plan.lora.projections.index(proj)]
+            return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, m)).astype(y.dtype)
+
+        return adapt
+
+
+@dataclass(frozen=True)
+class _Pools:
+    """Where a layer's keys and values are written and read: the one pool, or a hybrid cache's two
+    (each layer in its own pool at its index there; the write to the other pool points past its last
+    block, so the scatter drops it), with a two-tier cache's float slots beside each."""
+
+    inp: StepInputs
+    plan: StepPlan
+    scale: float
+    local_inp: StepInputs | None
+
+    @classmethod
+    def of(cls, cache: KVState, spec: ModelSpec, inp: StepInputs, plan: StepPlan) -> _Pools:
+        local_inp = None
+        if cache.local is not None:
+            local_inp = dataclasses.replace(
+                inp,
+                decode_tables=inp.decode_local_tables,
+                prefill_tables=inp.prefill_local_tables,
+                decode_hot_tables=inp.decode_local_hot_tables,
+                prefill_hot_tables=inp.prefill_local_hot_tables,
+            )
+        return cls(inp, plan, spec.attention_scale, local_inp)
+
+    def attend(self, kv: KVState, kvl: KVState | None, layer, pool, window, q, k, v):
+        """Write the layer's ``k``/``v``, attend ``q`` over its pool: (output, kv, kvl)."""
+        inp, plan, scale = self.inp, self.plan, self.scale
+        if pool is None:
+            kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v, inp.hot_write)
+            return _attend(q, kv, layer, window, inp, plan, scale), kv, kvl
+        local, idx = pool
+        hot, local_hot = None, None
+        if kv.two_tier:
+            hot = jnp.where(local, kv.hot_k.shape[1], inp.hot_write)
+            local_hot = jnp.where(local, inp.local_hot_write, kvl.hot_k.shape[1])
+        kv = write_kv(kv, idx, jnp.where(local, kv.k.shape[1], inp.write_block), inp.write_offset, k, v, hot)
+        kvl = write_kv(
+            kvl, idx, jnp.where(local, inp.local_write_block, kvl.k.shape[1]), inp.write_offset, k, v, local_hot
+        )
+        out = lax.cond(
+            local,
+            lambda: _attend(q, kvl, idx, window, self.local_inp, plan, scale),
+            lambda: _attend(q, kv, idx, window, inp, plan, scale),
+        )
+        return out, kv, kvl
+
+
 def forward_step(
     weights: Weights,
     cache: KVState,
@@ -424,107 +556,37 @@ def forward_step(
 ) -> tuple[jax.Array, jax.Array | None, KVState]:
     """One engine step: returns (logits ``[G, vocab]`` float32, final hidden ``[T, hidden]`` or None,
     the updated cache). ``lora`` holds the adapters' factors when ``plan.lora`` is set."""
-    dtype = jnp.dtype(spec.dtype)
-    x = embed_tokens(weights.embed, inp.tokens, spec, dtype)
+    x = embed_tokens(weights.embed, inp.tokens, spec, jnp.dtype(spec.dtype))
     cos, sin = rope_tables(inp.positions, spec)
-
-    lora_layers: dict[str, tuple[jax.Array, jax.Array]] | None = None
-    lora_native: dict[str, tuple[jax.Array, jax.Array]] = {}
-    mask = jnp.zeros((0,), jnp.float32)
-    layer_masks = None
-    if plan.lora is not None:
-        assert lora is not None and inp.lora_slot is not None, "a plan with adapters needs their factors and slots"
-        r = plan.lora.rank
-        if native_lora(plan):
-            # Each token multiplies only its own adapter's factors (the kernel picks them), where the
-            # dense form multiplies every token by every slot's. The runner hands them over gathered.
-            lora_native = {p: slots[0] for p, slots in lora.items()}
-        else:
-            slot_of_column = jnp.arange(plan.lora.slots * r, dtype=jnp.int32) // r
-            if plan.lora.weighted == 0:
-                mask = (inp.lora_slot[:, None] == slot_of_column[None, :]).astype(jnp.float32)  # [T, S * r]
-            elif plan.lora.weighted == 1:
-                mask = inp.lora_weight[:, slot_of_column]  # [T, S * r]: each token's weight per slot
-            else:  # per layer and projection: scanned with the layers
-                layer_masks = inp.lora_weight[..., slot_of_column]  # [L, P, T, S * r]
-            lora_layers = {
-                p: (jnp.concatenate([a for a, _ in slots], axis=1), jnp.concatenate([b for _, b in slots], axis=2))
-                for p, slots in lora.items()
-            }
-
-    # Native steps keep the quantized matrices out of the scanned operands: the kernels index the stacked
-    # arrays by layer themselves, where a scanned operand would be copied out layer by layer.
-    formats = {_native_format(getattr(weights.layers, f)) for f in _NATIVE_FIELDS}
-    use_native = plan.native and len(formats) == 1 and None not in formats
-    stacked = weights.layers
-    scanned = dataclasses.replace(stacked, **{f: None for f in _NATIVE_FIELDS}) if use_native else stacked
-
-    # A hybrid cache: each layer writes to and reads from its own pool, at its index there. The write
-    # to the other pool points past its last block, so the scatter drops it.
-    pools = spec.pool_constants() if cache.local is not None else None
-    local_inp = None
-    if pools is not None:
-        local_inp = dataclasses.replace(
-            inp,
-            decode_tables=inp.decode_local_tables,
-            prefill_tables=inp.prefill_local_tables,
-            decode_hot_tables=inp.decode_local_hot_tables,
-            prefill_hot_tables=inp.prefill_local_hot_tables,
-        )
+    projector = _Projector.of(weights.layers, plan, inp)
+    adapters = _Adapters.of(plan, lora, inp)
+    pools = _Pools.of(cache, spec, inp, plan)
 
     def layer_step(carry, xs):
         x, kv, kvl, layer = carry
-        lw, ll, (window, rope), pool, lm = xs
+        lw, dense, (window, rope), pool, layer_mask = xs
         window = window if spec.windowed else 0  # Python 0: no window arithmetic at all
-
-        def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
-            if use_native:
-                return _native_projections(h, [getattr(stacked, p) for p in group], layer, inp.live_tokens)
-            return [linear(h, getattr(lw, p)) for p in group]
-
-        def adapt(y: jax.Array, y_in: jax.Array, proj: str) -> jax.Array:
-            # Python-level: projections no adapter touches (and steps without adapters) get no op.
-            if proj in lora_native:
-                a, bt = lora_native[proj]
-                delta = native.lora_delta(y_in, layer, a, bt, inp.lora_slot, plan.lora.rank)
-                return (y.astype(jnp.float32) + delta).astype(y.dtype)
-            if ll is None or proj not in ll:
-                return y
-            a, b = ll[proj]
-            m = mask if lm is None else lm[plan.lora.projections.index(proj)]
-            return (y.astype(jnp.float32) + _lora_delta(y_in, a, b, m)).astype(y.dtype)
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             nonlocal kv, kvl
-            scale = spec.attention_scale
-            if pool is None:
-                kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v, inp.hot_write)
-                return _attend(q, kv, layer, window, inp, plan, scale)
-            local, idx = pool
-            hot, local_hot = None, None
-            if kv.two_tier:
-                hot = jnp.where(local, kv.hot_k.shape[1], inp.hot_write)
-                local_hot = jnp.where(local, inp.local_hot_write, kvl.hot_k.shape[1])
-            kv = write_kv(kv, idx, jnp.where(local, kv.k.shape[1], inp.write_block), inp.write_offset, k, v, hot)
-            kvl = write_kv(
-                kvl, idx, jnp.where(local, inp.local_write_block, kvl.k.shape[1]), inp.write_offset, k, v, local_hot
-            )
-            return lax.cond(
-                local,
-                lambda: _attend(q, kvl, idx, window, local_inp, plan, scale),
-                lambda: _attend(q, kv, idx, window, inp, plan, scale),
-            )
+            out, kv, kvl = pools.attend(kv, kvl, layer, pool, window, q, k, v)
+            return out
 
+        project, adapt = projector.at(lw, layer), adapters.at(layer, dense, layer_mask)
         x, _ = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend, adapt=adapt)
         return (x, kv, kvl, layer + 1), None
 
-    (x, kv, kvl, _), _ = lax.scan(
-        layer_step,
-        (x, dataclasses.replace(cache, local=None), cache.local, jnp.zeros((), jnp.int32)),
-        (scanned, lora_layers, spec.layer_constants(), pools, layer_masks),
-        unroll=plan.unroll_layers or 1,
+    scanned = (
+        projector.scanned(),
+        adapters.dense,
+        spec.layer_constants(),
+        spec.pool_constants() if cache.local is not None else None,
+        adapters.layer_masks,
     )
+    carry = (x, dataclasses.replace(cache, local=None), cache.local, jnp.zeros((), jnp.int32))
+    (x, kv, kvl, _), _ = lax.scan(layer_step, carry, scanned, unroll=plan.unroll_layers or 1)
     kv = dataclasses.replace(kv, local=kvl)
+
     x = rms_norm(x, weights.final_norm, spec.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     if plan.native and _native_format(head) is not None:

@@ -234,6 +234,38 @@ def namespace(x: Any) -> Any:
     return get() if get is not None else np
 
 
+@dataclass(frozen=True)
+class Primitives:
+    """The two elementwise functions the array API leaves out, as an array library computes them best.
+    The model's formulas above them are written once; a backend registers its library's own forms
+    (:func:`register_primitives`), so its compiled step keeps the operations it always had."""
+
+    sigmoid: Callable[[Any], Any]
+    rsqrt: Callable[[Any], Any]
+
+
+def _np_sigmoid(g: Any) -> Any:
+    # Through tanh, so a large |g| cannot overflow an exp.
+    return 0.5 + 0.5 * namespace(g).tanh(0.5 * g)
+
+
+def _np_rsqrt(x: Any) -> Any:
+    return 1.0 / namespace(x).sqrt(x)
+
+
+_GENERIC = Primitives(_np_sigmoid, _np_rsqrt)
+_PRIMITIVES: dict[str, Primitives] = {}
+
+
+def register_primitives(xp: Any, *, sigmoid: Callable[[Any], Any], rsqrt: Callable[[Any], Any]) -> None:
+    """Use ``sigmoid`` and ``rsqrt`` for arrays of the array module ``xp`` (e.g. ``jax.numpy``)."""
+    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt)
+
+
+def primitives(xp: Any) -> Primitives:
+    return _PRIMITIVES.get(xp.__name__, _GENERIC)
+
+
 def _f32(x: Any, xp: Any) -> Any:
     return x if x.dtype == xp.float32 else x.astype(xp.float32)
 
@@ -242,7 +274,7 @@ def inv_rms(x: Any, eps: float) -> Any:
     """``1 / sqrt(mean(x^2) + eps)`` over the last axis (kept), in float32."""
     xp = namespace(x)
     xf = _f32(x, xp)
-    return 1.0 / xp.sqrt(xp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return primitives(xp).rsqrt(xp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def rms_norm(x: Any, w: Any, eps: float) -> Any:
@@ -261,13 +293,12 @@ def rms_norm_backward(x: np.ndarray, inv: np.ndarray, w: np.ndarray, dy: np.ndar
 
 
 def silu(g: Any) -> Any:
-    """``g * sigmoid(g)``, the sigmoid through tanh so a large ``|g|`` cannot overflow an exp."""
-    xp = namespace(g)
-    return g * (0.5 + 0.5 * xp.tanh(0.5 * g))
+    """``g * sigmoid(g)``."""
+    return g * primitives(namespace(g)).sigmoid(g)
 
 
 def silu_grad(g: np.ndarray) -> np.ndarray:
-    s = 0.5 + 0.5 * np.tanh(0.5 * g)
+    s = _np_sigmoid(g)
     return s * (1.0 + g * (1.0 - s))
 
 
@@ -277,7 +308,7 @@ _GELU_C = float(np.sqrt(2.0 / np.pi))
 def gelu_tanh(g: Any) -> Any:
     """GELU's tanh approximation (PyTorch's ``gelu(approximate="tanh")``, Gemma's ``gelu_pytorch_tanh``)."""
     xp = namespace(g)
-    return 0.5 * g * (1.0 + xp.tanh(_GELU_C * (g + 0.044715 * (g * g * g))))
+    return g * (0.5 * (1.0 + xp.tanh(_GELU_C * (g + 0.044715 * (g * g * g)))))
 
 
 #: The gated MLP's activation, by :attr:`ModelConfig.activation`.
