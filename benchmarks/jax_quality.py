@@ -1,6 +1,6 @@
 """Quality and size of the JAX backend's weight formats on one model: resident weight bytes,
 perplexity on a fixed text, top-1 agreement with float32 on that text, and where greedy
-continuations first diverge from float32's. Prints a markdown table (docs/jax-backend.md).
+continuations first diverge from float32's. Prints a markdown table (docs/performance-journal.md).
 
     python benchmarks/jax_quality.py [--model smollm2] [--new-tokens 32]
 """

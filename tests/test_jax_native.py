@@ -105,7 +105,7 @@ def test_wxa8_kernel_matches_float64_reference(bits, rows, out, cols):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_products_of_many_rows_are_split_across_every_thread(bits):
     """A call of 16 rows or more is split into several parts per kernel thread, claimed by the pool's
-    threads and by XLA's own as helpers (cpu_ffi.cc, the pool). However the parts fall, the product
+    threads and by XLA's own as helpers (cpu_pool.h, the pool). However the parts fall, the product
     equals float64, and each row equals the same row multiplied alone (one part per thread, no
     helpers) bit for bit, call after call (a part run twice or skipped would show); the w8a8
     products split the same way."""

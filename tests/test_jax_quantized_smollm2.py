@@ -3,7 +3,7 @@ stays the same model: perplexity on a fixed text within 2% of float32, and top-1
 agree with float32's at nearly every position of that text.
 
 SmolLM2's GGUF stores Q4_1 / Q8_0 blocks; ``q4`` uses Q4_1's scheme and group size, so it recovers
-those weights exactly, while ``q8``'s symmetric grid cannot (docs/jax-backend.md has the figures)."""
+those weights exactly, while ``q8``'s symmetric grid cannot (docs/performance-journal.md has the figures)."""
 
 from __future__ import annotations
 

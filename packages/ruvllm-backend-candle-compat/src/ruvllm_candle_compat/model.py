@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from ruvllm.backend import Capabilities, ForwardBatch, ForwardOutput, LoadOptions, SequenceChunk, StepLimits
+from ruvllm.backend import (
+    Capabilities,
+    ForwardBatch,
+    ForwardOutput,
+    LoadOptions,
+    SequenceChunk,
+    StepLimits,
+    kv_block_bytes,
+)
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RequestError
 from ruvllm.model_config import ModelConfig, Rope
@@ -285,9 +293,7 @@ class CandleCompatModel:
 
     def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
         """float32 keys and values of every layer (a two-tier cache's blocks start float32 too)."""
-        from ruvllm.engine.config import kv_block_bytes as float32_block_bytes
-
-        return float32_block_bytes(self.config, block_size)
+        return kv_block_bytes(self.config, block_size)
 
     def precompile(
         self, cache: Any, limits: StepLimits, progress: Callable[[int, int, str, float], None]

@@ -49,7 +49,7 @@ from ruvllm.errors import BackendError
 #: :func:`_linear_wxa8` and :func:`_linear_kquant`. ``w8a8`` is int8 weights (one scale
 #: per output channel) times int8 activations (one scale per token, chosen at run time): XLA's CPU
 #: backend runs that product in an integer GEMM kernel several times faster than any float or
-#: weight-only form, which is why it exists (see docs/jax-backend.md for speed and quality).
+#: weight-only form, which is why it exists (see docs/performance-journal.md for speed and quality).
 QUANTIZATIONS = ("none", "q8", "q4", "w8a8", "w4a8")
 #: Group size of RTN int8 / int4 (GGUF's block size, so both paths share one layout).
 Q_GROUP = 32

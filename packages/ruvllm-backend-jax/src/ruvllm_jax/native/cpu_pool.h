@@ -14,7 +14,7 @@
 // threads (the FFI call's ffi::ThreadPool), as helpers that claim parts exactly as our workers do.
 // While one of XLA's threads runs the call, its others have nothing to do and share the cores with
 // our workers; a helper puts such a thread to work on the call instead. On a 2-core Zen 4
-// (docs/jax-backend.md) a 128-token Gemma-3-270M prefill took 15-25% less time with them, a decode
+// (docs/performance-journal.md) a 128-token Gemma-3-270M prefill took 15-25% less time with them, a decode
 // batch of 32 about 6% less, one of 16 the same, and one of 8 about 3% more, so calls of fewer than
 // kHelperRows rows (every one-row decode call among them) do not use them.
 #ifndef RUVLLM_CPU_POOL_H_
