@@ -25,7 +25,7 @@ from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.engine.kv_plan import plan_kv_cache
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.routing import AdapterRouter
-from ruvllm.engine.scheduler import Scheduler
+from ruvllm.engine.scheduler import ScheduledChunk, Scheduler
 from ruvllm.engine.sequence import RequestState, Sequence
 from ruvllm.engine.step_budget import StepBudget
 from ruvllm.engine.step_executor import DeviceRow, StepExecutor
@@ -354,17 +354,22 @@ class LLMEngine:
             prompt = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
             decoding = sum(1 for c in sched.chunks if c.num_tokens == 1)
             self.step_budget.observe(decoding, prompt, 1000 * (time.perf_counter() - t0))
-        sched.chunks = [c for _, (c, _) in sorted(logits_of.items())]  # what ran (failed requests are gone)
+        ran = sorted(logits_of.items())
+        sched.chunks = [c for _, (c, _) in ran]  # what ran (failed requests are gone)
         self.scheduler.update_after_forward(sched)
         now = time.monotonic()
+        return self._emit(self._sample([row for _, row in ran]), now)
+
+    def _sample(self, ran: list[tuple[ScheduledChunk, np.ndarray | DeviceRow]]) -> list[RequestState]:
+        """Sample the next token of every chunk in ``ran`` that completes its sequence and append it;
+        returns the requests that progressed. All host rows are sampled in one batch (the choices of
+        a fork share their row); an error stays with its request, which fails alone."""
         progressed: dict[str, RequestState] = {}
-        # All rows of the step are sampled in one batch (the choices of a fork share their row); an
-        # error stays with its request.
         sampled: list[tuple[RequestState, list[Sequence], Exception | None]] = []
         samplers: list[Sampler] = []
         rows: list[np.ndarray] = []
         on_device: dict[int, SampleResult] = {}
-        for _, (chunk, logits) in sorted(logits_of.items()):
+        for chunk, logits in ran:
             if not chunk.completes or self.router.route(chunk):
                 continue
             seq, st = chunk.seq, chunk.seq.state
@@ -407,8 +412,12 @@ class LLMEngine:
                 progressed.pop(rid, None)
                 continue
             progressed[rid] = st
+        return list(progressed.values())
+
+    def _emit(self, progressed: list[RequestState], now: float) -> list[RequestOutput]:
+        """The outputs of the requests that progressed in this step (at ``now``); finished ones leave."""
         outputs = []
-        for st in progressed.values():
+        for st in progressed:
             m = st.metrics
             if st.last_token_time is None:
                 m.ttft = now - st.request.arrival_time

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class SamplingParams:
+    """How one request's tokens are chosen (OpenAI's and vLLM's parameters); the order in which they
+    apply is :class:`~ruvllm.sampling.reference.Sampler`'s."""
+
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
