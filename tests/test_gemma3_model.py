@@ -197,6 +197,7 @@ def prompts(gemma3_tokenizer):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["candle-compat", "jax"])
 def test_greedy_continuations_match_transformers(gemma3_path, prompts, backend):
     model = (_candle if backend == "candle-compat" else _jax)(gemma3_path)
@@ -209,6 +210,7 @@ def test_greedy_continuations_match_transformers(gemma3_path, prompts, backend):
         np.testing.assert_allclose(got, want, atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_auto_runs_the_files_k_quant_blocks_in_the_native_kernels(gemma3_path, prompts):
     """``quantization="auto"`` keeps the file's Q4_K / Q6_K / Q5_0 / Q8_0 blocks (the w4a8 form, no
     float32 copy of the matrices) and multiplies them in the native kernels; its logits stay close to
