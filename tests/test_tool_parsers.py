@@ -132,20 +132,17 @@ def test_template_gets_tools_and_tool_calls_as_transformers_passes_them(smollm2_
 def test_streamed_auto_output_adds_up_to_the_whole(parser, text):
     """Whatever the cut into pieces, a stream's content and tool calls equal the non-streamed answer
     (content next to a call up to surrounding whitespace)."""
-    from types import SimpleNamespace
+    from ruvllm_server.generation.chat_tools import ChoiceTools, ToolSetup, split_calls, tool_deltas
 
-    from ruvllm_server.generation import ChatJob, ChoiceTools, ToolSetup
-
-    state = SimpleNamespace(tool_parser=BUILTIN_PARSERS[parser](), reasoning_parser=None)
-    job = ChatJob(state, None, None, tools=ToolSetup(TOOLS, "auto"))  # type: ignore[arg-type]
-    content, calls, reason = job._calls(text, "stop")
+    setup, tool_parser = ToolSetup(TOOLS, "auto"), BUILTIN_PARSERS[parser]()
+    content, calls, reason = split_calls(setup, tool_parser, "call_0", text, "stop")
     want = (content or "", [(c.name, c.arguments) for c in calls], reason)
     for step in (1, 3, 8):
         st = ChoiceTools()
         pieces = [text[i : i + step] for i in range(0, len(text), step)]
         chunks = []
         for k, piece in enumerate(pieces):
-            chunks += job._tool_deltas(0, st, piece, "stop" if k == len(pieces) - 1 else None)
+            chunks += tool_deltas(setup, tool_parser, "call_0", 0, st, piece, "stop" if k == len(pieces) - 1 else None)
         got_content = "".join(c.delta.content or "" for c in chunks)
         got_calls: dict[int, list[str]] = {}
         for c in chunks:

@@ -1,0 +1,157 @@
+"""``/v1/chat/completions``: a request turned into its run, and the run's outputs into a chat
+completion or its stream of chunks (content, reasoning, tool-call deltas, logprobs, usage)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ruvllm_server.errors import bad_request
+from ruvllm_server.generation.chat_tools import (
+    ChoiceTools,
+    ToolSetup,
+    split_calls,
+    tool_deltas,
+    tool_prompt,
+    tool_setup,
+)
+from ruvllm_server.generation.logprobs import chat_logprobs
+from ruvllm_server.generation.requests import build_sampling, check_model, encode_chat, engine_request, message_dicts
+from ruvllm_server.generation.run import ChoiceAccumulator, Run
+from ruvllm_server.generation.sse import SSE_DONE, error_event, sse
+from ruvllm_server.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatResponseMessage,
+    FunctionCall,
+    ToolCallOut,
+    Usage,
+)
+from ruvllm_server.tools import ToolCall, ToolParser, template_knows_tools
+
+if TYPE_CHECKING:
+    from ruvllm_server.state import ServerState
+
+
+@dataclass
+class ChatJob:
+    state: ServerState
+    req: ChatCompletionRequest
+    #: The authenticating API key's non-secret id (``middleware.key_id``); None without API keys.
+    api_key_id: str | None
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolSetup | None = None
+    named_call_id: str = field(default_factory=lambda: ToolCall("x", "{}").id)
+
+    @property
+    def parser(self) -> ToolParser | None:
+        return self.state.tool_parser
+
+    def prepare(self) -> Run:
+        req = self.req
+        adapter = check_model(self.state, req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        self.tools = setup = tool_setup(req)
+        structured = None
+        template_kw: dict[str, Any] = {}
+        reads_tools = template_knows_tools(self.state.tokenizer.chat_template)
+        messages = message_dicts(req.messages, reads_tools)
+        if setup is not None:
+            messages, template_kw, structured = tool_prompt(setup, req, reads_tools, messages)
+        prompt = encode_chat(self.state, messages, req.add_generation_prompt, **template_kw)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = build_sampling(
+            self.state,
+            req,
+            max_tokens=max_tokens,
+            default_max_tokens=self.state.max_context,
+            prompt_len=len(prompt),
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            structured=structured,
+        )
+        return Run(self.state, [engine_request(prompt, params, self.id, req.user, self.api_key_id, adapter)])
+
+    async def complete(self, run: Run) -> ChatCompletion:
+        acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(run.requests[0].sampling.n)}
+        async for _, out in run.outputs():
+            for d in out.deltas:
+                a = acc.setdefault(d.index, ChoiceAccumulator())
+                a.text.append(d.text)
+                a.token_ids.extend(d.token_ids)
+                if d.logprobs:
+                    a.logprobs.extend(d.logprobs)
+                if d.finish_reason:
+                    a.finish_reason = d.finish_reason
+        want_logprobs = bool(self.req.logprobs)
+        choices = []
+        for i, a in sorted(acc.items()):
+            text, reasoning = "".join(a.text), None
+            if self.state.reasoning_parser is not None:
+                split = self.state.reasoning_parser().split(text)
+                text, reasoning = split.content, split.reasoning
+            content, calls, reason = split_calls(self.tools, self.parser, self.named_call_id, text, a.finish_reason)
+            message = ChatResponseMessage(
+                "assistant",
+                content,
+                [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls] or None,
+                reasoning,
+            )
+            choices.append(ChatChoice(i, message, chat_logprobs(a.logprobs) if want_logprobs else None, reason))
+        return ChatCompletion(self.id, self.created, self.state.model_name, choices, run.usage())
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, choices, usage=usage))
+
+    async def stream(self, run: Run) -> AsyncIterator[bytes]:
+        n = run.requests[0].sampling.n
+        want_logprobs = bool(self.req.logprobs)
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        setup, parser, call_id = self.tools, self.parser, self.named_call_id
+        tool_state = {i: ChoiceTools() for i in range(n)} if setup is not None else None
+        thinking: dict[int, Any] | None = {} if self.state.reasoning_parser is not None else None
+        try:
+            yield self._chunk(
+                [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
+            )
+            async for _, out in run.outputs():
+                choices = []
+                for d in out.deltas:
+                    piece = d.text
+                    if thinking is not None:
+                        rp = thinking.get(d.index)
+                        if rp is None:
+                            rp = thinking[d.index] = self.state.reasoning_parser()  # type: ignore[misc]
+                        reasoning, piece = rp.feed(d.text, final=d.finish_reason is not None)
+                        if reasoning:
+                            choices.append(ChatChunkChoice(d.index, ChatDelta(reasoning_content=reasoning), None, None))
+                    if tool_state is not None:
+                        assert setup is not None  # tool_state is made only with tools
+                        st = tool_state.setdefault(d.index, ChoiceTools())
+                        choices.extend(tool_deltas(setup, parser, call_id, d.index, st, piece, d.finish_reason))
+                        continue
+                    if not piece and not d.finish_reason and not (want_logprobs and d.logprobs):
+                        continue
+                    choices.append(
+                        ChatChunkChoice(
+                            d.index,
+                            ChatDelta(content=piece) if piece else ChatDelta(),
+                            chat_logprobs(d.logprobs) if want_logprobs and d.logprobs else None,
+                            d.finish_reason,
+                        )
+                    )
+                if choices:
+                    yield self._chunk(choices)
+            if include_usage:
+                yield self._chunk([], usage=run.usage())
+        except Exception as exc:  # the status line is sent: errors go into the stream
+            yield error_event(exc)
+        yield SSE_DONE
