@@ -235,6 +235,7 @@ def _adapter(spec, name: str, rank: int, projections: tuple[str, ...], seed: int
     return LoraWeights(name, params)
 
 
+@pytest.mark.slow
 def test_declared_adapters_are_precompiled_and_their_padded_steps_give_the_same_tokens(tiny_jax):
     """Adapters declared before precompile (``LoadedModel.expect_adapters``: SONA and the server's
     ``--lora`` do it) get one padded plan per shape: a workload mixing two adapters of different ranks
