@@ -10,9 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_gpu.py"
 
 
+@pytest.mark.slow
+# Above the subprocess's own limit (900 s): that limit fails this test alone, with the output.
+@pytest.mark.timeout(1200)
 def test_bench_gpu_runs_every_part_interpreted(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--interpret", "--dtypes", "float32", "--attn-shapes", "llama3-8b", "--json", str(out)]

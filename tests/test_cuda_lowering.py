@@ -18,11 +18,15 @@ import pytest
 from _jax_fixtures import write_tiny_hf_model
 
 CUDA_PATH = os.environ.get("RUVLLM_CUDA_LOWERING_PATH")
-pytestmark = pytest.mark.skipif(
-    not CUDA_PATH,
-    reason="needs jax-cuda12-plugin (jax's version) on a path of its own: `nox -s tests` installs it into "
-    ".nox/cuda-lowering and sets RUVLLM_CUDA_LOWERING_PATH",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not CUDA_PATH,
+        reason="needs jax-cuda12-plugin (jax's version) on a path of its own: `nox -s tests` installs it into "
+        ".nox/cuda-lowering and sets RUVLLM_CUDA_LOWERING_PATH",
+    ),
+    # Above the lowering subprocess's own limit (1200 s): that limit fails one test alone, with the output.
+    pytest.mark.timeout(1500),
+]
 SCRIPT = Path(__file__).parent / "_cuda_lowering_check.py"
 
 

@@ -28,7 +28,9 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'ruvllm-server[ray]')")
 
-pytestmark = pytest.mark.slow  # starting Ray and its replicas: about a minute
+# Starting Ray and its replicas takes about a minute; the run has a limit of its own (900 s), which
+# fails the module with Ray's output before the per-test limit would stop the whole session.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SCRIPT = Path(__file__).parent / "_ray_check.py"
 #: Seconds within which a killed replica's replacement must serve (Ray restarts it; the tiny model
