@@ -334,49 +334,66 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBu
   const KernelTable* kt = kernels();
   Pool& pool = Pool::get();
   const int parts = work < (int64_t{1} << 17) ? 1 : pool.threads();
-  if (parts == 1) {
-    for (int64_t t = 0; t < tasks; ++t) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
+  // How many ranges a sequence's keys split into (a model with fewer kv heads than threads, Gemma-3
+  // 270M's one among them: otherwise one sequence decoding alone would leave threads idle). It
+  // depends on the sequence's own key count, the kv heads and the thread count only, never on the
+  // other sequences of the step or the step's work, so a sequence gets the same arithmetic (one
+  // range: decode; several: decode_part's, merged in range order) alone or in any batch.
+  const int64_t ways = (pool.threads() + j.KVH - 1) / j.KVH;
+  auto keys_of = [&](int64_t s) {  // first key and end of sequence s's keys
+    const int64_t end = std::max<int64_t>(0, std::min<int64_t>(j.context[s], j.Bd * j.BS));
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(0, std::min<int64_t>(j.first[s], end)), end};
+  };
+  auto splits_of = [&](int64_t s) {
+    const auto [t0, end] = keys_of(s);
+    return std::min({ways, std::max<int64_t>(1, (end - t0) / kMinSplitKeys), kMaxSplits});
+  };
+  std::vector<int64_t> first_unit(tasks + 1, 0);  // task t's ranges are units first_unit[t] ..
+  for (int64_t t = 0; t < tasks; ++t) first_unit[t + 1] = first_unit[t] + splits_of(t / j.KVH);
+  const int64_t units = first_unit[tasks];
+  if (units == tasks) {
+    pool.run(
+        [&](int part) {
+          for (int64_t t = part; t < tasks; t += parts) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
+        },
+        parts);
     return ffi::Error::Success();
   }
-  // Fewer (sequence, kv head) tasks than threads (one sequence of a model with one kv head: Gemma-3
-  // 270M decoding alone): each task's keys split into ranges, one per thread, merged after.
-  int64_t longest = 0;
-  for (int64_t s = 0; s < j.S; ++s) longest = std::max<int64_t>(longest, j.context[s] - std::max(0, j.first[s]));
-  const int64_t splits =
-      std::min({(parts + tasks - 1) / tasks, std::max<int64_t>(1, longest / kMinSplitKeys), kMaxSplits});
-  if (splits == 1) {
-    pool.run([&](int part) {
-      for (int64_t t = part; t < tasks; t += parts) kt->decode(j, t / j.KVH, t % j.KVH, scratch(j, t / j.KVH));
-    });
-    return ffi::Error::Success();
-  }
-  const int64_t group = j.H / j.KVH, stride = group * j.D + 2 * group, units = tasks * splits;
+  const int64_t group = j.H / j.KVH, stride = group * j.D + 2 * group;
   thread_local std::vector<float> partial;
   if (partial.size() < static_cast<size_t>(units * stride)) partial.resize(units * stride);
-  auto keys = [&](int64_t s, int64_t i) {  // split i of sequence s's keys
-    const int64_t end = std::max<int64_t>(0, std::min<int64_t>(j.context[s], j.Bd * j.BS));
-    const int64_t t0 = std::max<int64_t>(0, std::min<int64_t>(j.first[s], end));
-    return std::pair<int64_t, int64_t>{t0 + (end - t0) * i / splits, t0 + (end - t0) * (i + 1) / splits};
-  };
   float* part_out = partial.data();
-  pool.run([&](int part) {
-    for (int64_t u = part; u < units; u += parts) {
-      const int64_t t = u / splits, s = t / j.KVH;
-      const auto [a, b] = keys(s, u % splits);
-      float* o = part_out + u * stride;
-      kt->decode_part(j, s, t % j.KVH, a, b, scratch(j, s), o, o + group * j.D);
-    }
-  });
+  pool.run(
+      [&](int part) {
+        for (int64_t t = 0; t < tasks; ++t) {
+          const int64_t s = t / j.KVH, n = first_unit[t + 1] - first_unit[t];
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t u = first_unit[t] + i;
+            if (u % parts != part) continue;
+            if (n == 1) {
+              kt->decode(j, s, t % j.KVH, scratch(j, s));
+              continue;
+            }
+            const auto [t0, end] = keys_of(s);
+            float* o = part_out + u * stride;
+            kt->decode_part(j, s, t % j.KVH, t0 + (end - t0) * i / n, t0 + (end - t0) * (i + 1) / n, scratch(j, s), o,
+                            o + group * j.D);
+          }
+        }
+      },
+      parts);
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t s = t / j.KVH, g = t % j.KVH;
+    const int64_t s = t / j.KVH, g = t % j.KVH, splits = first_unit[t + 1] - first_unit[t];
+    if (splits == 1) continue;
+    const float* pt = part_out + first_unit[t] * stride;
     float* out = j.out + (s * j.H + g * group) * j.D;
     for (int64_t hh = 0; hh < group; ++hh) {
       float m = -INFINITY;
-      for (int64_t i = 0; i < splits; ++i) m = std::max(m, part_out[(t * splits + i) * stride + group * j.D + hh]);
+      for (int64_t i = 0; i < splits; ++i) m = std::max(m, pt[i * stride + group * j.D + hh]);
       float l = 0.f;
       float w[kMaxSplits];
       for (int64_t i = 0; i < splits; ++i) {
-        const float* st = part_out + (t * splits + i) * stride + group * j.D;
+        const float* st = pt + i * stride + group * j.D;
         w[i] = st[group + hh] > 0.f ? std::exp(st[hh] - m) : 0.f;
         l += w[i] * st[group + hh];
       }
@@ -384,7 +401,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBu
       float* oh = out + hh * j.D;
       for (int64_t d = 0; d < j.D; ++d) {
         float acc = 0.f;
-        for (int64_t i = 0; i < splits; ++i) acc += w[i] * part_out[(t * splits + i) * stride + hh * j.D + d];
+        for (int64_t i = 0; i < splits; ++i) acc += w[i] * pt[i * stride + hh * j.D + d];
         oh[d] = acc * inv;
       }
     }
