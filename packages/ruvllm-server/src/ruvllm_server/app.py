@@ -37,6 +37,7 @@ from ruvllm_server.generation import (
 )
 from ruvllm_server.hookspecs import RouteContext, server_hooks
 from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
+from ruvllm_server.responses import RESPONSES_ROUTES
 from ruvllm_server.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -300,6 +301,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
     handlers: list[Any] = [
         chat_completions,
         completions,
+        *RESPONSES_ROUTES,
         embeddings,
         list_models,
         retrieve_model,

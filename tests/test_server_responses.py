@@ -1,0 +1,312 @@
+"""``/v1/responses`` (the OpenAI Responses API) through the openai SDK against SmolLM2: create with a
+string and with items, the typed event stream, ``parse`` with a Pydantic model, a conversation over
+``previous_response_id``, a function-tool round trip, stored responses, and refusals in OpenAI's
+error shape that store nothing."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pydantic
+import pytest
+from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
+
+from ruvllm_server.responses.store import ResponseStore
+
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_model):  # noqa: F811
+    with live_server(smollm2_model) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+
+
+def stored_count(server) -> int:
+    store = server.app.state.get("ruvllm_responses")
+    return 0 if store is None else len(store)
+
+
+# --- the store on its own --------------------------------------------------------------------------
+
+
+def test_store_drops_the_least_recently_used_and_the_expired():
+    from ruvllm_server.responses.wire import ResponseObject
+
+    now = [0.0]
+    store = ResponseStore(max_count=2, ttl=10.0, clock=lambda: now[0])
+
+    def put(rid: str) -> None:
+        store.put(ResponseObject(id=rid, created_at=0, model="m", status="completed", output=[]), [])
+
+    put("a")
+    put("b")
+    assert store.get("a") is not None  # a is now the most recently used
+    put("c")
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    now[0] = 11.0
+    assert store.get("a") is None and len(store) == 0
+    put("d")
+    assert store.delete("d") and not store.delete("d")
+
+
+# --- create --------------------------------------------------------------------------------------
+
+
+def test_create_with_a_string_input(client):
+    r = client.responses.create(model=MODEL, input="Say hello.", temperature=0, max_output_tokens=12)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
+    assert isinstance(r.output_text, str) and r.output_text
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens > 0
+
+
+def test_max_output_tokens_makes_it_incomplete(client):
+    r = client.responses.create(model=MODEL, input="Count to one hundred.", temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3
+    # Streamed, it ends as OpenAI's does: response.incomplete, with the same reason.
+    with client.responses.stream(model=MODEL, input="Count to one hundred.", temperature=0, max_output_tokens=3) as s:
+        last = list(s)[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output[0].status == "incomplete"
+
+
+def test_create_with_items_and_instructions(client):
+    items = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "The capital of France?"}]},
+    ]
+    r = client.responses.create(
+        model=MODEL, input=items, instructions="You are terse.", temperature=0, max_output_tokens=8
+    )
+    assert r.instructions == "You are terse." and r.output_text
+
+
+def test_input_items_become_the_chat_turns():
+    from ruvllm_server.responses.translate import chat_request
+    from ruvllm_server.responses.wire import ResponseRequest
+
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
+    ]
+    earlier = chat_request(ResponseRequest(input="Hi."), "m", []).history
+    t = chat_request(ResponseRequest(input=items, instructions="Terse."), "m", earlier)
+    chat = t.chat.messages
+    assert [m.role for m in chat] == ["system", "user", "developer", "user", "assistant", "tool", "tool"]
+    assert chat[0].content == "Terse." and chat[3].content == "Weather?"
+    assert [c.id for c in chat[4].tool_calls] == ["c1", "c2"]
+    assert (chat[5].tool_call_id, chat[6].content) == ("c1", "rain")
+    assert t.history == chat[1:]  # a follow-up does not inherit the instructions
+
+
+# --- stream --------------------------------------------------------------------------------------
+
+
+def test_stream_gives_typed_events_and_the_non_streamed_response(client):
+    kw = dict(model=MODEL, input="Say hi.", temperature=0, max_output_tokens=48)
+    plain = client.responses.create(**kw)
+    assert plain.status == "completed"  # the SDK's final response needs response.completed
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert "response.output_text.delta" in kinds
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert final.output_text == deltas == plain.output_text
+    assert final.status == plain.status and final.usage.output_tokens == plain.usage.output_tokens
+    assert [i.type for i in final.output] == [i.type for i in plain.output]
+
+
+def test_streamed_forced_call_equals_the_non_streamed_one(client):
+    kw = dict(
+        model=MODEL,
+        input="Weather in Rome please.",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=40,
+    )
+    plain = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    calls = [i for i in final.output if i.type == "function_call"]
+    plain_calls = [i for i in plain.output if i.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in plain_calls]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == calls[0].arguments
+
+
+# --- parse, conversations, tools -------------------------------------------------------------------
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    country: str = pydantic.Field(max_length=30)
+
+
+def test_parse_with_a_pydantic_model(client):
+    r = client.responses.parse(
+        model=MODEL, input="Tell me about Paris as JSON.", text_format=City, temperature=0, max_output_tokens=60
+    )
+    assert isinstance(r.output_parsed, City) and r.output_parsed.name
+
+
+def test_two_turns_through_previous_response_id(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=10)
+    second = client.responses.create(
+        model=MODEL,
+        input="What is my name?",
+        previous_response_id=first.id,
+        temperature=0,
+        max_output_tokens=10,
+    )
+    assert second.previous_response_id == first.id
+    # The first turn (its input and its answer) went into the second's prompt.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_function_tool_round_trip(client):
+    ask = [{"role": "user", "content": "What is the weather in Rome?"}]
+    r = client.responses.create(
+        model=MODEL,
+        input=ask,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+    )
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    assert "city" in json.loads(calls[0].arguments)
+    follow = [
+        *ask,
+        *[c.model_dump(exclude_none=True) for c in calls],
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"},
+    ]
+    answer = client.responses.create(model=MODEL, input=follow, tools=[WEATHER], temperature=0, max_output_tokens=20)
+    assert answer.output_text and answer.usage.input_tokens > r.usage.input_tokens
+
+
+# --- stored responses ------------------------------------------------------------------------------
+
+
+def test_get_and_delete_a_stored_response(client, server):
+    r = client.responses.create(model=MODEL, input="Hi.", temperature=0, max_output_tokens=4)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    gone = httpx.delete(server.url(f"/v1/responses/{r.id}"), timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["message"]
+
+
+def test_store_false_keeps_nothing(client):
+    r = client.responses.create(model=MODEL, input="Hi.", store=False, temperature=0, max_output_tokens=4)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        (
+            {
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
+                    }
+                }
+            },
+            "text.format.schema",
+        ),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ],
+    ids=[
+        "background",
+        "built-in-tool",
+        "built-in-tool-choice",
+        "unknown-item",
+        "image-part",
+        "unknown-previous",
+        "schema-missing",
+        "schema-broken",
+        "format-type",
+    ],
+)
+def test_refusals_are_400_naming_the_field_and_store_nothing(server, body, param):
+    before = stored_count(server)
+    r = httpx.post(
+        server.url("/v1/responses"),
+        json={"model": MODEL, "input": "hi", "max_output_tokens": 4, **body},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert stored_count(server) == before
+
+
+def test_unknown_id_is_404_in_openai_shape(server):
+    r = httpx.get(server.url("/v1/responses/resp_nope"), timeout=30)
+    assert r.status_code == 404
+    assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
