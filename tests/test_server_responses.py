@@ -310,3 +310,59 @@ def test_unknown_id_is_404_in_openai_shape(server):
     r = httpx.get(server.url("/v1/responses/resp_nope"), timeout=30)
     assert r.status_code == 404
     assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+# --- the event stream on its own (reasoning, text, then a call) -------------------------------------
+
+
+def test_events_of_reasoning_text_and_a_call_make_the_final_response():
+    import msgspec
+
+    from ruvllm_server.responses.events import ResponseEvents
+    from ruvllm_server.responses.translate import Answer, ResponseShell, output_items
+    from ruvllm_server.responses.wire import ResponseRequest
+    from ruvllm_server.schemas import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatDelta,
+        FunctionDelta,
+        ToolCallDelta,
+        Usage,
+    )
+
+    def chunk(delta: ChatDelta, finish: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk("c", 0, "m", [ChatChunkChoice(0, delta, None, finish)])
+
+    events = ResponseEvents(ResponseShell(ResponseRequest(input="x"), "m"))
+    out = events.start()
+    for c in [
+        chunk(ChatDelta(role="assistant", content="")),
+        chunk(ChatDelta(reasoning_content="Think")),
+        chunk(ChatDelta(reasoning_content="ing.")),
+        chunk(ChatDelta(content="Calling.")),
+        chunk(ChatDelta(tool_calls=[ToolCallDelta(0, FunctionDelta("f", ""), "call_1", "function")])),
+        chunk(ChatDelta(tool_calls=[ToolCallDelta(0, FunctionDelta(arguments='{"a": 1}'))]), "tool_calls"),
+        ChatCompletionChunk("c", 0, "m", [], usage=Usage(5, 4, 9)),
+    ]:
+        out += events.chunk(c)
+    closing, response = events.finish()
+    out += closing
+    decoded = [msgspec.json.decode(b.split(b"data: ", 1)[1]) for b in out]
+    assert [e["sequence_number"] for e in decoded] == list(range(len(decoded)))
+    kinds = [e["type"] for e in decoded]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.delta")
+    assert kinds[-1] == "response.completed"
+    assert [type(i).__name__ for i in response.output] == ["ReasoningItem", "MessageItem", "FunctionCallItem"]
+    ids = {"reasoning": response.output[0].id, "message": response.output[1].id, "call0": response.output[2].id}
+    same = output_items(Answer("Calling.", [("call_1", "f", '{"a": 1}')], "Thinking.", "tool_calls", None, ids))
+    assert msgspec.to_builtins(response.output) == msgspec.to_builtins(same)
+    assert response.usage.total_tokens == 9
+
+
+def test_store_bounds_are_settings():
+    from ruvllm_server.settings import ServerSettings, load_settings
+
+    assert (ServerSettings().responses_store_max, ServerSettings().responses_store_ttl) == (1000, 3600.0)
+    s = load_settings(environ={"RUVLLM_RESPONSES_STORE_MAX": "5", "RUVLLM_RESPONSES_STORE_TTL": "60"})
+    assert (s.responses_store_max, s.responses_store_ttl) == (5, 60.0)

@@ -104,6 +104,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_call_parser: str | None = None
     #: Split thinking into ``reasoning_content`` (``think``, ``deepseek_r1``, or a plugin's; none: off).
     reasoning_parser: str | None = None
+    #: Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently
+    #: used out first; 0: none kept), and for how many seconds each.
+    responses_store_max: NonNegative = 1000
+    responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     #: LoRA adapters served beside the base model, ``name=path`` (a PEFT adapter directory or a Hub
     #: repo id in the cache); a request picks one with ``model: "<name>"``.
     lora_modules: list[str] = []

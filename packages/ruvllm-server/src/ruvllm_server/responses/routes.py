@@ -14,7 +14,7 @@ from ruvllm.errors import RequestError
 from ruvllm_server.errors import APIError, bad_request
 from ruvllm_server.generation import ChatJob, cancel_on_disconnect
 from ruvllm_server.responses.events import ResponseEvents, response_events
-from ruvllm_server.responses.store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS, ResponseStore
+from ruvllm_server.responses.store import ResponseStore
 from ruvllm_server.responses.translate import (
     Answer,
     ResponseShell,
@@ -39,8 +39,7 @@ def response_store(request: Request) -> ResponseStore:
     if store is None:
         settings = _state(request).settings
         store = app_state["ruvllm_responses"] = ResponseStore(
-            getattr(settings, "responses_store_max", DEFAULT_MAX_RESPONSES),
-            getattr(settings, "responses_store_ttl", DEFAULT_TTL_SECONDS),
+            settings.responses_store_max, settings.responses_store_ttl
         )
     return store
 
