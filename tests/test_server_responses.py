@@ -366,3 +366,27 @@ def test_store_bounds_are_settings():
     assert (ServerSettings().responses_store_max, ServerSettings().responses_store_ttl) == (1000, 3600.0)
     s = load_settings(environ={"RUVLLM_RESPONSES_STORE_MAX": "5", "RUVLLM_RESPONSES_STORE_TTL": "60"})
     assert (s.responses_store_max, s.responses_store_ttl) == (5, 60.0)
+
+
+def test_a_schema_rejected_mid_stream_is_an_error_event_naming_the_field(server):
+    before = stored_count(server)
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}
+    body = {
+        "model": MODEL,
+        "input": "hi",
+        "max_output_tokens": 4,
+        "stream": True,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}},
+    }
+    with httpx.stream("POST", server.url("/v1/responses"), json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in lines]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["param"] == "text.format.schema" and events[-1]["sequence_number"] == 2
+    assert stored_count(server) == before
+
+
+def test_responses_take_an_admission_slot():
+    from ruvllm_server.middleware import GENERATION_PATHS
+
+    assert "/v1/responses" in GENERATION_PATHS

@@ -31,7 +31,7 @@ access_log = structlog.get_logger("ruvllm.server.access")
 #: Probes stay open with authentication on.
 OPEN_PATHS = frozenset({"/health", "/ready"})
 #: POST routes that take an admission slot.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 #: Routes that need the model loaded.
 MODEL_PATH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 

@@ -27,7 +27,7 @@ def error_event(exc: Exception) -> bytes:
     if isinstance(exc, APIError):
         return sse(exc.body)
     if isinstance(exc, RequestError):
-        return sse(ErrorResponse(ErrorBody(str(exc), "invalid_request_error")))
+        return sse(ErrorResponse(ErrorBody(str(exc), "invalid_request_error", exc.param)))
     if isinstance(exc, EngineDeadError):
         return sse(ErrorResponse(ErrorBody("the server is shutting down", "service_unavailable", code="shutting_down")))
     log.exception("generation failed mid-stream")
