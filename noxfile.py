@@ -38,7 +38,7 @@ TEST_DEPS = [
     "torch==2.13.0",  # the CPU build; HF transformers runs on it as the reference
     "transformers>=4.46",
     "accelerate>=1.0",  # transformers needs it to load GGUF files
-    "openai>=1.40",
+    "openai>=1.66",  # client.responses (create, stream, parse)
     "httpx>=0.27",
     "ray[serve]>=2.50",  # the server's optional extra: replicas on Ray Serve (tests/test_ray_serve.py)
 ]
