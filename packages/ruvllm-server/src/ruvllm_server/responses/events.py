@@ -17,6 +17,7 @@ from ruvllm_server.responses.wire import (
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
     FunctionCallItem,
+    ItemStatus,
     MessageItem,
     OutputItem,
     OutputItemAdded,
@@ -34,6 +35,7 @@ from ruvllm_server.responses.wire import (
     ResponseIncomplete,
     ResponseInProgress,
     ResponseObject,
+    ResponseStatus,
     StreamError,
 )
 from ruvllm_server.schemas import ChatCompletionChunk, ToolCallDelta, Usage
@@ -101,7 +103,7 @@ class ResponseEvents:
         where = {"item_id": item.id, "output_index": cur.index}
         out = []
         if isinstance(item, MessageItem):
-            status = "incomplete" if self.finish_reason == "length" else "completed"
+            status: ItemStatus = "incomplete" if self.finish_reason == "length" else "completed"
             done: OutputItem = MessageItem(item.id, [OutputText(text)], status)
             out.append(self._next(OutputTextDone, content_index=0, text=text, **where))
             out.append(self._next(ContentPartDone, content_index=0, part=OutputText(text), **where))
@@ -178,7 +180,7 @@ class ResponseEvents:
         if not any(isinstance(i, (MessageItem, FunctionCallItem)) for i in self.output):
             out += self._open(MessageItem(new_id("msg"), [], "in_progress"))
             out += self._close()
-        status = "incomplete" if self.finish_reason == "length" else "completed"
+        status: ResponseStatus = "incomplete" if self.finish_reason == "length" else "completed"
         response = self.shell.build(status, list(self.output), self.usage)
         final = ResponseIncomplete if status == "incomplete" else ResponseCompleted
         out.append(self._next(final, response=response))

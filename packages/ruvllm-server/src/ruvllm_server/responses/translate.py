@@ -8,7 +8,6 @@ their chat forms. Errors name the Responses field (``input[2].type``, ``text.for
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from ruvllm_server.responses.wire import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
+    ItemStatus,
     MessageItem,
     OutputItem,
     OutputText,
@@ -27,6 +27,7 @@ from ruvllm_server.responses.wire import (
     ReasoningText,
     ResponseObject,
     ResponseRequest,
+    ResponseStatus,
     ResponseUsage,
 )
 from ruvllm_server.schemas import (
@@ -270,7 +271,7 @@ class Answer:
 
 def output_items(answer: Answer) -> list[OutputItem]:
     incomplete = answer.finish_reason == "length"
-    status = "incomplete" if incomplete else "completed"
+    status: ItemStatus = "incomplete" if incomplete else "completed"
     ids = answer.ids
     items: list[OutputItem] = []
     if answer.reasoning:
@@ -298,13 +299,15 @@ class ResponseShell:
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    def build(self, status: str, output: list[OutputItem] | None = None, usage: Usage | None = None) -> ResponseObject:
+    def build(
+        self, status: ResponseStatus, output: list[OutputItem] | None = None, usage: Usage | None = None
+    ) -> ResponseObject:
         req = self.req
         return ResponseObject(
             id=self.id,
             created_at=self.created_at,
             model=self.model,
-            status=status,  # type: ignore[arg-type]
+            status=status,
             output=output or [],
             usage=response_usage(usage),
             incomplete_details=IncompleteDetails("max_output_tokens") if status == "incomplete" else None,
@@ -323,13 +326,5 @@ class ResponseShell:
         )
 
     def finish(self, answer: Answer) -> ResponseObject:
-        status = "incomplete" if answer.finish_reason == "length" else "completed"
+        status: ResponseStatus = "incomplete" if answer.finish_reason == "length" else "completed"
         return self.build(status, output_items(answer), answer.usage)
-
-
-def arguments_text(arguments: str) -> str:
-    """Call arguments as compact JSON text when they parse (as the chat path's calls come)."""
-    try:
-        return json.dumps(json.loads(arguments), ensure_ascii=False)
-    except json.JSONDecodeError:
-        return arguments

@@ -43,6 +43,8 @@ class ResponseRequest(Struct, kw_only=True):
 
 # --- output items ------------------------------------------------------------------------------
 
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
 
 class OutputText(Struct, tag_field="type", tag="output_text"):
     text: str
@@ -57,7 +59,7 @@ class ReasoningText(Struct, tag_field="type", tag="reasoning_text"):
 class MessageItem(Struct, tag_field="type", tag="message"):
     id: str
     content: list[OutputText]
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
     role: str = "assistant"
 
 
@@ -66,20 +68,23 @@ class FunctionCallItem(Struct, tag_field="type", tag="function_call"):
     call_id: str
     name: str
     arguments: str
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
 
 
 class ReasoningItem(Struct, tag_field="type", tag="reasoning"):
     id: str
     content: list[ReasoningText]
     summary: list[Any] = []
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
 
 
 OutputItem = MessageItem | FunctionCallItem | ReasoningItem
 
 
 # --- the response ------------------------------------------------------------------------------
+
+
+ResponseStatus = Literal["completed", "incomplete", "in_progress", "failed"]
 
 
 class InputTokensDetails(Struct, frozen=True):
@@ -106,7 +111,7 @@ class ResponseObject(Struct, kw_only=True):
     id: str
     created_at: int
     model: str
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: ResponseStatus
     output: list[OutputItem]
     object: str = "response"
     usage: ResponseUsage | None = None
