@@ -123,6 +123,8 @@ def test_input_items_become_the_chat_turns():
     assert [c.id for c in chat[4].tool_calls] == ["c1", "c2"]
     assert (chat[5].tool_call_id, chat[6].content) == ("c1", "rain")
     assert t.history == chat[1:]  # a follow-up does not inherit the instructions
+    # OpenAI takes tool_choice auto or none without tools.
+    assert chat_request(ResponseRequest(input="Hi.", tool_choice="auto"), "m", []).chat.tool_choice is None
 
 
 # --- stream --------------------------------------------------------------------------------------

@@ -174,7 +174,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> str | dict[str, Any] | None:
+    if choice in ("auto", "none") and not has_tools:
+        return None  # OpenAI takes these without tools; the chat path refuses any choice then
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
@@ -237,7 +239,7 @@ def chat_request(req: ResponseRequest, model: str, earlier: list[ChatMessage]) -
             model=req.model or model,
             messages=messages,
             tools=chat_tools(req.tools),
-            tool_choice=chat_tool_choice(req.tool_choice),
+            tool_choice=chat_tool_choice(req.tool_choice, bool(req.tools)),
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=chat_response_format(req.text),
             max_completion_tokens=req.max_output_tokens,
