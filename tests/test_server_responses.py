@@ -392,3 +392,8 @@ def test_responses_take_an_admission_slot():
     from ruvllm_server.middleware import GENERATION_PATHS
 
     assert "/v1/responses" in GENERATION_PATHS
+
+
+def test_the_routes_are_in_the_openapi_schema(server):
+    paths = httpx.get(server.url("/schema/openapi.json"), timeout=60).json()["paths"]
+    assert {"/v1/responses", "/v1/responses/{response_id}"} <= set(paths)
