@@ -397,3 +397,21 @@ def test_responses_take_an_admission_slot():
 def test_the_routes_are_in_the_openapi_schema(server):
     paths = httpx.get(server.url("/schema/openapi.json"), timeout=60).json()["paths"]
     assert {"/v1/responses", "/v1/responses/{response_id}"} <= set(paths)
+
+
+def test_reasoning_parser_output_is_a_reasoning_item_streamed_or_not(smollm2_model):  # noqa: F811
+    # deepseek_r1 reads the output as begun inside <think>: SmolLM2 never closes it, so all of it
+    # is thinking, and the message is empty.
+    with live_server(smollm2_model, reasoning_parser="deepseek_r1") as srv:
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+        kw = dict(model=MODEL, input="What is 2+2?", temperature=0, max_output_tokens=8)
+        plain = client.responses.create(**kw)
+        assert [i.type for i in plain.output] == ["reasoning", "message"]
+        thinking = plain.output[0].content[0].text
+        assert thinking and plain.output_text == ""
+        with client.responses.stream(**kw) as stream:
+            events = list(stream)
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        final = events[-1].response
+        assert deltas == thinking == final.output[0].content[0].text
+        assert [i.type for i in final.output] == ["reasoning", "message"] and final.status == plain.status
