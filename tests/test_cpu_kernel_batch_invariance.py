@@ -63,7 +63,7 @@ def test_wxa8_rows_do_not_depend_on_the_row_count(isa, bits, panel):
         offset = None if w.offset is None else jnp.asarray(w.offset)
         operands = [(jnp.asarray(w.quant), jnp.asarray(w.scale), offset)]
 
-        def run(x: np.ndarray) -> np.ndarray:
+        def run(x: np.ndarray, operands=operands) -> np.ndarray:
             with native.use_isa(isa):
                 return np.asarray(native.wxa8_group(jnp.asarray(x), jnp.int32(0), operands, panel=panel)[0])
 
@@ -78,7 +78,7 @@ def test_w8a8_rows_do_not_depend_on_the_row_count(isa):
         mats = [quantize_w8a8(rng.standard_normal((out, cols)).astype(np.float32)) for out in (1536, 30)]
         stacked = [(jnp.asarray(m.quant), jnp.asarray(m.scale)) for m in mats]
 
-        def run(x: np.ndarray) -> np.ndarray:
+        def run(x: np.ndarray, stacked=stacked) -> np.ndarray:
             with native.use_isa(isa):
                 ys = native.w8a8_group(jnp.asarray(x), jnp.int32(0), None, stacked)
             return np.concatenate([np.asarray(y) for y in ys], axis=1)
@@ -96,7 +96,7 @@ def test_kquant_rows_do_not_depend_on_the_row_count(isa, bits, q6k):
     for out, cols in ((48, 512), (1024, 512)):
         ops = _kquant_operands(_random_kquant(rng, out, cols, bits, q6k), bits)
 
-        def run(x: np.ndarray) -> np.ndarray:
+        def run(x: np.ndarray, ops=ops) -> np.ndarray:
             with native.use_isa(isa):
                 return np.asarray(native.kxa8_group(jnp.asarray(x), jnp.int32(0), [ops])[0])
 

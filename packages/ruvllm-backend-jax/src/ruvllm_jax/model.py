@@ -44,7 +44,7 @@ from ruvllm.modeling import (  # noqa: F401 (decoder_layer and the math stay imp
     rms_norm,
 )
 from ruvllm.modeling import softcap as apply_softcap
-from ruvllm_jax import native
+from ruvllm_jax import native, row_sums
 from ruvllm_jax.attention import paged_attention, window_start
 from ruvllm_jax.kv_state import (  # noqa: F401 (the KV state's names stay importable from here)
     KV_SCALE_GROUP,
@@ -57,8 +57,9 @@ from ruvllm_jax.kv_state import (  # noqa: F401 (the KV state's names stay impor
 )
 from ruvllm_jax.quant import QuantArray, Weight, linear, take_rows
 
-# XLA's own sigmoid (SiLU) and rsqrt (RMSNorm) for the model's formulas: the ops the step always ran.
-register_primitives(jnp, sigmoid=jax.nn.sigmoid, rsqrt=lax.rsqrt)
+# XLA's own sigmoid (SiLU) and rsqrt (RMSNorm) for the model's formulas: the ops the step always ran;
+# RMSNorm's mean in a fixed order, so a row's norm does not depend on the step's row count.
+register_primitives(jnp, sigmoid=jax.nn.sigmoid, rsqrt=lax.rsqrt, row_mean=row_sums.row_mean)
 
 
 def bucket(n: int) -> int:

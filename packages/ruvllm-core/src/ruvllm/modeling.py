@@ -236,12 +236,14 @@ def namespace(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class Primitives:
-    """The two elementwise functions the array API leaves out, as an array library computes them best.
-    The model's formulas above them are written once; a backend registers its library's own forms
-    (:func:`register_primitives`), so its compiled step keeps the operations it always had."""
+    """The two elementwise functions the array API leaves out, and the mean over the last axis, as an
+    array library computes them best. The model's formulas above them are written once; a backend
+    registers its library's own forms (:func:`register_primitives`), so its compiled step keeps the
+    operations it always had, or one whose row sums keep one order whatever the number of rows."""
 
     sigmoid: Callable[[Any], Any]
     rsqrt: Callable[[Any], Any]
+    row_mean: Callable[[Any], Any] | None = None  # mean over the last axis, kept; None: xp.mean
 
 
 def _np_sigmoid(g: Any) -> Any:
@@ -257,9 +259,16 @@ _GENERIC = Primitives(_np_sigmoid, _np_rsqrt)
 _PRIMITIVES: dict[str, Primitives] = {}
 
 
-def register_primitives(xp: Any, *, sigmoid: Callable[[Any], Any], rsqrt: Callable[[Any], Any]) -> None:
-    """Use ``sigmoid`` and ``rsqrt`` for arrays of the array module ``xp`` (e.g. ``jax.numpy``)."""
-    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt)
+def register_primitives(
+    xp: Any,
+    *,
+    sigmoid: Callable[[Any], Any],
+    rsqrt: Callable[[Any], Any],
+    row_mean: Callable[[Any], Any] | None = None,
+) -> None:
+    """Use ``sigmoid``, ``rsqrt`` and ``row_mean`` (the mean over the last axis, kept; default the
+    library's mean) for arrays of the array module ``xp`` (e.g. ``jax.numpy``)."""
+    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, row_mean)
 
 
 def primitives(xp: Any) -> Primitives:
@@ -274,7 +283,10 @@ def inv_rms(x: Any, eps: float) -> Any:
     """``1 / sqrt(mean(x^2) + eps)`` over the last axis (kept), in float32."""
     xp = namespace(x)
     xf = _f32(x, xp)
-    return primitives(xp).rsqrt(xp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    prim = primitives(xp)
+    sq = xf * xf
+    mean = prim.row_mean(sq) if prim.row_mean is not None else xp.mean(sq, axis=-1, keepdims=True)
+    return prim.rsqrt(mean + eps)
 
 
 def rms_norm(x: Any, w: Any, eps: float) -> Any:

@@ -1,0 +1,30 @@
+"""Sums over the last axis in one fixed order, whatever the array's other dimensions.
+
+XLA's CPU reduction picks its vectorisation and tiling from the whole shape, so a row's sum of
+squares (RMSNorm) over 576 values came out differently in a step of 8 rows than in a step of 1, and a
+greedy answer could change with what else the server was running. Here the row is padded with zeros
+to a power of two and halved by elementwise adds (exact zeros, and XLA does not reassociate float
+adds), so every row is summed as the same binary tree whatever the number of rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """``sum(x, axis=-1, keepdims=True)``, each row summed in the same order whatever ``x.shape[:-1]``."""
+    n = x.shape[-1]
+    width = 1 << max(0, n - 1).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def row_mean(x: jax.Array) -> jax.Array:
+    """``mean(x, axis=-1, keepdims=True)`` with :func:`row_sum`'s fixed order."""
+    return row_sum(x) / jnp.asarray(x.shape[-1], x.dtype)
