@@ -57,6 +57,7 @@ from ruvllm_server.schemas import (
     Readiness,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     UnloadLoraAdapterRequest,
 )
 from ruvllm_server.settings import ServerSettings, load_settings
@@ -221,6 +222,31 @@ async def detokenize(request: Request, data: Annotated[DetokenizeRequest, Body()
     return DetokenizeResponse(state.tokenizer.decode(data.tokens))
 
 
+@get("/tokenizer_info", summary="The tokenizer's configuration (special tokens, chat template)", tags=["tokenizer"])
+async def tokenizer_info(request: Request) -> TokenizerInfo:
+    state = _state(request)
+    tok = state.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tok.id_to_token(token_id)
+
+    inner = tok.inner
+    padding = inner.padding or {}
+    unk = getattr(inner.model, "unk_token", None)
+    eos = tok.eos_token_ids
+    return TokenizerInfo(
+        # Every ruvllm tokenizer is a `tokenizers` fast tokenizer, which transformers loads as this class.
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=state.max_context,
+        bos_token=text(tok.bos_token_id),
+        eos_token=text(eos[0] if eos else None),
+        pad_token=padding.get("pad_token"),
+        unk_token=unk if isinstance(unk, str) and inner.token_to_id(unk) is not None else None,
+        add_bos_token=bool(tok.bos_token_id is not None and tok.encode("a")[:1] == [tok.bos_token_id]),
+        chat_template=tok.chat_template,
+    )
+
+
 # --- operations -------------------------------------------------------------------------------
 
 
@@ -307,6 +333,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
         retrieve_model,
         tokenize,
         detokenize,
+        tokenizer_info,
         health,
         ready,
         metrics,

@@ -355,6 +355,21 @@ class DetokenizeResponse(Struct):
     prompt: str
 
 
+class TokenizerInfo(Struct):
+    """``GET /tokenizer_info`` as vLLM serves it: the tokenizer's configuration in the shape of
+    Hugging Face's ``tokenizer_config.json`` (special tokens as text), which lm-evaluation-harness
+    reads to use the server's tokenizer through ``/tokenize`` and ``/detokenize``."""
+
+    tokenizer_class: str
+    model_max_length: int
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+
+
 # --- health -----------------------------------------------------------------------------------
 
 
