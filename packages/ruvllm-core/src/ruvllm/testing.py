@@ -27,6 +27,9 @@ written from the definition):
   ``x W^T + scale (x A^T) B^T`` says where the model declares ``adapters``, and is refused with
   ``BackendError`` where it does not;
 * ``batch_invariance``: a sequence's logits do not depend on what else is in the step;
+* ``quantized_batch_invariance``: the same, bit for bit, with each of the quantized forms ``w8a8``
+  and ``w4a8`` the backend offers (a checkpoint of :data:`QUANTIZABLE_TINY`'s sizes, multiples of
+  32): its integer products are exact, so only a float order that changes with the batch can differ;
 * ``threads``: two threads calling ``forward`` at once, each on its own cache, get what they get
   alone.
 
@@ -49,15 +52,17 @@ from ruvllm.backend import BACKEND_MODEL_METHODS, Capabilities, ForwardBatch, Lo
 from ruvllm.errors import BackendError
 
 TINY = dict(vocab=97, hidden=48, layers=2, heads=4, kv_heads=2, ffn=80, theta=10000.0, eps=1e-5)
+#: TINY with every product's input a multiple of 32 (the group size of the w4a8 / w8a8 forms).
+QUANTIZABLE_TINY = TINY | dict(hidden=64, ffn=96)
 BLOCK = 4
 
 
-def write_tiny_checkpoint(path: str | Path, seed: int = 0) -> Path:
+def write_tiny_checkpoint(path: str | Path, seed: int = 0, sizes: Mapping[str, Any] | None = None) -> Path:
     """A random-weight Llama checkpoint in Hugging Face layout (weights scaled so attention is sharp
-    and every parameter matters). Returns the directory."""
+    and every parameter matters), of :data:`TINY`'s sizes or ``sizes``. Returns the directory."""
     from safetensors.numpy import save_file
 
-    t = TINY
+    t = TINY if sizes is None else sizes
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -318,6 +323,48 @@ def _batch_invariance(r: _Runner) -> None:
     r.close(crowd, np.asarray(alone, np.float64), "batch_invariance: a sequence's logits changed with the batch")
 
 
+def _quantized_batch_invariance(r: _Runner) -> None:
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    forms = [q for q in ("w8a8", "w4a8") if q in r.model.capabilities.quantizations]
+    if not forms:
+        return
+    path = write_tiny_checkpoint(r.path.parent / "tiny-llama-quantizable", seed=3, sizes=QUANTIZABLE_TINY)
+    vocab = QUANTIZABLE_TINY["vocab"]
+    rng = np.random.default_rng(9)
+    ids = rng.integers(3, vocab, size=8).tolist()
+    others = [rng.integers(3, vocab, size=n).tolist() for n in (3, 11, 1, 6, 2)]
+    for form in forms:
+        model = load_model(str(path), backend=r.backend, host=load_plugins(), options=LoadOptions(quantization=form))
+
+        def step(chunks: list[SequenceChunk], model: Any = model) -> Any:
+            return model.forward(ForwardBatch(chunks, BLOCK), model.allocate_cache(48, BLOCK))
+
+        alone = step([_chunk(ids, 0, [1, 2], all_logits=True)])
+        beside = [_chunk(o, 0, [10 + 3 * k, 11 + 3 * k, 12 + 3 * k]) for k, o in enumerate(others)]
+        crowd = step([beside[0], _chunk(ids, 0, [1, 2], all_logits=True), *beside[1:]])
+        got, want = np.asarray(crowd.all_logits[1]), np.asarray(alone.all_logits[0])
+        if got.shape != want.shape or not np.array_equal(got, want):
+            err = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("nan")
+            raise AssertionError(f"quantized_batch_invariance: {form}: a prompt's logits changed with the batch "
+                                 f"(max |difference| {err:.3g})")  # fmt: skip
+        # Decodes: the sequence's next token alone, then beside the others' next tokens.
+        nxt = int(np.argmax(want[-1]))
+        cache = model.allocate_cache(48, BLOCK)
+        seqs = [ids, *others]
+        tables = [[1, 2, 3, 4]] + [[10 + 4 * k, 11 + 4 * k, 12 + 4 * k, 13 + 4 * k] for k in range(len(others))]
+        model.forward(ForwardBatch([_chunk(s, 0, t) for s, t in zip(seqs, tables, strict=True)], BLOCK), cache)
+        one = model.forward(ForwardBatch([_chunk([nxt], len(ids), tables[0])], BLOCK), cache).logits[0]
+        many = model.forward(ForwardBatch([_chunk([nxt if k == 0 else 5], len(s), t)
+                                           for k, (s, t) in enumerate(zip(seqs, tables, strict=True))], BLOCK),
+                             cache).logits[0]  # fmt: skip
+        if not np.array_equal(np.asarray(one), np.asarray(many)):
+            err = float(np.max(np.abs(np.asarray(one) - np.asarray(many))))
+            raise AssertionError(f"quantized_batch_invariance: {form}: a decode's logits changed with the batch "
+                                 f"(max |difference| {err:.3g})")  # fmt: skip
+
+
 def _threads(r: _Runner) -> None:
     rng = np.random.default_rng(8)
     prompts = [rng.integers(3, TINY["vocab"], size=n).tolist() for n in (12, 7)]
@@ -351,6 +398,7 @@ CHECKS = {
     "hidden_states": _hidden,
     "adapters": _adapters,
     "batch_invariance": _batch_invariance,
+    "quantized_batch_invariance": _quantized_batch_invariance,
     "threads": _threads,
 }
 
