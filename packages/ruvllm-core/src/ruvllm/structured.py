@@ -45,6 +45,9 @@ class StructuredOutput:
     kind: Kind
     value: str = ""
     param: str = "response_format"
+    #: OpenAI's strict mode (``json_schema`` only): required properties first, each object's keys in
+    #: the schema's order, and numbers with a bounded count of digits (see :func:`strict_json_lark`).
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -53,7 +56,9 @@ class StructuredOutput:
             )
 
     @classmethod
-    def json_schema(cls, schema: Any, param: str = "response_format.json_schema.schema") -> StructuredOutput:
+    def json_schema(
+        cls, schema: Any, param: str = "response_format.json_schema.schema", strict: bool = False
+    ) -> StructuredOutput:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -61,7 +66,8 @@ class StructuredOutput:
                 raise RequestError(f"{param}: not valid JSON ({exc.msg} at {exc.pos})", param=param) from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
-        return cls("json_schema", json.dumps(schema, sort_keys=True), param)
+        # Key order is kept: llguidance writes an object's properties in the schema's order.
+        return cls("json_schema", json.dumps(schema), param, strict)
 
     @classmethod
     def choice(cls, options: Any, param: str = "structured_outputs.choice") -> StructuredOutput:
@@ -76,6 +82,8 @@ class StructuredOutput:
         try:
             if self.kind == "json_object":
                 return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if self.kind == "json_schema" and self.strict:
+                return grammar_from("lark", strict_json_lark(json.loads(self.value)))
             if self.kind == "json_schema":
                 return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
             if self.kind == "grammar":
@@ -89,6 +97,148 @@ class StructuredOutput:
 #: gap, so whitespace alone cannot run a greedy decode to max_tokens. A schema's ``x-guidance``
 #: options override it.
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+
+
+#: Strict mode's numbers: at most 16 digits before and after the point and a 3-digit exponent, so a
+#: small model cannot run a number to max_tokens (a float64 holds about 16 significant digits anyway).
+STRICT_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?/"
+STRICT_INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
+
+#: Keywords that only annotate a schema; they do not change what it matches.
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
+
+
+def strict_json_lark(schema: Any) -> str:
+    """A Lark grammar (llguidance's dialect) for ``schema`` in OpenAI's strict form.
+
+    Objects with ``additionalProperties: false`` write their required properties first, in the
+    schema's order, then the optional ones in order, each optional; unbounded numbers and integers
+    take at most 16 digits each side of the point. Whatever else (strings, enums, bounded numbers,
+    open objects) is an embedded ``%json`` sub-grammar, so llguidance keeps its own semantics there.
+    Whitespace between tokens is the same as outside strict mode (:data:`JSON_OPTIONS`, or the
+    schema's ``x-guidance``)."""
+    return _StrictLark(schema).grammar()
+
+
+class _StrictLark:
+    def __init__(self, schema: Any) -> None:
+        self.root = schema
+        root = schema if isinstance(schema, dict) else {}
+        self.defs: dict[str, Any] = {}
+        for where in ("$defs", "definitions"):
+            for name, sub in (root.get(where) or {}).items():
+                self.defs[f"#/{where}/{name}"] = sub
+        self.options = {**JSON_OPTIONS, **(root.get("x-guidance") or {})}
+        pattern = self.options.get("whitespace_pattern")
+        if pattern is None and self.options.get("whitespace_flexible", True):
+            pattern = r"[\x20\x0A\x0D\x09]+"
+        self.ws = "WS? " if pattern else ""
+        self.ws_rule = f"WS: /{pattern}/" if pattern else ""
+        self.rules: list[str] = []
+        self.refs: dict[str, str] = {}
+
+    def grammar(self) -> str:
+        start = self.rule(self.root)
+        lines = [f"start: {start}", *self.rules, f"NUMBER: {STRICT_NUMBER}", f"INTEGER: {STRICT_INTEGER}"]
+        if self.ws_rule:
+            lines.append(self.ws_rule)
+        return "\n".join(lines) + "\n"
+
+    def _new(self, body: str) -> str:
+        name = f"r{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def _sep(self, text: str) -> str:
+        return f" {self.ws}{json.dumps(text)} {self.ws}"
+
+    def embed(self, schema: Any) -> str:
+        """llguidance's own JSON grammar for ``schema`` (with the root's definitions)."""
+        sub = dict(schema) if isinstance(schema, dict) else {"anyOf": [schema]} if schema is False else {}
+        if self.defs and "$ref" in json.dumps(sub):
+            for where in ("$defs", "definitions"):
+                if where in self.root:
+                    sub.setdefault(where, self.root[where])
+        sub["x-guidance"] = self.options
+        return self._new(f"%json {json.dumps(sub)}")
+
+    def rule(self, schema: Any) -> str:
+        if not isinstance(schema, dict):
+            return self.embed(schema)
+        keys = set(schema) - _ANNOTATIONS - {"$defs", "definitions", "x-guidance", "$schema", "$id"}
+        if keys == {"$ref"} and schema["$ref"] in self.defs:
+            ref = schema["$ref"]
+            if ref not in self.refs:
+                # The name exists before its body, so a recursive definition refers to itself.
+                self.refs[ref] = name = f"r{len(self.rules)}"
+                self.rules.append("")
+                self.rules[int(name[1:])] = f"{name}: {self.rule(self.defs[ref])}"
+            return self.refs[ref]
+        if keys == {"anyOf"} and isinstance(schema["anyOf"], list) and schema["anyOf"]:
+            return self._new(" | ".join(self.rule(s) for s in schema["anyOf"]))
+        kind = schema.get("type")
+        if (
+            isinstance(kind, list)
+            and kind
+            and keys <= {"type", "properties", "required", "additionalProperties", "items"}
+        ):
+            return self._new(" | ".join(self.rule({**schema, "type": k}) for k in kind))
+        if kind == "number" and keys == {"type"}:
+            return self._new("NUMBER")
+        if kind == "integer" and keys == {"type"}:
+            return self._new("INTEGER")
+        if kind == "object" and keys <= {"type", "properties", "required", "additionalProperties"}:
+            return self._object(schema)
+        if (
+            kind == "array"
+            and keys <= {"type", "items", "minItems", "maxItems"}
+            and isinstance(schema.get("items"), dict)
+        ):
+            return self._array(schema)
+        return self.embed(schema)
+
+    def _object(self, schema: dict[str, Any]) -> str:
+        props = schema.get("properties") or {}
+        required = schema.get("required") or []
+        if schema.get("additionalProperties", True) is not False or not set(required) <= set(props):
+            return self.embed(schema)
+        members = {
+            k: f"{json.dumps(json.dumps(k, ensure_ascii=False), ensure_ascii=False)} {self._sep(':')}{self.rule(v)}"
+            for k, v in props.items()
+        }
+        must = [members[k] for k in props if k in required]
+        may = [members[k] for k in props if k not in required]
+        comma = self._sep(",")
+        if must:
+            body = comma.join(must) + "".join(f" ({comma}{m})?" for m in may)
+        elif may:
+            # The first optional member written carries no comma before it.
+            body = (
+                "("
+                + " | ".join(may[i] + "".join(f" ({comma}{m})?" for m in may[i + 1 :]) for i in range(len(may)))
+                + ")?"
+            )
+        else:
+            body = ""
+        return self._new(f'"{{" {self.ws}{body} {self.ws}"}}"')
+
+    def _array(self, schema: dict[str, Any]) -> str:
+        item = self.rule(schema["items"])
+        lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+        comma = self._sep(",")
+        if hi is not None and int(hi) == 0:
+            inner = ""
+        elif hi is not None and int(hi) == 1:
+            inner = item if lo else f"({item})?"
+        else:
+            more_lo = max(lo - 1, 0)
+            more = f"({comma}{item})" + ("*" if hi is None else f"{{{more_lo},{int(hi) - 1}}}")
+            if hi is None and more_lo:
+                more = f"({comma}{item}){{{more_lo},}}"
+            inner = f"{item} {more}"
+            if lo == 0:
+                inner = f"({inner})?"
+        return self._new(f'"[" {self.ws}{inner} {self.ws}"]"')
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -107,7 +257,7 @@ class GrammarCompiler:
         eos = [int(t) for t in eos_token_ids] or None
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.ll_tokenizer = LLTokenizer(tokenizer.inner.to_str(), n_vocab=self.vocab_size, eos_token=eos)
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.hits = 0
@@ -118,7 +268,7 @@ class GrammarCompiler:
         :class:`RequestError` naming ``spec.param``."""
         from llguidance import LLMatcher
 
-        key = (spec.kind, spec.value)
+        key = (spec.kind, spec.value, spec.strict)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

@@ -133,7 +133,7 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
                 raise bad_request(
                     "response_format json_schema needs json_schema.schema", param="response_format.json_schema"
                 )
-            found.append(StructuredOutput.json_schema(rf.json_schema.schema))
+            found.append(StructuredOutput.json_schema(rf.json_schema.schema, strict=rf.json_schema.strict is True))
         elif rf.type != "text":
             raise bad_request(
                 f"response_format type must be text, json_object or json_schema, got {rf.type!r}",
