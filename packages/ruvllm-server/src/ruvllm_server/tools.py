@@ -276,6 +276,37 @@ def calls_from_required(text: str) -> list[ToolCall]:
     return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(text)]
 
 
+#: The opening of a call under :func:`required_schema`: its name (the grammar writes it first), then
+#: the key of its arguments.
+_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_CALL_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+
+
+def calls_from_partial_required(text: str) -> list[ToolCall]:
+    """The calls of an output under :func:`required_schema` that stopped early (max_tokens): every
+    complete call, then the unfinished one with its arguments as far as they got (as a named forced
+    call returns them), if its name was written."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    i = text.find("[") + 1
+    if i == 0:
+        return calls
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        if isinstance(obj, Mapping) and "name" in obj:
+            calls.append(ToolCall(str(obj["name"]), json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
+    head = _CALL_NAME.match(text, i)
+    if head is not None:
+        args = _CALL_ARGUMENTS.match(text, head.end())
+        calls.append(ToolCall(json.loads(head.group(1)), text[args.end() :].rstrip() if args else ""))
+    return calls
+
+
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """OpenAI's ``tools``: a list of ``{"type": "function", "function": {"name", "parameters"?, ...}}``."""
     if not isinstance(tools, list) or not tools:

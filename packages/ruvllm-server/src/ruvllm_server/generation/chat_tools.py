@@ -14,6 +14,7 @@ from ruvllm_server.schemas import ChatChunkChoice, ChatCompletionRequest, ChatDe
 from ruvllm_server.tools import (
     ToolCall,
     ToolParser,
+    calls_from_partial_required,
     calls_from_required,
     check_tools,
     named_schema,
@@ -62,10 +63,14 @@ def tool_prompt(
     template_kw: dict[str, Any] = {}
     if setup.mode in ("required", "named") and structured_output(req) is not None:
         raise bad_request("a forced tool call cannot also have an output constraint", param="tool_choice")
+    # A forced call takes strict mode's fixed form: the name before the arguments, and the arguments
+    # of a strict function (additionalProperties false) in their schema's order with bounded numbers.
     if setup.mode == "named":
-        structured = StructuredOutput.json_schema(named_schema(setup.tools, setup.name), param="tool_choice")
+        schema = named_schema(setup.tools, setup.name)
+        structured = StructuredOutput.json_schema(schema, param="tool_choice", strict=True)
     elif setup.mode == "required":
-        structured = StructuredOutput.json_schema(required_schema(setup.tools, setup.parallel), param="tools")
+        schema = required_schema(setup.tools, setup.parallel)
+        structured = StructuredOutput.json_schema(schema, param="tools", strict=True)
     if template_reads_tools:
         template_kw["tools"] = setup.tools  # as transformers passes them
     elif setup.mode != "none":
@@ -90,10 +95,14 @@ def split_calls(
         return text, [], finish_reason
     if setup.mode == "named":  # the arguments, as far as they got (finish_reason says whether whole)
         return None, [ToolCall(setup.name or "", text, named_call_id)], finish_reason
+    if setup.mode == "required":
+        if finish_reason == "stop":
+            return None, calls_from_required(text), "tool_calls"
+        # Cut short: the complete calls, and the one being written as far as it got.
+        calls = calls_from_partial_required(text)
+        return (None, calls, finish_reason) if calls else (text, [], finish_reason)
     if finish_reason != "stop":
         return text, [], finish_reason
-    if setup.mode == "required":
-        return None, calls_from_required(text), "tool_calls"
     assert parser is not None
     parsed = parser.parse(text, setup.tools)
     if not parsed.tool_calls:
