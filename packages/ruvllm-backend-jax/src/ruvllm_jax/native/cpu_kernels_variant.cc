@@ -216,11 +216,7 @@ void lora_rows(const LoraJob& j, int64_t t0, int64_t t1) {
     const float* a = j.a + (j.layer * j.SR + s * j.R) * j.IN;
     const float* bt = j.bt + (j.layer * j.SR + s * j.R) * j.OUT;
     for (int64_t k = 0; k < j.R; ++k) {
-      const float* ak = a + k * j.IN;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < j.IN; ++i) acc += ak[i] * xt[i];
-      tmp[k] = acc;
+      tmp[k] = dot_fixed(a + k * j.IN, xt, j.IN);  // one order whatever the alignment (see dot_fixed)
     }
     for (int64_t k = 0; k < j.R; ++k) {
       const float w = tmp[k];
