@@ -80,16 +80,33 @@ def tests(session: nox.Session) -> None:
     session.install(*TEST_DEPS)
     session.install(*TEST_PLUGINS)
     cuda_lowering = install_cuda_lowering(session)
-    args = session.posargs or ["tests", "-q", "-rs", "--durations=25"]
-    session.run("pytest", *args, env={
-            # jax-cuda12-plugin, beside the environment: tests/test_cuda_lowering.py lowers for CUDA.
-            "RUVLLM_CUDA_LOWERING_PATH": cuda_lowering,
-            "JAX_PLATFORMS": "cpu",
-            "TOKENIZERS_PARALLELISM": "false",
-            # The suite runs servers, engine threads and XLA beside NumPy: one BLAS thread avoids
-            # OpenBLAS's collapse when two cores are oversubscribed.
-            "OPENBLAS_NUM_THREADS": "1",
-        },)
+    env = {
+        # jax-cuda12-plugin, beside the environment: tests/test_cuda_lowering.py lowers for CUDA.
+        "RUVLLM_CUDA_LOWERING_PATH": cuda_lowering,
+        "JAX_PLATFORMS": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+        # The suite runs servers, engine threads and XLA beside NumPy: one BLAS thread avoids
+        # OpenBLAS's collapse when two cores are oversubscribed.
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    if session.posargs:
+        session.run("pytest", *session.posargs, env=env)
+        return
+    # Two processes: what a process has loaded (models, compiled steps, allocator arenas) is not all
+    # given back to the system, and the whole suite in one process grew past CI's 24 GiB.
+    for part in test_parts():
+        session.run("pytest", *part, "-q", "-rs", "--durations=25", env=env)
+
+
+def test_parts() -> list[list[str]]:
+    """The suite's files in two parts: the served stack (server, SONA, Ray) and the rest."""
+    files = sorted(str(p) for p in Path("tests").glob("test_*.py"))
+    served = [f for f in files if Path(f).name.startswith(SERVED_TESTS)]
+    return [[f for f in files if f not in served], served]
+
+
+#: Test files (by prefix) that run in the second process.
+SERVED_TESTS = ("test_server_", "test_sona_", "test_strict_output", "test_ray_serve", "test_cli_", "test_reasoning")
 
 
 @nox.session
