@@ -35,8 +35,10 @@ from ruvllm_server.generation import (
     completion_prompts,
     encode_chat,
 )
+from ruvllm_server.generation.sse import SSE_HEADERS
 from ruvllm_server.hookspecs import RouteContext, server_hooks
 from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
+from ruvllm_server.request_context import request_user, track_stream
 from ruvllm_server.responses import RESPONSES_ROUTES
 from ruvllm_server.schemas import (
     ChatCompletion,
@@ -65,26 +67,14 @@ from ruvllm_server.state import ServerState, check_plugin_options
 
 #: Named here as well as by the media type: with a union return annotation Litestar would otherwise
 #: send the handler's default (application/json), and SSE clients that check it (httpx-sse) refuse it.
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state["ruvllm"]
 
 
-def _user(request: Request) -> str | None:
-    return request.scope["state"].get("ruvllm_user")
-
-
-def _track_stream(request: Request, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    # The guard closes these after the response, so a client that went away while the stream was
-    # between chunks still has its engine request aborted right away (not at garbage collection).
-    request.scope["state"].setdefault("ruvllm_streams", []).append(stream)
-    return stream
+_user = request_user
+_track_stream = track_stream
 
 
 # --- generation -------------------------------------------------------------------------------

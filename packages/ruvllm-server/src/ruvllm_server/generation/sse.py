@@ -16,6 +16,12 @@ from ruvllm_server.schemas import ErrorBody, ErrorResponse
 log = structlog.get_logger("ruvllm.server")
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: Headers of every event-stream response (no proxy buffering, no caching).
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 
 
 def sse(obj: Any) -> bytes:

@@ -13,6 +13,8 @@ from litestar.response import Stream
 from ruvllm.errors import RequestError
 from ruvllm_server.errors import APIError, bad_request
 from ruvllm_server.generation import ChatJob, cancel_on_disconnect
+from ruvllm_server.generation.sse import SSE_HEADERS
+from ruvllm_server.request_context import request_user, track_stream
 from ruvllm_server.responses.events import ResponseEvents, response_events
 from ruvllm_server.responses.store import ResponseStore
 from ruvllm_server.responses.translate import (
@@ -64,8 +66,6 @@ def _keep(store: ResponseStore, req: ResponseRequest, translated: Translated, re
 async def create_response(
     request: Request, data: Annotated[ResponseRequest, Body()]
 ) -> ResponseObject | Stream | Response[bytes]:
-    from ruvllm_server.app import SSE_HEADERS, _track_stream, _user  # the app imports this module
-
     state = _state(request)
     store = response_store(request)
     earlier = []
@@ -80,7 +80,7 @@ async def create_response(
             )
         earlier = previous.conversation
     translated = chat_request(data, state.model_name, earlier)
-    job = ChatJob(state, translated.chat, _user(request))
+    job = ChatJob(state, translated.chat, request_user(request))
     try:
         run = job.prepare()
     except (APIError, RequestError) as exc:
@@ -88,7 +88,7 @@ async def create_response(
     shell = ResponseShell(data, state.model_name)
     if data.stream:
         return Stream(
-            _track_stream(request, _stream(store, data, translated, shell, job.stream(run))),
+            track_stream(request, _stream(store, data, translated, shell, job.stream(run))),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
