@@ -17,6 +17,7 @@ PACKAGES = [
     "packages/ruvllm-core",
     "packages/ruvllm-backend-candle-compat",
     "packages/ruvllm-backend-jax",
+    "packages/ruvllm-backend-mlx",  # brings mlx[cpu] on Linux through its own dependency marker
     "packages/ruvllm-sona",
     "packages/ruvllm-server",
 ]

@@ -1,0 +1,93 @@
+"""The mlx backend passes the conformance kit third-party backends run (on MLX's CPU build), comes in
+through the entry-point group, and refuses what it does not do in one line naming it: a Metal-only
+device on a machine without Metal, the two-tier KV cache, an option it does not know, a dtype."""
+
+from __future__ import annotations
+
+import pytest
+
+from ruvllm.backend import LoadOptions
+from ruvllm.checkpoint import open_checkpoint
+from ruvllm.errors import BackendError
+from ruvllm.plugins import load_plugins
+from ruvllm.testing import CHECKS, run_backend_conformance, write_tiny_checkpoint
+
+mx = pytest.importorskip("mlx.core")
+
+
+def test_mlx_conforms(tmp_path):
+    assert run_backend_conformance("mlx", tmp_path) == list(CHECKS)
+
+
+def test_found_through_its_entry_point_below_the_default_without_metal():
+    host = load_plugins()
+    backend = host.backends["mlx"]
+    assert backend.available() and host.pm.has_plugin("mlx")
+    if not mx.metal.is_available():  # picked by name on a CPU, never by default over candle-compat / jax
+        assert backend.priority < host.backends["candle-compat"].priority
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return open_checkpoint(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+def _load(ckpt, **options):
+    return load_plugins().choose_backend("mlx").load(ckpt, LoadOptions(**options))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"extra": {"threads": 2}}, "threads"),
+        ({"extra": {"device": "tpu"}}, "tpu"),
+        ({"quantization": "w4a8"}, "w4a8"),
+        ({"quantization": "gguf"}, "not GGUF"),
+        ({"dtype": "float64"}, "float64"),
+    ],
+)
+def test_what_it_cannot_load_is_refused_by_name(tiny, options, named):
+    with pytest.raises(BackendError, match=named) as info:
+        _load(tiny, **options)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
+def test_the_metal_gpu_is_refused_on_a_machine_without_it(tiny):
+    with pytest.raises(BackendError, match="'gpu' is Metal-only") as info:
+        _load(tiny, extra={"device": "gpu"})
+    assert "\n" not in str(info.value)
+
+
+def test_device_cpu_runs_on_the_cpu_and_the_cache_budget_is_the_hosts(tiny):
+    model = _load(tiny, extra={"device": "cpu"})
+    assert model.device == mx.cpu
+    assert model.device_memory() is None  # the server then sizes the KV cache from available RAM
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"quantization": "int8"}, "two-tier"), ({"quantize_old": "int4"}, "two-tier"), ({"paged": 1}, "paged")],
+)
+def test_kv_cache_options_it_does_not_have_are_refused_by_name(tiny, options, named):
+    with pytest.raises(BackendError, match=named):
+        _load(tiny).kv_cache(8, 4, options)
+
+
+def test_rounded_weights_and_16_bit_dtypes_stay_close(tiny, tmp_path):
+    """q8 (MLX's 8-bit affine form, group 32) and bfloat16 run and stay near float32's logits."""
+    import numpy as np
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.testing import QUANTIZABLE_TINY
+
+    ckpt = open_checkpoint(write_tiny_checkpoint(tmp_path / "q", seed=3, sizes=QUANTIZABLE_TINY))
+    ids = np.arange(3, 15, dtype=np.int32)
+    outs = {}
+    for name, options in {"f32": {}, "q8": {"quantization": "q8"}, "bf16": {"dtype": "bfloat16"}}.items():
+        model = _load(ckpt, **options)
+        chunk = SequenceChunk(ids, 0, np.arange(4, dtype=np.int32), all_logits=True)
+        outs[name] = model.forward(ForwardBatch([chunk], 4), model.kv_cache(4, 4, {})).all_logits[0]
+    scale = np.abs(outs["f32"]).max()
+    assert np.abs(outs["q8"] - outs["f32"]).max() < 0.05 * scale
+    assert np.abs(outs["bf16"] - outs["f32"]).max() < 0.1 * scale
