@@ -263,6 +263,12 @@ class JaxModel:
     def kv_cache(self, num_blocks: int, block_size: int, options: dict[str, Any]) -> JaxKVCache:
         return self.allocate_cache(num_blocks, block_size, options)
 
+    def kv_rewrites_positions(self, cache: Any) -> bool:
+        """Keys and values (and an int8 cache's scales) are stored per position, so a position
+        written again holds what a single write leaves; a two-tier cache's float slots follow how far
+        chunks reach, so a dropped speculative draft would change which blocks read at full precision."""
+        return isinstance(cache, JaxKVCache) and cache.hot is None and cache.local_hot is None
+
     def allocate_cache(self, num_blocks: int, block_size: int, options: dict[str, Any] | None = None) -> JaxKVCache:
         """``options`` as :meth:`kv_block_bytes` takes them, plus ``local_blocks``: a hybrid cache whose
         windowed layers keep their K/V in a pool of that many blocks (the engine's

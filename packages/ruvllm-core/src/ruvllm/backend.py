@@ -394,8 +394,26 @@ class ReportsWeightBytes(Protocol):
         ...
 
 
+@runtime_checkable
+class RewritesKVPositions(Protocol):
+    """A KV cache whose positions past a sequence's end may be written and later written again, the
+    cache then holding what it would had the first writes never happened (the engine drops a
+    speculative draft's refused positions so: it gives back the block table's tail and writes the
+    positions again). Without it: the engine refuses speculative decoding."""
+
+    def kv_rewrites_positions(self, cache: Any) -> bool:
+        """Whether ``cache`` (as :meth:`BackendModel.kv_cache` allocated it) is such a cache."""
+        ...
+
+
 #: The optional features, for documentation and conformance checks.
-OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (ReservesKV, ReportsHealth, ReportsDeviceMemory, ReportsWeightBytes)
+OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (
+    ReservesKV,
+    ReportsHealth,
+    ReportsDeviceMemory,
+    ReportsWeightBytes,
+    RewritesKVPositions,
+)
 
 
 class Backend(Protocol):

@@ -283,6 +283,16 @@ class BlockManager:
             if b != NO_BLOCK:
                 self.pool.release(b)
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` slots (a speculative draft's refused
+        positions): the table then covers what it would had only ``num_tokens`` slots been allocated."""
+        entry = self._entry(seq_id)
+        keep = max(self.blocks_needed(num_tokens), len(entry.hashes))
+        while len(entry.table) > keep:
+            b = entry.table.pop()
+            if b != NO_BLOCK:
+                self.pool.release(b)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies owed to the backend since the last call."""
         copies, self._pending_copies = self._pending_copies, []
@@ -424,6 +434,10 @@ class HybridBlockManager:
     def free(self, seq_id: Hashable) -> None:
         self.full.free(seq_id)
         self.local.free(seq_id)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        self.full.truncate(seq_id, num_tokens)
+        self.local.truncate(seq_id, num_tokens)
 
     def take_copies(self) -> list[tuple[int, int]]:
         return self.full.take_copies()

@@ -58,6 +58,20 @@ class EngineConfig:
     #: :meth:`LLMEngine.precompile` also compiles the steps that return every position's logits
     #: (prompt logprobs, echo); without it their first steps compile while serving.
     precompile_all_logits: bool = False
+    #: Speculative decoding (:mod:`ruvllm.speculative`): ``ngram`` (prompt lookup over each sequence's
+    #: own prompt and output); None: off. Greedy output is unchanged token for token, sampled output
+    #: keeps the target's distribution.
+    speculative: str | None = None
+    #: Most draft tokens a sequence offers per step (k); each sequence's own k adapts below it.
+    num_speculative_tokens: int = 4
+    #: The n-gram proposer's suffix lengths, tried longest first.
+    ngram_n_min: int = 2
+    ngram_n_max: int = 4
+    #: Decoding positions (one per sequence plus its draft) a step may carry: past it sequences
+    #: draft less, then nothing (many sequences make a step compute-bound, where drafts cost time).
+    speculative_step_tokens: int = 32
+    #: A sequence whose acceptance rate stays below this stops drafting.
+    speculative_min_acceptance: float = 0.1
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -83,6 +97,19 @@ class EngineConfig:
             bad(f"max_step_ratio must be above 1, got {self.max_step_ratio}")
         if self.sampling not in SAMPLING_PLACES:
             bad(f"sampling must be one of {', '.join(SAMPLING_PLACES)}, got {self.sampling!r}")
+        if self.speculative is not None:
+            from ruvllm.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
+            if self.speculative not in SPECULATIVE_METHODS:
+                bad(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, got {self.speculative!r}")
+            if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                bad(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+            if not 1 <= self.ngram_n_min <= self.ngram_n_max:
+                bad(f"need 1 <= ngram_n_min <= ngram_n_max, got {self.ngram_n_min} and {self.ngram_n_max}")
+            if self.speculative_step_tokens < 1:
+                bad(f"speculative_step_tokens must be at least 1, got {self.speculative_step_tokens}")
+            if not 0.0 <= self.speculative_min_acceptance < 1.0:
+                bad(f"speculative_min_acceptance must be in [0, 1), got {self.speculative_min_acceptance}")
         if self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from ruvllm.adapters import XLoraAdapter
-from ruvllm.backend import StepLimits
+from ruvllm.backend import RewritesKVPositions, StepLimits
 from ruvllm.block_manager import BlockManager, HybridBlockManager
 from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.engine.kv_plan import plan_kv_cache
@@ -34,6 +34,7 @@ from ruvllm.engine.xlora import with_shadow
 from ruvllm.errors import BackendError, RequestError, RequestFailedError
 from ruvllm.inference import InferenceRequest
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
+from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, verify_draft
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -115,6 +116,10 @@ class LLMEngine:
             fail=self._fail,
             fail_all=self._fail_all,
         )
+        #: Speculative decoding's counters (drafted and accepted tokens).
+        self.speculation = SpeculationStats()
+        if config.speculative is not None:
+            self._check_speculation()
 
     @property
     def broken(self) -> str | None:
@@ -162,6 +167,22 @@ class LLMEngine:
         state.seqs.append(self._new_sequence(state, 0))
         self._requests[rid] = state
         self.scheduler.add(state.seqs[0])
+
+    def _check_speculation(self) -> None:
+        """Refuse speculative decoding, by name, on a backend that cannot run it: the verification
+        needs every position's logits, and the refused positions' keys/values are dropped by writing
+        them again later, which the backend's cache must allow."""
+        name = self.model.backend.name
+        if not self.model.capabilities.all_logits:
+            raise EngineConfigError(
+                f"backend {name!r} does not return every position's logits; speculative decoding needs them"
+            )
+        bm = self.model.model
+        if not (isinstance(bm, RewritesKVPositions) and bm.kv_rewrites_positions(self.cache)):
+            raise EngineConfigError(
+                f"backend {name!r} cannot drop KV positions of this cache (kv_cache_options "
+                f"{self.config.kv_cache_options or {}}); speculative decoding needs a cache that can"
+            )
 
     def _check(self, prompt: list[int], sampling: SamplingParams, adapter: Any = None) -> None:
         """Raise :class:`RequestError` for a prompt or sampling parameters this engine cannot run
@@ -243,6 +264,9 @@ class LLMEngine:
             preemptions=self.scheduler.preemptions,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
+            spec_draft_tokens=self.speculation.drafted,
+            spec_accepted_tokens=self.speculation.accepted,
+            spec_verifications=self.speculation.verifications,
         )
 
     def precompile(self, progress: Callable[[int, int, str, float], None] | None = None) -> list[tuple[str, float]]:
@@ -258,7 +282,9 @@ class LLMEngine:
             hidden_states="hidden_states" in self.model.step_needs or bool(adapters and adapters.mixes),
             adapters=adapters,
             device_sampling=self.device_sampling,
-            all_logits=self.config.precompile_all_logits and self.model.capabilities.all_logits,
+            # Speculation's verification chunks return every position's logits.
+            all_logits=(self.config.precompile_all_logits or self.config.speculative is not None)
+            and self.model.capabilities.all_logits,
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
         return self.precompiled
@@ -330,7 +356,11 @@ class LLMEngine:
         if self.step_budget is not None:
             decoding = sum(1 for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1)
             budget = self.step_budget.prefill_budget(decoding)
+        if self.config.speculative is not None:
+            self._propose()
         sched = self.scheduler.schedule(budget)
+        for c in sched.chunks:
+            c.seq.draft = []  # the chunk holds what runs
         if not sched.chunks:
             if self._requests:
                 # Cannot happen for requests that passed add_request's checks.
@@ -351,8 +381,8 @@ class LLMEngine:
         if self.broken is not None:
             return []
         if self.step_budget is not None and len(logits_of) == len(sched.chunks):  # a clean step: learn its cost
-            prompt = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
-            decoding = sum(1 for c in sched.chunks if c.num_tokens == 1)
+            prompt = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1 and not c.draft)
+            decoding = sum(1 for c in sched.chunks if c.num_tokens == 1 or c.draft)
             self.step_budget.observe(decoding, prompt, 1000 * (time.perf_counter() - t0))
         ran = sorted(logits_of.items())
         sched.chunks = [c for _, (c, _) in ran]  # what ran (failed requests are gone)
@@ -373,6 +403,15 @@ class LLMEngine:
             if not chunk.completes or self.router.route(chunk):
                 continue
             seq, st = chunk.seq, chunk.seq.state
+            if chunk.draft:
+                try:
+                    self._verify(chunk, np.asarray(logits))
+                except Exception as exc:  # tied to this request: it fails alone
+                    self._fail(st.request.request_id, exc)
+                    progressed.pop(st.request.request_id, None)
+                    continue
+                progressed[st.request.request_id] = st
+                continue
             if not st.forked and st.sampling.n > 1:
                 targets = self._fork(seq)
             else:
@@ -413,6 +452,66 @@ class LLMEngine:
                 continue
             progressed[rid] = st
         return list(progressed.values())
+
+    # ----------------------------------------------------------------------- speculation
+
+    def _propose(self) -> None:
+        """Draft tokens for the decoding sequences, oldest first, while the step's decoding positions
+        (``speculative_step_tokens``) last: a step of many sequences drafts less, then nothing."""
+        cfg = self.config
+        decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
+        room = cfg.speculative_step_tokens - len(decoding)
+        for seq in sorted(decoding, key=self.scheduler.key):
+            seq.draft = []
+            if room <= 0 or not self._speculates(seq):
+                continue
+            spec = seq.speculation
+            if spec is None:
+                length = DraftLength(cfg.num_speculative_tokens, stop_below=cfg.speculative_min_acceptance)
+                spec = seq.speculation = (NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length)
+            index, length = spec
+            p = seq.state.sampling
+            # Kept tokens plus the bonus one stay within max_tokens and the context.
+            produced = len(seq.token_ids) - seq.num_prompt_tokens
+            left = min(p.max_tokens - produced, self.max_model_len - len(seq.token_ids))
+            k = min(length.want(), room, left - 1)
+            if k <= 0:
+                continue
+            index.sync(seq.token_ids)
+            draft = index.propose(k)
+            constraint = seq.sampler.constraint
+            if draft and constraint is not None and not constraint.allowed()[draft[0]]:
+                draft = []  # the grammar refuses it: the draft would be cut at its first token
+            seq.draft = draft
+            room -= len(draft)
+
+    @staticmethod
+    def _speculates(seq: Sequence) -> bool:
+        """Whether ``seq`` may draft: not when its request opted out, nor for an X-LoRA request
+        (its scaling pass runs in a shadow sequence of its own)."""
+        st = seq.state
+        return st.request.speculative and seq.shadow_id is None and (st.forked or st.sampling.n == 1)
+
+    def _verify(self, chunk: ScheduledChunk, rows: np.ndarray) -> None:
+        """Keep the longest prefix of ``chunk``'s draft the target agrees with, plus its own next
+        token; the refused positions' blocks go back (:meth:`Scheduler.accept_draft`)."""
+        seq = chunk.seq
+        if rows.ndim != 2 or len(rows) != len(chunk.draft) + 1:
+            raise BackendError(f"the backend returned {rows.shape} logits for a draft of {len(chunk.draft)} tokens")
+        if not np.isfinite(rows).all():
+            raise FloatingPointError("the model produced non-finite logits for this sequence")
+        accepted = 0
+        for sample, kept in verify_draft(seq.sampler, rows, chunk.draft):
+            self.outputs.append_token(seq, sample)
+            accepted += kept
+            if seq.finished:
+                break
+        self.scheduler.accept_draft(seq, accepted)
+        self.speculation.drafted += len(chunk.draft)
+        self.speculation.accepted += accepted
+        self.speculation.verifications += 1
+        if seq.speculation is not None:
+            seq.speculation[1].observe(len(chunk.draft), accepted)
 
     def _emit(self, progressed: list[RequestState], now: float) -> list[RequestOutput]:
         """The outputs of the requests that progressed in this step (at ``now``); finished ones leave."""

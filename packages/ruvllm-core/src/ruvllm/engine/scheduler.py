@@ -29,16 +29,20 @@ from ruvllm.engine.sequence import Sequence
 class ScheduledChunk:
     seq: Sequence
     start: int
+    #: Positions the chunk computes (a speculative draft's included).
     num_tokens: int
+    #: Draft tokens run after the sequence's last token, to be verified (speculative decoding).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+        own = self.num_tokens - len(self.draft)
+        return self.seq.token_ids[self.start : self.start + own] + self.draft
 
     @property
     def completes(self) -> bool:
         """This chunk reaches the sequence's last token, so its logits yield the next token."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
 
 
 @dataclass
@@ -127,6 +131,13 @@ class Scheduler:
             if remaining > 1 and prompt_left <= 0:  # its prompt goes on next step
                 i += 1
                 continue
+            draft = seq.draft[: budget - 1] if remaining == 1 else []
+            if draft and self._allocate(seq, seq.num_computed, 1 + len(draft)):
+                # A draft runs only where its blocks are free: it never preempts anyone.
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1 + len(draft), list(draft)))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
             while not self._allocate(seq, seq.num_computed, num_new):
                 victim = self.running[-1]
@@ -177,12 +188,22 @@ class Scheduler:
         return out
 
     def update_after_forward(self, out: SchedulerOutput) -> None:
-        """Record the keys/values the step computed and publish newly full blocks to the cache."""
+        """Record the keys/values the step computed and publish newly full blocks to the cache (a
+        draft's positions count once verified: :meth:`accept_draft`)."""
         for chunk in out.chunks:
             seq = chunk.seq
-            seq.num_computed = chunk.start + chunk.num_tokens
+            seq.num_computed = chunk.start + chunk.num_tokens - len(chunk.draft)
             if seq.cacheable:
                 self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    def accept_draft(self, seq: Sequence, accepted: int) -> None:
+        """``accepted`` tokens of ``seq``'s verified draft were kept: their keys/values count as
+        computed, and the blocks past them (the refused positions') go back, so the cache holds what
+        it would without speculation."""
+        seq.num_computed += accepted
+        if seq.cacheable:
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        self.block_manager.truncate(seq.seq_id, seq.num_computed)
 
     # ------------------------------------------------------------------------------ internals
 

@@ -119,6 +119,10 @@ class Sequence:
         self.new_text = ""
         self.new_logprobs: list[TokenLogprob] = []
         self.finish_reported = False
+        #: Draft tokens proposed for the next step (speculative decoding; the scheduler may cut them).
+        self.draft: list[int] = []
+        #: The proposer's index over this sequence and its draft length (speculative decoding).
+        self.speculation: Any = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -86,6 +86,8 @@ class StepExecutor:
         samplers: list[Sampler | None] = []
         for c in sched.chunks:
             st = c.seq.state
+            if c.draft:  # a draft is verified on the host, from every position's logits
+                return None
             if c.completes and (self.router.wants(c) or (not st.forked and st.sampling.n > 1)):
                 return None
             samplers.append(c.seq.sampler if c.completes else None)
@@ -94,6 +96,10 @@ class StepExecutor:
         except Exception as exc:  # a row's grammar failed: the host sampler fails that request alone
             log.warning("device sampling rows failed; sampling this step on the host", error=repr(exc))
             return None
+
+    def _all_logits(self, c: ScheduledChunk) -> bool:
+        """A chunk returns every position's logits for its prompt's logprobs or to verify its draft."""
+        return bool(c.draft) or self.outputs.wants_prompt_logprobs(c)
 
     def run(self, sched: SchedulerOutput, sampling: DeviceSampling | None = None) -> StepRows:
         """Run the step; returns the rows of the chunks that ran (and records the prompt logprobs
@@ -118,9 +124,7 @@ class StepExecutor:
                 if mixes:
                     copied = True
                     part.block_copies, part.local_block_copies = [], []
-                batch = forward_batch(
-                    part, self.block_manager, mixes, self.outputs.wants_prompt_logprobs, self.router.wants
-                )
+                batch = forward_batch(part, self.block_manager, mixes, self._all_logits, self.router.wants)
                 if sampling is not None:
                     batch.sampling = sampling if len(indices) == len(chunks) else sampling.rows(indices)
                 result = self.model.forward(batch, self.cache)
@@ -151,6 +155,8 @@ class StepExecutor:
                 else:
                     out[i] = (c, np.asarray(result.logits[row]))
                 rows = result.all_logits.get(row)
+                if c.draft:  # (rows the backend left out fail the request when it is verified)
+                    out[i] = (c, np.asarray(rows) if rows is not None else np.empty((0, 0), np.float32))
                 if rows is not None and self.outputs.wants_prompt_logprobs(c):
                     self.outputs.record_prompt_logprobs(c, np.asarray(rows))
                 hidden = result.hidden_states.get(row)

@@ -27,6 +27,8 @@ class GenerationRequest:
     #: A LoRA adapter (:class:`ruvllm.backend.LoraAdapter`, e.g. a loaded PEFT adapter) to run this
     #: request with; plugins see it in ``pre_inference``.
     adapter: Any = None
+    #: False: this request never drafts, even on an engine with speculative decoding on.
+    speculative: bool = True
 
 
 @dataclass
@@ -96,3 +98,12 @@ class EngineStats:
     #: A hybrid KV cache's windowed-layer pool (``blocks_*`` count the global layers' pool); 0 without.
     local_blocks_used: int = 0
     local_blocks_total: int = 0
+    #: Speculative decoding: draft tokens verified, those kept, and verification chunks run.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Kept draft tokens per verified one (None before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None

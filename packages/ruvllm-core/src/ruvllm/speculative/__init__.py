@@ -1,0 +1,31 @@
+"""Speculative decoding as a propose/verify pair.
+
+A proposer (:mod:`~ruvllm.speculative.ngram`) offers up to ``k`` tokens that may follow a sequence;
+the engine runs them with the sequence's next position as one chunk of ``k + 1`` positions and the
+verifier (:mod:`~ruvllm.speculative.verify`) keeps the longest prefix the target model would have
+produced, plus one token of its own. The proposer knows nothing of the target; the verifier knows
+nothing of where a draft came from; rejection sampling (Leviathan et al., 2023) sits in one function,
+:func:`~ruvllm.speculative.rejection.accept_or_resample`. Per-sequence adaptivity (how many tokens
+to draft) is :mod:`~ruvllm.speculative.adaptive`.
+"""
+
+from ruvllm.speculative.adaptive import DraftLength
+from ruvllm.speculative.ngram import NgramIndex
+from ruvllm.speculative.rejection import accept_or_resample, rejection_sample
+from ruvllm.speculative.verify import SpeculationStats, verify_draft
+
+#: Values of ``EngineConfig.speculative`` (None: off).
+SPECULATIVE_METHODS = ("ngram",)
+#: The most tokens one sequence may draft per step.
+MAX_SPECULATIVE_TOKENS = 16
+
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "SPECULATIVE_METHODS",
+    "DraftLength",
+    "NgramIndex",
+    "SpeculationStats",
+    "accept_or_resample",
+    "rejection_sample",
+    "verify_draft",
+]

@@ -1,0 +1,142 @@
+"""Speculative decoding in the engine on SmolLM2 (jax and candle-compat): greedy output equals the
+non-speculative output token for token, alone and 16 at a time; stop strings, max_tokens, n > 1,
+logprobs and prefix caching keep working; the KV cache holds afterwards what it would without
+speculation; bad settings are refused at start in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ruvllm.backend import LoadOptions
+from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+from ruvllm.engine.config import EngineConfigError
+from ruvllm.sampling import SamplingParams
+
+CODE = '''def area(width, height):
+    """The area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """The perimeter of a rectangle."""
+    return 2 * (width + height)
+'''
+PROMPTS = [
+    f"Here is a Python file:\n\n{CODE}\nRewrite the file with type hints:\n\n",
+    "Invoice 2231 from Acme Corp, dated 3 March 2024, total 1,250.00 EUR, due 2 April 2024.\n"
+    "Extract the fields as JSON with keys number, vendor, date, total, due:\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "Once upon a time",
+]
+
+
+@pytest.fixture(scope="module", params=["candle-compat", "jax"])
+def llm(request, smollm2_path):
+    from ruvllm.runtime import load_model
+
+    options = LoadOptions(quantization="auto") if request.param == "jax" else None
+    return load_model(str(smollm2_path), backend=request.param, options=options)
+
+
+def _engine(llm, speculative: str | None, **kw) -> LLMEngine:
+    cfg = dict(max_num_seqs=16, num_blocks=512, max_model_len=512, speculative_step_tokens=128)
+    cfg.update(kw)
+    return LLMEngine(llm, EngineConfig(speculative=speculative, **cfg))
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> list[list[list[int]]]:
+    """Each request's choices' tokens."""
+    reqs = [GenerationRequest(p, SamplingParams(**vars(sampling)), request_id=str(i)) for i, p in enumerate(prompts)]
+    outs = engine.generate(reqs)
+    got = []
+    for out in outs:
+        choices: dict[int, list[int]] = {}
+        for o in out:
+            for d in o.deltas:
+                choices.setdefault(d.index, []).extend(d.token_ids)
+        got.append([choices[i] for i in sorted(choices)])
+    return got
+
+
+def _prompts(llm, n: int) -> list[list[int]]:
+    return [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+
+
+@pytest.mark.parametrize("concurrent", [1, 16])
+def test_greedy_output_is_unchanged(llm, concurrent):
+    prompts = _prompts(llm, concurrent)
+    sampling = SamplingParams(max_tokens=48 if concurrent == 1 else 24, temperature=0.0)
+    plain = _run(_engine(llm, None), prompts, sampling)
+    engine = _engine(llm, "ngram")
+    assert _run(engine, prompts, sampling) == plain
+    stats = engine.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert stats.blocks_used == 0  # every block went back, drafts' too
+
+
+def test_the_cache_holds_what_it_would_without_speculation(llm):
+    """A request after a speculative one reuses its cached blocks: their keys/values and hashes are
+    the non-speculative ones, so its greedy output is the same whichever engine ran the first."""
+    prompts = _prompts(llm, 1)
+    sampling = SamplingParams(max_tokens=40, temperature=0.0)
+    engine = _engine(llm, "ngram")
+    first = _run(engine, prompts, sampling)[0][0]
+    follow = [prompts[0] + first[:-1]]  # the prompt and what it produced, as a new prompt
+    again = _run(engine, follow, SamplingParams(max_tokens=8, temperature=0.0))
+    assert engine.stats().prefix_cache_hit_tokens >= 32
+    assert again == _run(_engine(llm, None), follow, SamplingParams(max_tokens=8, temperature=0.0))
+
+
+def test_stop_strings_max_tokens_n_and_logprobs_keep_working(llm):
+    prompts = _prompts(llm, 3)[2:]  # the repetitive prompt: drafts are kept
+    for sampling in (
+        SamplingParams(max_tokens=13, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[" lazy"]),
+        SamplingParams(max_tokens=20, temperature=0.0, n=2),
+    ):
+        plain_engine, spec_engine = _engine(llm, None), _engine(llm, "ngram")
+        reqs = [GenerationRequest(prompts[0], sampling, request_id="r")]
+        plain = plain_engine.generate(reqs)[0]
+        spec = spec_engine.generate([GenerationRequest(prompts[0], sampling, request_id="r")])[0]
+        assert spec_engine.stats().spec_accepted_tokens > 0
+
+        def flat(outs, what, index=0):
+            got = [getattr(d, what) for o in outs for d in o.deltas if d.index == index]
+            if what in ("text", "finish_reason"):
+                return "".join(x or "" for x in got)
+            return [x for xs in got for x in xs or []]
+
+        for i in range(sampling.n):
+            assert flat(spec, "token_ids", i) == flat(plain, "token_ids", i)
+            assert flat(spec, "text", i) == flat(plain, "text", i)
+            assert flat(spec, "finish_reason", i) == flat(plain, "finish_reason", i)
+        if sampling.logprobs:
+            a, b = flat(spec, "logprobs"), flat(plain, "logprobs")
+            assert [x.token_id for x in a] == [x.token_id for x in b]
+            np.testing.assert_allclose([x.logprob for x in a], [x.logprob for x in b], atol=1e-4)
+
+
+def test_sampled_requests_and_the_opt_out(llm):
+    prompts = _prompts(llm, 3)[2:]
+    engine = _engine(llm, "ngram")
+    sampling = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=7, ignore_eos=True)
+    out = _run(engine, prompts, sampling)[0][0]
+    assert len(out) == 32 and engine.stats().spec_draft_tokens > 0
+    opted_out = _engine(llm, "ngram")
+    req = GenerationRequest(prompts[0], SamplingParams(max_tokens=16, temperature=0.0), speculative=False)
+    opted_out.generate([req])
+    assert opted_out.stats().spec_draft_tokens == 0
+
+
+def test_bad_settings_are_refused_at_start(llm):
+    with pytest.raises(EngineConfigError, match=r"num_speculative_tokens must be in 1\.\.16, got 0"):
+        _engine(llm, "ngram", num_speculative_tokens=0)
+    with pytest.raises(EngineConfigError, match="speculative must be one of ngram"):
+        _engine(llm, "eagle")
+    two_tier = {"quantize_old": "int8"} if llm.backend.name == "candle-compat" else {"quantization": "int8"}
+    jax_attention = getattr(llm.model, "attention", "reference")
+    if llm.backend.name == "jax" and jax_attention != "reference":
+        pytest.skip("the jax int8 KV cache needs reference attention")
+    with pytest.raises(EngineConfigError, match=f"backend '{llm.backend.name}' cannot drop KV positions"):
+        _engine(llm, "ngram", kv_cache_options=two_tier)
