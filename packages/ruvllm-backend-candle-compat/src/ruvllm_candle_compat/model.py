@@ -291,6 +291,11 @@ class CandleCompatModel:
         (full blocks kept float32 behind each sequence's tail, default 2), ``dtype`` (``"float32"``)."""
         return make_kv_cache(self.config, num_blocks, block_size, options)
 
+    def kv_rewrites_positions(self, cache: Any) -> bool:
+        """The float32 cache stores each position as written; the two-tier cache quantizes blocks by
+        how far a chunk's last query reaches, which a dropped speculative draft would have moved."""
+        return isinstance(cache, PagedKVCache) and not isinstance(cache, TwoTierKVCache)
+
     def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
         """float32 keys and values of every layer (a two-tier cache's blocks start float32 too)."""
         return kv_block_bytes(self.config, block_size)
