@@ -58,6 +58,10 @@ class BenchmarkSettings:
     block_size: int = EngineConfig.block_size
     #: The backend's KV cache options (``--kv-cache-dtype``: ``{"dtype": ...}``).
     kv_cache_options: dict[str, Any] = field(default_factory=dict)
+    #: Speculative decoding (``ngram``): the iterations then run through the engine (greedy, its
+    #: drafts verified), and the report adds the acceptance rate; None: raw forward steps.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def validate(self) -> None:
         """Check what can be checked before the model is loaded."""
@@ -67,6 +71,28 @@ class BenchmarkSettings:
                 raise BenchmarkSettingsError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.warmup < 0:
             raise BenchmarkSettingsError(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.speculative is not None:
+            try:
+                self.engine_config().validate()
+            except RuvllmError as exc:
+                msg = str(exc).replace("num_speculative_tokens", "--num-speculative-tokens")
+                raise BenchmarkSettingsError(msg) from None
+
+    def engine_config(self) -> EngineConfig:
+        """The engine of a ``speculative`` run: one seat per sequence, no prefix cache (every
+        iteration computes its prompts), a draft for every sequence."""
+        blocks = -(-(self.prompt_length + self.gen_length + 1 + self.num_speculative_tokens) // self.block_size)
+        return EngineConfig(
+            block_size=self.block_size,
+            num_blocks=blocks * self.batch,
+            max_num_seqs=self.batch,
+            max_num_batched_tokens=max(2048, self.batch * self.prompt_length),
+            enable_prefix_caching=False,
+            kv_cache_options=dict(self.kv_cache_options),
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
+            speculative_step_tokens=self.batch * (1 + self.num_speculative_tokens),
+        )
 
     def check_context(self, context_length: int) -> None:
         """The prompt and the fed-back decode tokens must fit the model's context."""
@@ -113,6 +139,8 @@ class BenchmarkReport:
     kv_cache_bytes: int | None = None
     #: The compute dtype as applied (``auto`` resolved).
     dtype: str = "float32"
+    #: Speculative runs: draft tokens kept / verified over the timed iterations.
+    spec_acceptance_rate: float | None = None
 
     def metrics(self) -> list[MetricSummary]:
         s = self.settings
@@ -151,6 +179,7 @@ class BenchmarkReport:
                 "weight_bytes": self.weight_bytes,
                 "kv_cache_bytes": self.kv_cache_bytes,
             },
+            "spec_acceptance_rate": self.spec_acceptance_rate,
             "iterations": [asdict(t) for t in self.timings],
             "ruvllm_version": __version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
@@ -208,6 +237,8 @@ def run_benchmark(
     ``progress`` is advanced once per forward step; closing it is the caller's job."""
     settings.validate()
     settings.check_context(model.config.max_position_embeddings)
+    if settings.speculative is not None:
+        return _run_engine_benchmark(model, settings, progress)
     bs = settings.block_size
     prompts = benchmark_prompts(model, settings)
     blocks_per_seq = -(-(settings.prompt_length + settings.gen_length) // bs)
@@ -274,6 +305,59 @@ def run_benchmark(
     return report
 
 
+def _run_engine_benchmark(
+    model: LoadedModel, settings: BenchmarkSettings, progress: ProgressBar | None
+) -> BenchmarkReport:
+    """:func:`run_benchmark` through the engine, for speculative decoding: each iteration generates
+    ``gen_length + 1`` greedy tokens per sequence; the prefill time is up to every first token, the
+    decode time the steps after it (fewer than ``gen_length`` when drafts are kept)."""
+    from ruvllm.engine import GenerationRequest, LLMEngine
+    from ruvllm.sampling import SamplingParams
+
+    engine = LLMEngine(model, settings.engine_config())
+    prompts = [p.tolist() for p in benchmark_prompts(model, settings)]
+    sampling = SamplingParams(max_tokens=settings.gen_length + 1, temperature=0.0, ignore_eos=True)
+    rounds = settings.warmup + settings.iterations
+    report = BenchmarkReport(
+        model=model.name,
+        path=str(model.checkpoint.path),
+        backend=model.backend.name,
+        quantization=model.options.quantization,
+        dtype=model.options.dtype,
+        settings=settings,
+        weight_bytes=_optional_int(model.model.weight_bytes if isinstance(model.model, ReportsWeightBytes) else None),
+        kv_cache_bytes=_optional_int(getattr(engine.cache, "nbytes", None)),
+    )
+    drafted = accepted = 0
+    for r in range(rounds):
+        if progress is not None:
+            progress.update(r * (1 + settings.gen_length), f"round {r + 1}/{rounds}", force=True)
+        before = engine.stats()
+        for i, p in enumerate(prompts):
+            engine.add_request(GenerationRequest(p, SamplingParams(**vars(sampling)), request_id=f"{r}-{i}"))
+        t0 = time.perf_counter()
+        started: set[str] = set()
+        while len(started) < len(prompts):
+            started |= {o.request_id for o in engine.step() if any(d.token_ids for d in o.deltas)}
+        t_first = time.perf_counter()
+        step_times = []
+        while engine.has_unfinished():
+            s0 = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - s0)
+        if r >= settings.warmup:
+            after = engine.stats()
+            drafted += after.spec_draft_tokens - before.spec_draft_tokens
+            accepted += after.spec_accepted_tokens - before.spec_accepted_tokens
+            report.timings.append(
+                IterationTiming(t_first - t0, t_first - t0, sum(step_times), step_times, _peak_rss_bytes())
+            )
+    report.spec_acceptance_rate = accepted / drafted if drafted else None
+    if progress is not None:
+        progress.update(rounds * (1 + settings.gen_length), "done", force=True)
+    return report
+
+
 def _optional_int(value: object) -> int | None:
     return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
 
@@ -312,6 +396,9 @@ def render_table(report: BenchmarkReport) -> str:
     ]
     if known:
         lines.append(f"backend reports: {', '.join(known)}")
+    if s.speculative is not None:
+        rate = "no drafts" if report.spec_acceptance_rate is None else f"{report.spec_acceptance_rate:.1%}"
+        lines.append(f"speculative {s.speculative}, k {s.num_speculative_tokens}: acceptance {rate} (engine, greedy)")
     return "\n".join(lines) + "\n"
 
 

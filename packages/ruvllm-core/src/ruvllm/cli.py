@@ -341,6 +341,8 @@ def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
         iterations=args.iterations,
         warmup=args.warmup,
         kv_cache_options=_kv_options(args),
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     settings.validate()  # before the model load, so a typo fails fast
     check_format(args.format)
@@ -430,6 +432,15 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p.add_argument("--gen-length", type=int, default=32, help="decode steps after the first token")
     p.add_argument("--batch", type=int, default=1, help="sequences run together")
     p.add_argument("--format", default="table", help="table (default), json or csv")
+    p.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="run the iterations through the engine with speculative decoding (greedy); reports the acceptance rate",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="most draft tokens per step, 1..16 (default 4)"
+    )
     p.set_defaults(func=cmd_benchmark)
 
     host.hook.register_commands(subparsers=sub)

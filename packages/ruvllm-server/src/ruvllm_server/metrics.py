@@ -115,6 +115,16 @@ class _StateCollector(Collector):
             "Prompt tokens looked up in the prefix cache",
             value=stats.prefix_cache_queried_tokens,
         )
+        for prefix in ("ruvllm_", "vllm:"):  # speculative decoding, under vLLM's names too
+            yield CounterMetricFamily(
+                f"{prefix}spec_decode_num_draft_tokens", "Draft tokens verified", value=stats.spec_draft_tokens
+            )
+            yield CounterMetricFamily(
+                f"{prefix}spec_decode_num_accepted_tokens", "Draft tokens kept", value=stats.spec_accepted_tokens
+            )
+            yield CounterMetricFamily(
+                f"{prefix}spec_decode_num_drafts", "Verification chunks run", value=stats.spec_verifications
+            )
 
 
 class ServerMetrics:

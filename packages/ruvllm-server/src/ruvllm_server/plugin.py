@@ -112,6 +112,19 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="do not compile the step shapes before reporting ready (they then compile while serving)",
     )
     p.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="speculative decoding: ngram drafts tokens by prompt lookup over each request's prompt and output; "
+        "greedy output is unchanged, sampled output keeps the model's distribution (default off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="most draft tokens a stream offers per step, 1..16 (default 4)",
+    )
+    p.add_argument(
         "--precompile-prompt-logprobs",
         action="store_const",
         const=True,
@@ -204,6 +217,8 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "max_step_ratio": args.max_step_ratio,
         "precompile": args.precompile,
         "precompile_prompt_logprobs": args.precompile_prompt_logprobs,
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "plugin_options": args.plugin_option,

@@ -100,6 +100,8 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
+    #: False: no speculative decoding for this request (when the server runs it; ruvllm's extension).
+    speculative: bool | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -386,6 +388,8 @@ class Health(Struct, omit_defaults=True):
     #: This process's resident memory (RSS), MiB.
     memory_usage_mb: float
     detail: str | None = None
+    #: Speculative decoding: draft tokens kept / draft tokens verified (absent before any draft).
+    spec_acceptance_rate: float | None = None
 
 
 class Readiness(Struct):

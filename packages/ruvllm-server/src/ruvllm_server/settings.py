@@ -95,6 +95,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Precompile also the steps that return every position's logits (``prompt_logprobs``, ``echo``
     #: with logprobs): twice the shapes; without it such requests' first steps compile while serving.
     precompile_prompt_logprobs: bool = False
+    #: Speculative decoding: ``ngram`` (prompt lookup over each request's own prompt and output);
+    #: None: off. Greedy output is unchanged; a request may opt out (``"speculative": false``).
+    speculative: Literal["ngram"] | None = None
+    #: Most draft tokens a stream offers per step (each stream's own count adapts below it).
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     enable_prefix_caching: bool = True
     #: Seconds to wait for in-flight requests at shutdown.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0

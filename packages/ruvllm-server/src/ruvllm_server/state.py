@@ -260,6 +260,8 @@ class ServerState:
             kv_cache_options=kv_cache_options(s),
             sampling=s.sampling,
             precompile_all_logits=s.precompile_prompt_logprobs,
+            speculative=s.speculative,
+            num_speculative_tokens=s.num_speculative_tokens,
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
@@ -364,13 +366,17 @@ class ServerState:
 
     def health_report(self) -> dict[str, float | int]:
         """The RuvLLM MVP's health figures: uptime, API requests answered, the prefix cache's hit rate
-        (prompt tokens found / looked up), and this process's resident memory."""
+        (prompt tokens found / looked up), this process's resident memory, and with speculative
+        decoding the draft tokens' acceptance rate."""
         import psutil
 
         stats = self.engine_stats()
         queried = stats.prefix_cache_queried_tokens if stats is not None else 0
         hits = stats.prefix_cache_hit_tokens if stats is not None else 0
+        rate = stats.spec_acceptance_rate if stats is not None else None
+        spec = {} if rate is None else {"spec_acceptance_rate": round(rate, 4)}
         return {
+            **spec,
             "uptime_seconds": round(time.monotonic() - self._started_monotonic, 3),
             "total_requests": self.total_requests,
             "cache_hit_rate": round(hits / queried, 4) if queried else 0.0,

@@ -78,7 +78,8 @@ class ChatJob:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             structured=structured,
         )
-        return Run(self.state, [engine_request(prompt, params, self.id, req.user, self.api_key_id, adapter)])
+        request = engine_request(prompt, params, self.id, req.user, self.api_key_id, adapter, req.speculative)
+        return Run(self.state, [request])
 
     async def complete(self, run: Run) -> ChatCompletion:
         acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(run.requests[0].sampling.n)}

@@ -72,7 +72,7 @@ class CompletionJob:
             if want_prompt:
                 params.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs if echo_lp else 0)
             rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
-            requests.append(engine_request(ids, params, rid, req.user, self.api_key_id, adapter))
+            requests.append(engine_request(ids, params, rid, req.user, self.api_key_id, adapter, req.speculative))
         return Run(self.state, requests)
 
     def _index(self, run: Run, prompt_index: int, choice_index: int) -> int:

@@ -263,11 +263,19 @@ def engine_request(
     user: str | None,
     api_key_id: str | None,
     adapter: Any = None,
+    speculative: bool | None = None,
 ) -> GenerationRequest:
     """The engine request of one prompt. ``user`` is the client's claim (OpenAI ``user``), the key id
     its fallback; only ``metadata["api_key_id"]`` is authenticated, so plugins that scope state by
-    key (SONA's ``api_key`` scope) read that."""
+    key (SONA's ``api_key`` scope) read that. ``speculative=False``: the request opts out of speculative
+    decoding."""
     metadata: dict[str, Any] = {"api_key_id": api_key_id} if api_key_id else {}
     return GenerationRequest(
-        prompt, params, request_id=request_id, user=user or api_key_id, metadata=metadata, adapter=adapter
+        prompt,
+        params,
+        request_id=request_id,
+        user=user or api_key_id,
+        metadata=metadata,
+        adapter=adapter,
+        speculative=speculative is not False,
     )
