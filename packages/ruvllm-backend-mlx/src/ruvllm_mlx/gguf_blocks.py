@@ -155,3 +155,18 @@ def affine_from_gguf(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -
     codes, scale, bias = decode_codes(ggml_type, data, shape)
     bits = EXACT_BITS[ggml_type]
     return AffineBlocks(pack_codes(codes, bits), np.ascontiguousarray(scale), np.ascontiguousarray(bias), bits)
+
+
+def nearest_affine(values: np.ndarray, bits: int) -> AffineBlocks:
+    """Float weights ``[out, cols]`` rounded to ``bits``-bit codes per group of 32, ``scale`` spanning
+    each group's range and ``bias`` its minimum: every weight within half a step (``scale / 2``) of
+    its value. (``mx.quantize`` moves the range to hold zero exactly, which can cost more.)"""
+    out, cols = values.shape
+    if cols % GROUP:
+        raise ModelFormatError(f"rows of {cols} values are not whole groups of {GROUP}")
+    groups = values.reshape(out, cols // GROUP, GROUP).astype(np.float32)
+    low, high = groups.min(-1), groups.max(-1)
+    scale = (high - low) / np.float32((1 << bits) - 1)
+    scale[scale == 0] = 1.0  # a constant group: every code 0 decodes to ``low`` exactly
+    codes = np.clip(np.rint((groups - low[..., None]) / scale[..., None]), 0, (1 << bits) - 1).astype(np.uint8)
+    return AffineBlocks(pack_codes(codes.reshape(out, cols), bits), scale, low, bits)

@@ -39,7 +39,7 @@ from ruvllm.modeling import (
     softcap,
 )
 from ruvllm_mlx.device import choose_device, device_label, device_memory
-from ruvllm_mlx.gguf_blocks import EXACT_BITS, GROUP, NEAREST_FORMS, affine_from_gguf
+from ruvllm_mlx.gguf_blocks import EXACT_BITS, GROUP, NEAREST_FORMS, affine_from_gguf, nearest_affine
 from ruvllm_mlx.kv_cache import ChunkPlan, MLXPagedKVCache, make_kv_cache, plan_step
 
 log = structlog.get_logger("ruvllm_mlx")
@@ -391,9 +391,9 @@ def _gguf_linear(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> L
             a = affine_from_gguf(raw.ggml_type, raw.data, shape)
             return Linear(mx.array(a.packed), mx.array(a.scales), mx.array(a.biases), a.bits, form=raw.ggml_type)
         if raw.ggml_type in NEAREST_FORMS:
-            bits = NEAREST_FORMS[raw.ggml_type]
-            packed, scales, biases = mx.quantize(mx.array(checkpoint.tensor(name)), group_size=GROUP, bits=bits)
-            return Linear(packed, scales, biases, bits, form=f"{raw.ggml_type}->{bits}bit")
+            a = nearest_affine(checkpoint.tensor(name), NEAREST_FORMS[raw.ggml_type])
+            form = f"{raw.ggml_type}->{a.bits}bit"
+            return Linear(mx.array(a.packed), mx.array(a.scales), mx.array(a.biases), a.bits, form=form)
     except ModelFormatError as exc:
         raise ModelFormatError(f"{checkpoint.path}: tensor {name}: {exc}") from exc
     if raw.ggml_type in ("F32", "F16", "BF16"):
