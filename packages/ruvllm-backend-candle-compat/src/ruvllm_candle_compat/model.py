@@ -1,11 +1,14 @@
 """The decoder forward pass of every family in :mod:`ruvllm.architectures` (Llama incl. llama3 RoPE,
-Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2) in NumPy float32 over a paged KV cache. The layer is
+Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2, and the mixtures of experts Qwen3-MoE and Mixtral)
+in NumPy float32 over a paged KV cache. The layer is
 :func:`ruvllm.modeling.decoder_layer`, the one every backend runs; this module gives it NumPy's ways
 to project (fused BLAS calls), attend (the paged cache) and adapt (``adapter.delta``).
 
 Every token of every chunk in a step goes through the projections and the MLP as one ``[T, hidden]``
 matrix, so the matmuls are a handful of BLAS calls per layer whatever the batch looks like; only
-attention runs per chunk, over that sequence's cached positions ``0 .. end_pos``.
+attention runs per chunk, over that sequence's cached positions ``0 .. end_pos``. In a mixture of
+experts each chosen expert multiplies its group of the step's tokens in one BLAS call (experts no
+token chose are not read).
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class FusedLayer:
 
     weights: LayerWeights[np.ndarray, np.ndarray]
     qkv: np.ndarray  # [q_dim + 2 * kv_dim, hidden]: q_proj, k_proj, v_proj stacked
-    gate_up: np.ndarray  # [2 * intermediate, hidden]: gate_proj, up_proj stacked
+    #: [2 * intermediate, hidden]: gate_proj, up_proj stacked (a mixture of experts: per expert,
+    #: [experts, 2 * expert_intermediate, hidden]).
+    gate_up: np.ndarray
     window: int = 0  # sliding window (0: every position)
     rope: Rope | None = None  # this layer's rotary embedding
 
@@ -146,10 +151,15 @@ class CandleCompatModel:
             lw = LayerWeights(**load_layer(cfg, n, get))
             # Fused copies of the groups that share an input; the schema's fields become views of them.
             qkv = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])
-            gate_up = np.concatenate([lw.gate_proj, lw.up_proj])
             (q_dim, _), (kv_dim, _) = projection_shape(cfg, "q_proj"), projection_shape(cfg, "k_proj")
             lw.q_proj, lw.k_proj, lw.v_proj = qkv[:q_dim], qkv[q_dim : q_dim + kv_dim], qkv[q_dim + kv_dim :]
-            lw.gate_proj, lw.up_proj = gate_up[: cfg.intermediate_size], gate_up[cfg.intermediate_size :]
+            if cfg.num_experts:
+                gate_up = np.concatenate([lw.expert_gate, lw.expert_up], axis=1)
+                i = cfg.expert_intermediate_size
+                lw.expert_gate, lw.expert_up = gate_up[:, :i], gate_up[:, i:]
+            else:
+                gate_up = np.concatenate([lw.gate_proj, lw.up_proj])
+                lw.gate_proj, lw.up_proj = gate_up[: cfg.intermediate_size], gate_up[cfg.intermediate_size :]
             layers.append(FusedLayer(lw, qkv, gate_up, window=cfg.layer_window(n), rope=cfg.layer_rope(n)))
         h = cfg.hidden_size
         embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
@@ -336,10 +346,27 @@ class CandleCompatModel:
                 if group[0] == "q_proj":
                     qkv = linear(h, layer.qkv)
                     return [qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]]
+                if group[0] == "router":
+                    return [linear(h, layer.weights.router)]
                 if group[0] == "gate_proj":
                     gate_up = linear(h, layer.gate_up)
                     return [gate_up[:, :inter], gate_up[:, inter:]]
                 return [linear(h, getattr(layer.weights, group[0]))]
+
+            def project_experts(
+                x: np.ndarray, sizes: np.ndarray, group: tuple[str, ...], layer: FusedLayer = layer
+            ) -> list[np.ndarray]:
+                # One product per chosen expert over its rows; experts with no rows are never read.
+                fused = group[0] == "gate_proj"
+                mats = layer.gate_up if fused else layer.weights.expert_down
+                y = np.empty((x.shape[0], mats.shape[1]), np.float32)
+                end = 0
+                for e, n in enumerate(sizes.tolist()):
+                    if n:
+                        y[end : end + n] = linear(x[end : end + n], mats[e])
+                        end += n
+                i = cfg.expert_intermediate_size
+                return [y[:, :i], y[:, i:]] if fused else [y]
 
             def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, li: int = li, window: int = layer.window):
                 for plan in local_plans if cache.is_local[li] else plans:
@@ -351,7 +378,17 @@ class CandleCompatModel:
                 return self._add_delta(with_adapters, li, proj, y, y_in) if with_adapters else y
 
             cos, sin = rope_tables[layer.rope or cfg.global_rope]
-            x, _ = decoder_layer(x, layer.weights, cfg, cos, sin, project=project, attend=attend, adapt=adapt)
+            x, _ = decoder_layer(
+                x,
+                layer.weights,
+                cfg,
+                cos,
+                sin,
+                project=project,
+                attend=attend,
+                adapt=adapt,
+                project_experts=project_experts,
+            )
 
         x = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return self._outputs(batch.chunks, plans, x)

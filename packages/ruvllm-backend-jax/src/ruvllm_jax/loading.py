@@ -11,7 +11,7 @@ import structlog
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
-from ruvllm.modeling import LAYER_TENSORS, PROJECTION_GROUPS, PROJECTIONS, LayerWeights
+from ruvllm.modeling import LAYER_TENSORS, PROJECTION_GROUPS, PROJECTIONS, LayerTensor, LayerWeights
 from ruvllm_jax.gguf_blocks import (
     GGUF_DIRECT_TYPES,
     WXA8_GGUF_TYPES,
@@ -157,6 +157,17 @@ class WeightLoader:
             return Weights(quantize_w8a8(w.embed, s_head), layers, w.final_norm, None)
         return Weights(quantize_w8a8(w.embed), layers, w.final_norm, quantize_w8a8(w.lm_head, s_head))
 
+    def _experts(self, t: LayerTensor, layer: int) -> np.ndarray:
+        """One layer's experts of ``t``, float ``[experts, out, in]``: the grouped product reads them
+        unquantized (quantized expert kernels are not implemented, so a quantized form is refused)."""
+        if self.quantization != "none" or self.keep_gguf_blocks:
+            form = "keep_gguf_blocks" if self.quantization == "none" else f"quantization {self.quantization}"
+            raise BackendError(
+                f"jax backend: the experts of a mixture of experts ({t.name(layer, 0)} ...) load only in "
+                f"float (quantization none); {form} has no expert kernels"
+            )
+        return np.stack([self.vector(name) for name in t.names(layer, self.spec)])
+
     def _load(self) -> Weights:
         spec = self.spec
         names = set(self.ckpt.tensor_names())
@@ -165,6 +176,9 @@ class WeightLoader:
         for i in range(spec.num_layers):
             for t in tensors:
                 name = t.name(i)
+                if t.per_expert:
+                    per_layer[t.field].append(self._experts(t, i))
+                    continue
                 if t.field in PROJECTIONS:
                     per_layer[t.field].append(self.matrix(name))
                     continue
@@ -186,6 +200,8 @@ class WeightLoader:
             if not t.present(self.spec):
                 continue
             key, shape = t.field, t.shape(self.spec)
+            if t.per_expert:
+                shape = (self.spec.num_experts, *shape)
             got = tuple(getattr(layers, key).shape[1:])
             if got != shape:
                 raise ModelFormatError(f"{self.ckpt.path}: {key} has shape {got}, the config implies {shape}")

@@ -11,6 +11,12 @@ The layer's arithmetic is :func:`ruvllm.modeling.decoder_layer`, the one every b
 module gives it the JAX ways to project (XLA or the native kernels), attend (the paged cache) and
 adapt (LoRA slots), and the calibration pass of :mod:`ruvllm_jax.calibrate` runs it too.
 
+A mixture of experts multiplies the step's (token, expert) pairs, sorted into one group per expert
+by :func:`ruvllm.modeling.moe_mlp`, with ``lax.ragged_dot_general`` over the stacked experts
+``[experts, out, in]``: one grouped product per matrix whatever the batch. (XLA on CUDA and TPU
+lowers it to a grouped matrix product; XLA:CPU in this jax expands it to every expert times every
+row, masked: exact, but the native CPU path is where reading only the chosen experts belongs.)
+
 Per-sequence LoRA adapters (:class:`LoraPlan`): every adapter of a step owns a slot. Per projection
 in use, slot ``s`` brings ``A_s [layers, r, in]`` and ``B_s [layers, out, r]`` (scale folded into
 ``B``, zeros where the adapter has no entry or a smaller rank); the step concatenates the slots into
@@ -34,6 +40,7 @@ from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
 from ruvllm.modeling import (  # noqa: F401 (decoder_layer and the math stay importable from here)
     ACTIVATIONS,
+    EXPERT_FIELDS,
     PROJECTION_GROUPS,
     PROJECTIONS,
     LayerWeights,
@@ -98,6 +105,12 @@ class ModelSpec:
     #: The windowed layers of a model that interleaves them with global ones
     #: (:attr:`ModelConfig.local_layers`): a hybrid cache keeps their K/V in a pool of their own.
     local_layers: tuple[int, ...] = ()
+    #: A mixture of experts (:class:`ModelConfig`'s fields of the same names; 0: the dense MLP).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = False
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: str = "float32") -> ModelSpec:
@@ -133,6 +146,11 @@ class ModelSpec:
             final_logit_softcap=cfg.final_logit_softcap,
             dtype=dtype,
             local_layers=tuple(cfg.local_layers),
+            num_experts=cfg.num_experts,
+            experts_per_token=cfg.experts_per_token,
+            expert_intermediate_size=cfg.expert_intermediate_size,
+            routing=cfg.routing,
+            norm_topk_prob=cfg.norm_topk_prob,
         )
 
     @property
@@ -445,6 +463,26 @@ class _Projector:
         return project
 
 
+#: The experts' products: each row of ``x`` times its group's expert (``rhs [experts, out, in]``).
+_EXPERT_DOT = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def project_experts(lw: LayerWeights):
+    """``project_experts`` of :func:`ruvllm.modeling.decoder_layer` for one layer's float experts."""
+
+    def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+        out = []
+        for p in group:
+            w = getattr(lw, EXPERT_FIELDS[p])
+            y = lax.ragged_dot_general(x, w.astype(x.dtype), sizes.astype(jnp.int32), _EXPERT_DOT)
+            out.append(y)
+        return out
+
+    return project
+
+
 @dataclass(frozen=True)
 class _Adapters:
     """How a step's tokens get their adapters' updates (:class:`LoraPlan`): none; the native kernel,
@@ -574,7 +612,17 @@ def forward_step(
             return out
 
         project, adapt = projector.at(lw, layer), adapters.at(layer, dense, layer_mask)
-        x, _ = decoder_layer(x, lw, spec, cos[rope], sin[rope], project=project, attend=attend, adapt=adapt)
+        x, _ = decoder_layer(
+            x,
+            lw,
+            spec,
+            cos[rope],
+            sin[rope],
+            project=project,
+            attend=attend,
+            adapt=adapt,
+            project_experts=project_experts(lw) if spec.num_experts else None,
+        )
         return (x, kv, kvl, layer + 1), None
 
     scanned = (

@@ -141,6 +141,7 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
         and options.extra.get("native", True) not in (False, "false", "0")
         and jax.devices()[0].platform == "cpu"
         and native.has_vector_path()  # the scalar loops are no faster than float32
+        and not checkpoint.config.num_experts  # experts load in float only (ruvllm_jax.loading)
     ):
         return "w4a8"
     return "none"

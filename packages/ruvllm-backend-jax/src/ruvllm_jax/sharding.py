@@ -56,6 +56,11 @@ WEIGHT_AXES: dict[str, tuple[str, ...]] = {
     "k_norm": ("head_dim",),
     "attn_output_norm": ("embed",),
     "mlp_output_norm": ("embed",),
+    # A mixture of experts: replicated (its axes have no rule; splitting experts is not implemented).
+    "router": ("experts", "embed"),
+    "expert_gate": ("experts", "expert_ffn", "embed"),
+    "expert_up": ("experts", "expert_ffn", "embed"),
+    "expert_down": ("experts", "embed", "expert_ffn"),
 }
 
 

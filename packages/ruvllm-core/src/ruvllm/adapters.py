@@ -23,9 +23,11 @@ import numpy as np
 
 from ruvllm.errors import ModelFormatError, ModelNotFoundError
 from ruvllm.model_config import ModelConfig
-from ruvllm.modeling import PROJECTIONS, projection_module, projection_shape
+from ruvllm.modeling import MLP_PROJECTIONS, PROJECTIONS, projection_module, projection_shape
 
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+#: A mixture of experts' modules (HF names): the router, the experts, Mixtral's block.
+_MOE_MODULE = re.compile(r"layers\.\d+\.(?:mlp\.(?:gate|experts)\.|block_sparse_moe\.)")
 
 
 class AdapterError(ModelFormatError):
@@ -134,6 +136,11 @@ def load_peft_adapter(
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for tname, value in tensors.items():
         m = _TENSOR.search(tname)
+        if cfg.num_experts and (_MOE_MODULE.search(tname) or (m and m.group(2) in MLP_PROJECTIONS)):
+            raise AdapterError(
+                f"{where}: {tname!r} adapts the mixture of experts (router or experts), which ruvllm does not "
+                "implement; adapters on the attention projections work"
+            )
         if m is None:
             raise AdapterError(
                 f"{where}: tensor {tname!r} is not a LoRA factor of a decoder projection (not supported)"

@@ -18,6 +18,10 @@ Canonical per-layer names (prefix ``model.layers.{n}.``):
 ``post_attention_layernorm.*``  RMSNorm before the MLP (Gemma's ``pre_feedforward_layernorm``)
 ``mlp.{gate,up,down}_proj.*``   the gated MLP
 ``mlp_output_norm.weight``      RMSNorm of the MLP output (``output_norms``)
+``mlp.gate.weight``             the router ``[experts, hidden]`` of a mixture of experts, whose
+                                layers have no dense MLP but
+``mlp.experts.{e}.{gate,up,down}_proj.weight``  each expert's gated MLP (GGUF's ``ffn_*_exps``
+                                hold every expert in one 3-D tensor: expert ``e`` is its slice)
 ==============================  ===========================================================
 
 and ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``.
@@ -42,7 +46,17 @@ activation             family                                       ``hidden_act
 embedding scale        family (gemma: sqrt(hidden))                 family
 query scale            gemma3: head_dim (27B: hidden / heads)       ``query_pre_attn_scalar``
 logit soft-capping     ``{arch}.final_logit_softcapping``           ``final_logit_softcapping``
+experts, top-k         ``{arch}.expert_count``/``.expert_used_count``  ``num_experts`` (``num_local_experts``),
+                                                                    ``num_experts_per_tok``
+expert MLP width       ``{arch}.expert_feed_forward_length``         ``moe_intermediate_size`` (qwen3_moe),
+                       (else ``feed_forward_length``: mixtral)       ``intermediate_size`` (mixtral)
+top-k renormalised     ``{arch}.expert_weights_norm``, else always   ``norm_topk_prob`` (mixtral: always)
+                       (llama.cpp's qwen3moe and llama graphs)
 =====================  ===========================================  ==========================================
+
+A Mixtral GGUF is a ``llama`` file with ``llama.expert_count`` set (llama.cpp's converter). Mixtures
+of dense and MoE layers (``decoder_sparse_step``, ``mlp_only_layers``, a GGUF's
+``leading_dense_block_count``), shared experts and routers other than a softmax are refused by name.
 
 Anything that would change the arithmetic and is not implemented (an unknown RoPE type, partial
 rotary embeddings, attention-logit soft-capping, MLP biases, bidirectional attention, a quantization
@@ -52,6 +66,7 @@ config) is refused at load with the field's name: never a silent approximation.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +89,12 @@ _GGUF_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "mlp_output_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+#: GGUF's stacked expert tensors (``blk.{n}.<key>``, ``[experts, out, in]``) -> the projection of
+#: each expert's ``mlp.experts.{e}.<projection>``.
+GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _GGUF_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -135,6 +155,16 @@ class Family:
     #: The family's own chat template (``ruvllm/templates/<name>``), used when a GGUF file carries
     #: none (llama.cpp's converter copies the template only when the source repo has one at hand).
     default_chat_template: str | None = None
+    #: The MLP is a mixture of experts (every layer: mixes of dense and MoE layers are refused).
+    experts: bool = False
+    #: HF config key of each expert's MLP width.
+    hf_expert_size: str = "moe_intermediate_size"
+    #: The top-k weights are always renormalised (mixtral); else HF's ``norm_topk_prob`` says.
+    always_norm_topk: bool = False
+    #: HF module that holds the router and experts when it is not ``mlp`` (mixtral's
+    #: ``block_sparse_moe``), and the experts' projection names when not HF's usual (its w1/w3/w2).
+    hf_moe_module: str = "mlp"
+    hf_expert_names: Mapping[str, str] = field(default_factory=dict)
 
     def chat_template_text(self) -> str | None:
         if self.default_chat_template is None:
@@ -142,6 +172,16 @@ class Family:
         from importlib.resources import files
 
         return files("ruvllm").joinpath("templates", self.default_chat_template).read_text(encoding="utf-8")
+
+    def hf_layer_name(self, key: str) -> str:
+        """Canonical per-layer suffix (without ``.weight``) of HF's ``model.layers.{n}.<key>``."""
+        key = self.hf_renames.get(key, key)
+        if self.hf_moe_module != "mlp" and key.startswith(f"{self.hf_moe_module}."):
+            key = "mlp" + key[len(self.hf_moe_module) :]
+        m = _HF_EXPERT.match(key)
+        if m and m.group(2) in self.hf_expert_names:
+            key = f"mlp.experts.{m.group(1)}.{self.hf_expert_names[m.group(2)]}"
+        return key
 
     def gguf_layer_name(self, key: str) -> str | None:
         """Canonical suffix of GGUF per-layer tensor ``key`` (None: not one ruvllm reads)."""
@@ -156,6 +196,20 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", gguf_archs=("mistral",), hf_model_types=("mistral",), window_on_every_layer=True, **_LLAMA),
     Family("qwen2", gguf_archs=("qwen2",), hf_model_types=("qwen2",), qkv_bias=True),
     Family("qwen3", gguf_archs=("qwen3",), hf_model_types=("qwen3",), qk_norm=True),
+    Family("qwen3_moe", gguf_archs=("qwen3moe",), hf_model_types=("qwen3_moe",), qk_norm=True, experts=True),
+    # GGUF files of Mixtral are "llama" files with experts (llama.cpp's converter).
+    Family(
+        "mixtral",
+        gguf_archs=(),
+        hf_model_types=("mixtral",),
+        window_on_every_layer=True,
+        experts=True,
+        hf_expert_size="intermediate_size",
+        always_norm_topk=True,
+        hf_moe_module="block_sparse_moe",
+        hf_expert_names={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+        **_LLAMA,
+    ),
     Family(
         "gemma3",
         gguf_archs=("gemma3",),
@@ -341,6 +395,46 @@ def _hf_windows(c: Mapping[str, Any], fam: Family, layers: int, where: str) -> t
     return ()
 
 
+def _experts(
+    n: int, k: int, width: int, refuse: Callable[[str, Any, str], None], keys: tuple[str, str, str]
+) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a mixture of experts, checked (``keys``: the names of the
+    expert count, top-k and width fields in the file, for the errors)."""
+    if n < 1:
+        refuse(keys[0], n, "must be at least 1 for a mixture of experts")
+    if not 0 < k <= n:
+        refuse(keys[1], k, f"must be between 1 and the {n} experts")
+    if width < 1:
+        refuse(keys[2], width, "must be at least 1")
+    return {"num_experts": n, "experts_per_token": k, "expert_intermediate_size": width, "routing": "softmax_topk"}
+
+
+def _hf_experts(c: Mapping[str, Any], fam: Family, where: str) -> dict[str, Any]:
+    if not fam.experts:
+        return {}
+    step = c.get("decoder_sparse_step", 1)
+    if step not in (None, 1):
+        _refuse(where, "decoder_sparse_step", step, "(dense layers between MoE layers) is not implemented")
+    if c.get("mlp_only_layers"):
+        _refuse(where, "mlp_only_layers", c["mlp_only_layers"], "(dense layers among MoE layers) is not implemented")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if c.get(key):
+            _refuse(where, key, c[key], "(shared experts) is not implemented")
+    count_key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
+    n, k = c.get(count_key), c.get("num_experts_per_tok")
+    if n is None or k is None:
+        missing = count_key if n is None else "num_experts_per_tok"
+        _refuse(where, missing, None, f"must be given for {fam.name}")
+
+    def refuse(key: str, value: Any, why: str) -> None:
+        _refuse(where, key, value, why)
+
+    width = c.get(fam.hf_expert_size)
+    fields = _experts(int(n), int(k), int(width or 0), refuse, (count_key, "num_experts_per_tok", fam.hf_expert_size))
+    fields["norm_topk_prob"] = fam.always_norm_topk or bool(c.get("norm_topk_prob", False))
+    return fields
+
+
 def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> ModelConfig:
     """A :class:`ModelConfig` from a Hugging Face ``config.json`` (transformers v4 or v5 layout)."""
     fam = family_of_hf(str(c.get("model_type", "")), where)
@@ -401,6 +495,7 @@ def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> Model
         rope=rope,
         rope_local=rope_local,
         final_logit_softcap=float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None,
+        **_hf_experts(c, fam, where),
     )
 
 
@@ -525,6 +620,29 @@ def config_from_gguf(
         # llama.cpp: 1/sqrt(head_dim), except Gemma-3-27B (62 layers) which scales by hidden/heads.
         query_scale = (hidden / n_head) ** -0.5 if layers == 62 else head_dim**-0.5
 
+    experts: dict[str, Any] = {}
+    if get("expert_count"):
+        # llama.cpp's qwen3moe and llama (Mixtral) graphs: softmax over the experts, top-k, renormalised
+        # (whatever the HF config's norm_topk_prob was: its converter does not write it).
+        for key, neutral in (
+            ("expert_shared_count", 0),
+            ("leading_dense_block_count", 0),
+            ("expert_weights_scale", 1.0),
+            ("expert_gating_func", 1),  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        ):
+            if get(key, neutral) != neutral:
+                refuse(key, get(key))
+        experts = _experts(
+            int(get("expert_count")),
+            int(get("expert_used_count", 0)),
+            int(get("expert_feed_forward_length", get("feed_forward_length", 0))),
+            refuse,
+            ("expert_count", "expert_used_count", "expert_feed_forward_length"),
+        )
+        experts["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+    elif fam.experts:
+        refuse("expert_count", get("expert_count"), f"must be given for {fam.name}")
+
     eos = meta("tokenizer.ggml.eos_token_id")
     eot = meta("tokenizer.ggml.eot_token_id")
     bos = meta("tokenizer.ggml.bos_token_id")
@@ -533,7 +651,7 @@ def config_from_gguf(
         architecture=fam.name,
         vocab_size=int(get("vocab_size", vocab_rows)),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", 0) if get("expert_count") else need("feed_forward_length")),
         num_layers=layers,
         num_heads=n_head,
         num_kv_heads=int(n_kv),
@@ -555,4 +673,5 @@ def config_from_gguf(
         rope=rope,
         rope_local=rope_local,
         final_logit_softcap=float(softcap) if softcap else None,
+        **experts,
     )

@@ -211,6 +211,14 @@ class GGUFCheckpoint(Checkpoint):
         self._parts = _fused_parts(
             list(self._stored), self.family.gguf_fused, self.config, _GGUF_BLOCK_RE, lambda n: f"model.layers.{n}."
         )
+        #: Each expert's matrix (canonical name) -> (stored 3-D tensor, expert index).
+        self._experts: dict[str, tuple[Any, int]] = {}
+        for t in self._reader.tensors:
+            m = _GGUF_BLOCK_RE.match(t.name)
+            if m and m.group(2) in architectures.GGUF_EXPERTS and len(t.shape) == 3:
+                proj = architectures.GGUF_EXPERTS[m.group(2)]
+                for e in range(int(t.shape[2])):
+                    self._experts[f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.{m.group(3)}"] = (t, e)
 
     # -- metadata -------------------------------------------------------------------------------
     def meta(self, key: str, default: Any = None) -> Any:
@@ -266,6 +274,8 @@ class GGUFCheckpoint(Checkpoint):
         for name, part in self._parts.items():
             if name.endswith("proj.weight"):
                 types[self._stored[part.source].tensor_type.name] += 1
+        for t, _e in self._experts.values():
+            types[t.tensor_type.name] += 1
         return types
 
     def tokenizer(self) -> Tokenizer:
@@ -275,7 +285,7 @@ class GGUFCheckpoint(Checkpoint):
 
     # -- tensors --------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:
-        return list(self._tensors) + list(self._parts)
+        return list(self._tensors) + list(self._parts) + list(self._experts)
 
     def _row_order(self, name: str, rows: int) -> np.ndarray | None:
         cfg = self.config
@@ -298,6 +308,11 @@ class GGUFCheckpoint(Checkpoint):
             whole = self._raw(self._stored[part.source], name)
             rows = whole.data[part.lo : part.hi]
             return RawTensor(whole.ggml_type, rows, (part.hi - part.lo, *whole.shape[1:]))
+        if name in self._experts:  # one expert of a stacked tensor: its own blocks, in the file's format
+            stacked, e = self._experts[name]
+            whole = self._raw(stacked, name)
+            data = whole.data.reshape(whole.shape[0], whole.shape[1], -1)[e]
+            return RawTensor(whole.ggml_type, data, whole.shape[1:])
         return self._raw(self._get(name), name)
 
     def _raw(self, t: Any, name: str) -> RawTensor:
@@ -378,8 +393,8 @@ class SafetensorsCheckpoint(Checkpoint):
             m = _HF_LAYER_RE.match(name)
             if m and m.group(2) in fam.hf_fused:
                 continue
-            if m and m.group(2) in fam.hf_renames:
-                out[f"model.layers.{m.group(1)}.{fam.hf_renames[m.group(2)]}.{m.group(3)}"] = (name, None)
+            if m and fam.hf_layer_name(m.group(2)) != m.group(2):
+                out[f"model.layers.{m.group(1)}.{fam.hf_layer_name(m.group(2))}.{m.group(3)}"] = (name, None)
             else:
                 out[name] = (name, None)
         parts = _fused_parts(list(self._where), fam.hf_fused, self.config, _HF_LAYER_RE, lambda n: f"model.layers.{n}.")

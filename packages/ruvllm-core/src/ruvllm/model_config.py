@@ -15,6 +15,10 @@ import numpy as np
 
 #: RoPE variants ruvllm computes (Hugging Face's ``rope_type`` names).
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+#: How a mixture-of-experts router turns its logits into the chosen experts' weights:
+#: ``softmax_topk``, a softmax over every expert, then the top k (qwen3_moe, mixtral; renormalised
+#: to sum 1 when ``norm_topk_prob``).
+ROUTINGS = ("softmax_topk",)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,18 @@ class ModelConfig:
     rope_local: Rope | None = None
     #: ``cap * tanh(logits / cap)`` on the final logits when set.
     final_logit_softcap: float | None = None
+    #: Mixture of experts (0: the dense gated MLP): experts per layer, how many each token uses,
+    #: and the width of each expert's gated MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    #: The router's rule (:data:`ROUTINGS`) and whether the chosen weights are renormalised.
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} is outside 1..{self.num_experts}")
 
     @property
     def attention_scale(self) -> float:
@@ -216,7 +232,8 @@ class ModelConfig:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        mlp = (self.num_experts * (3 * h * self.expert_intermediate_size + h)) if self.num_experts else 3 * h * i
+        per_layer = h * q + 2 * h * kv + q * h + mlp + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:

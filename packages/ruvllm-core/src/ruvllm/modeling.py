@@ -12,6 +12,11 @@ features are:
   and :func:`decoder_layer`, which strings them together around two callbacks, ``project`` (how a
   backend multiplies its weights: fused BLAS calls, quantized kernels, a TP shard) and ``attend`` (its
   KV cache and attention kernel). What a backend adds is how to compute, never what the model is.
+* a mixture of experts in place of the MLP (:func:`route`, :func:`moe_mlp`): the router's choice,
+  the step's (token, expert) pairs sorted into one group per expert, and the weighted sum back per
+  token; a third callback, ``project_experts``, multiplies each group by its own expert's matrices
+  (a loop over the chosen experts in NumPy, ``jax.lax.ragged_dot`` in JAX), so a step reads each
+  chosen expert once whatever the number of its tokens.
 
 The functions are written over the array API that NumPy and JAX share (``x.__array_namespace__()``),
 so the NumPy backend, SONA's trainer and the jitted JAX step run the same lines. HF transformers stays
@@ -34,6 +39,9 @@ from ruvllm.model_config import ModelConfig
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: A mixture of experts' expert matrices (:class:`LayerWeights` fields, each ``[experts, out, in]``)
+#: by the projection each expert's is; ``router`` is the ``[experts, hidden]`` router.
+EXPERT_FIELDS = {"gate_proj": "expert_gate", "up_proj": "expert_up", "down_proj": "expert_down"}
 #: Projections that multiply the same input, in layer order: a backend may fuse each group into one
 #: product (one BLAS call, one quantization of the input).
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -70,6 +78,16 @@ class LayerShape(Protocol):
     def output_norms(self) -> bool: ...
     @property
     def activation(self) -> str: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def experts_per_token(self) -> int: ...
+    @property
+    def expert_intermediate_size(self) -> int: ...
+    @property
+    def routing(self) -> str: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
 
 
 def projection_module(proj: str) -> str:
@@ -117,13 +135,42 @@ class LayerTensor:
     suffix: str
     shape: Callable[[LayerShape], tuple[int, ...]]
     present: Callable[[LayerShape], bool] = lambda _s: True
+    #: One tensor per expert (``suffix`` holds ``{e}``; ``shape`` is one expert's); the field stacks
+    #: them on a leading expert axis.
+    per_expert: bool = False
 
-    def name(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.suffix}"
+    def name(self, layer: int, expert: int | None = None) -> str:
+        suffix = self.suffix.format(e=expert) if self.per_expert else self.suffix
+        return f"model.layers.{layer}.{suffix}"
+
+    def names(self, layer: int, shape: LayerShape) -> list[str]:
+        """The tensor's canonical names in ``layer``: one, or one per expert in expert order."""
+        if not self.per_expert:
+            return [self.name(layer)]
+        return [self.name(layer, e) for e in range(shape.num_experts)]
+
+
+def _dense(s: LayerShape) -> bool:
+    return not s.num_experts
+
+
+def _moe(s: LayerShape) -> bool:
+    return bool(s.num_experts)
 
 
 def _proj(p: str) -> LayerTensor:
-    return LayerTensor(p, f"{projection_module(p)}.{p}.weight", lambda s: projection_shape(s, p))
+    present = _dense if p in MLP_PROJECTIONS else _always
+    return LayerTensor(p, f"{projection_module(p)}.{p}.weight", lambda s: projection_shape(s, p), present)
+
+
+def expert_shape(shape: LayerShape, proj: str) -> tuple[int, int]:
+    """``(out, in)`` of one expert's ``proj`` (``gate_proj``, ``up_proj`` or ``down_proj``)."""
+    h, i = shape.hidden_size, shape.expert_intermediate_size
+    return (h, i) if proj == "down_proj" else (i, h)
+
+
+def _expert(p: str) -> LayerTensor:
+    return LayerTensor(EXPERT_FIELDS[p], f"mlp.experts.{{e}}.{p}.weight", lambda s: expert_shape(s, p), _moe, True)
 
 
 def _bias(p: str) -> LayerTensor:
@@ -163,6 +210,8 @@ LAYER_TENSORS: tuple[LayerTensor, ...] = (
     _norm("post_attention_norm", "post_attention_layernorm", _hidden, _always),
     *(_proj(p) for p in MLP_PROJECTIONS),
     *(_bias(p) for p in BIAS_FIELDS),
+    LayerTensor("router", "mlp.gate.weight", lambda s: (s.num_experts, s.hidden_size), _moe),
+    *(_expert(p) for p in MLP_PROJECTIONS),
     _norm("q_norm", "self_attn.q_norm", _head, _qk_norm),
     _norm("k_norm", "self_attn.k_norm", _head, _qk_norm),
     _norm("attn_output_norm", "attn_output_norm", _hidden, _output_norms),
@@ -203,9 +252,10 @@ class LayerWeights(Generic[W, A]):
     v_proj: W
     o_proj: W
     post_attention_norm: A
-    gate_proj: W
-    up_proj: W
-    down_proj: W
+    #: The dense MLP (None in a mixture of experts).
+    gate_proj: W | None = None
+    up_proj: W | None = None
+    down_proj: W | None = None
     q_bias: A | None = None
     k_bias: A | None = None
     v_bias: A | None = None
@@ -215,14 +265,32 @@ class LayerWeights(Generic[W, A]):
     #: RMSNorm weights of the attention and MLP outputs (``output_norms``).
     attn_output_norm: A | None = None
     mlp_output_norm: A | None = None
+    #: A mixture of experts: the router ``[experts, hidden]`` and the experts' matrices, stacked
+    #: ``[experts, out, in]`` (one expert's ``(out, in)`` is :func:`expert_shape`).
+    router: W | None = None
+    expert_gate: W | None = None
+    expert_up: W | None = None
+    expert_down: W | None = None
 
 
 def load_layer(
-    shape: LayerShape, layer: int, tensor: Callable[[str, tuple[int, ...]], Any]
+    shape: LayerShape,
+    layer: int,
+    tensor: Callable[[str, tuple[int, ...]], Any],
+    stack: Callable[[list[Any]], Any] = np.stack,
 ) -> dict[str, Any]:
     """Each present field of decoder layer ``layer``: ``tensor(name, shape)`` for its canonical name
-    and expected shape (the caller reads, checks and converts); absent fields are None."""
-    return {t.field: (tensor(t.name(layer), t.shape(shape)) if t.present(shape) else None) for t in LAYER_TENSORS}
+    and expected shape (the caller reads, checks and converts), per-expert tensors joined by
+    ``stack`` in expert order; absent fields are None."""
+    out: dict[str, Any] = {}
+    for t in LAYER_TENSORS:
+        if not t.present(shape):
+            out[t.field] = None
+        elif t.per_expert:
+            out[t.field] = stack([tensor(name, t.shape(shape)) for name in t.names(layer, shape)])
+        else:
+            out[t.field] = tensor(t.name(layer), t.shape(shape))
+    return out
 
 
 # -- the arithmetic ----------------------------------------------------------------------------------------
@@ -408,6 +476,76 @@ def softmax_(scores: np.ndarray) -> np.ndarray:
     return scores
 
 
+# -- mixture of experts ------------------------------------------------------------------------------------
+
+#: ``project_experts(x, group_sizes, group)``: for rows ``x [N, in]`` sorted by expert (the first
+#: ``group_sizes[0]`` rows for expert 0, the next ``group_sizes[1]`` for expert 1, ...), each of
+#: ``group``'s products (``("gate_proj", "up_proj")`` or ``("down_proj",)``) of a row with its own
+#: expert's matrix (:data:`EXPERT_FIELDS`), ``[N, out]`` each, without bias.
+ProjectExperts = Callable[[Any, Any, tuple[str, ...]], Sequence[Any]]
+
+
+def route(logits: Any, shape: LayerShape) -> tuple[Any, Any]:
+    """The router's choice for router logits ``[T, experts]``: (weights ``[T, k]`` float32, experts
+    ``[T, k]``), the experts by falling weight. ``softmax_topk`` (qwen3_moe, mixtral): a float32
+    softmax over every expert, the k largest (among equal ones the lower index first: a stable sort,
+    the same on every backend), renormalised to sum 1 when ``norm_topk_prob``."""
+    xp = namespace(logits)
+    if shape.routing != "softmax_topk":
+        raise ValueError(f"unknown routing {shape.routing!r}")
+    z = _f32(logits, xp)
+    z = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
+    probs = z / xp.sum(z, axis=-1, keepdims=True)
+    experts = xp.argsort(-probs, axis=-1, stable=True)[:, : shape.experts_per_token]
+    weights = xp.take_along_axis(probs, experts, axis=-1)
+    if shape.norm_topk_prob:
+        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+class ExpertGroups(NamedTuple):
+    """A step's (token, slot) pairs sorted by chosen expert: the row of ``x`` each sorted pair reads,
+    how many pairs each expert has, and where each pair went (to put the outputs back)."""
+
+    rows: Any  # [T * k] token of each sorted pair
+    sizes: Any  # [experts] int32
+    inverse: Any  # [T * k] sorted position of pair (t, j) at t * k + j
+
+
+def expert_groups(experts: Any, num_experts: int) -> ExpertGroups:
+    """Group the ``[T, k]`` chosen experts by expert (stable: within a group, in token order)."""
+    xp = namespace(experts)
+    k = experts.shape[1]
+    flat = xp.reshape(experts, (-1,))
+    order = xp.argsort(flat, stable=True)
+    ids = xp.arange(num_experts, dtype=flat.dtype)
+    sizes = xp.sum(xp.astype(flat[None, :] == ids[:, None], xp.int32), axis=1)
+    return ExpertGroups(order // k, sizes, xp.argsort(order, stable=True))
+
+
+def moe_mlp(
+    h2: Any, lw: LayerWeights, shape: LayerShape, *, project: Project, project_experts: ProjectExperts
+) -> tuple[Any, Any, Any]:
+    """A mixture of experts over ``h2 [T, hidden]``: the router's ``k`` experts per token, each
+    expert's gated MLP over its group of tokens, and per token the weighted sum of its ``k`` outputs
+    (in the router's order, so a row's sum does not depend on the batch). Returns (output, router
+    weights ``[T, k]``, experts ``[T, k]``)."""
+    xp = namespace(h2)
+    t, k = h2.shape[0], shape.experts_per_token
+    (logits,) = project(h2, ("router",))
+    weights, experts = route(logits, shape)
+    groups = expert_groups(experts, shape.num_experts)
+    x = xp.take(h2, groups.rows, axis=0)
+    gate, up = project_experts(x, groups.sizes, ("gate_proj", "up_proj"))
+    (down,) = project_experts(ACTIVATIONS[shape.activation](gate) * up, groups.sizes, ("down_proj",))
+    down = xp.reshape(xp.take(down, groups.inverse, axis=0), (t, k, down.shape[-1]))
+    w = weights if weights.dtype == down.dtype else weights.astype(down.dtype)
+    out = down[:, 0] * w[:, 0:1]
+    for j in range(1, k):
+        out = out + down[:, j] * w[:, j : j + 1]
+    return out, weights, experts
+
+
 # -- the layer -------------------------------------------------------------------------------------------
 
 
@@ -422,7 +560,7 @@ class LayerActivations(NamedTuple):
     a: Any  # attention output, the o_proj input [T, heads * head_dim]
     mid: Any  # the residual stream after attention [T, hidden]
     h2: Any  # post_attention_layernorm(mid): the gate/up input
-    gate: Any
+    gate: Any  # None in a mixture of experts (their inputs are h2's rows)
     up: Any
     act: Any  # activation(gate) * up: the down_proj input
 
@@ -449,10 +587,12 @@ def decoder_layer(
     project: Project,
     attend: Attend,
     adapt: Adapt = _no_adapt,
+    project_experts: ProjectExperts | None = None,
 ) -> tuple[Any, LayerActivations]:
     """One pre-norm decoder layer over ``x [T, hidden]`` with RoPE ``cos``/``sin`` ``[T, head_dim // 2]``:
-    attention (biases, QK-norm and output norms where the model has them) and the gated MLP, each added
-    to the residual stream. Returns the new residual stream and the layer's activations."""
+    attention (biases, QK-norm and output norms where the model has them) and the gated MLP, or the
+    mixture of experts (``project_experts`` multiplies its groups; ``project`` gets the ``router``),
+    each added to the residual stream. Returns the new residual stream and the layer's activations."""
     t = x.shape[0]
     nh, nkv, hd, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps
     h = rms_norm(x, lw.input_norm, eps)
@@ -471,6 +611,13 @@ def decoder_layer(
         o = rms_norm(o, lw.attn_output_norm, eps)
     mid = x + o
     h2 = rms_norm(mid, lw.post_attention_norm, eps)
+    if shape.num_experts:
+        if project_experts is None:
+            raise ValueError("a mixture-of-experts layer needs project_experts")
+        down, _, _ = moe_mlp(h2, lw, shape, project=project, project_experts=project_experts)
+        if shape.output_norms:
+            down = rms_norm(down, lw.mlp_output_norm, eps)
+        return mid + down, LayerActivations(h, q, k, v, a, mid, h2, None, None, None)
     gate, up = project(h2, PROJECTION_GROUPS[2])
     gate, up = adapt(gate, h2, "gate_proj"), adapt(up, h2, "up_proj")
     act = ACTIVATIONS[shape.activation](gate) * up

@@ -130,6 +130,7 @@ class LoraLlama:
             "activation": cfg.activation != "silu" and cfg.activation,
             "final_logit_softcap": cfg.final_logit_softcap,
             "rope_local": cfg.rope_local is not None,
+            "num_experts": cfg.num_experts,
         }
         for field_name, value in unsupported.items():
             if value:
