@@ -76,7 +76,7 @@ from ruvllm_jax.options import (
 )
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import make_mesh, replicated, shard_weights
-from ruvllm_jax.step_inputs import AdapterPlanner, StepRows, check_chunks, step_inputs
+from ruvllm_jax.step_inputs import AdapterPlanner, StepRows, as_decode_rows, check_chunks, step_inputs
 from ruvllm_jax.step_shapes import (
     MIN_PREFILL_LEN,
     NATIVE_MAX_TOKENS,
@@ -294,7 +294,8 @@ class JaxModel:
         ds = batch.sampling
         if ds is not None and len(ds.greedy) != len(chunks):
             raise BackendError(f"device sampling has {len(ds.greedy)} rows for {len(chunks)} chunks")
-        parts = partition([len(c.token_ids) for c in chunks])
+        # Verification chunks join the decoding ones (their positions run as decoding rows).
+        parts = partition([1 if as_decode_rows(c, cache.hot) else len(c.token_ids) for c in chunks])
         # One pass over the chunks in order (every decode step): the step's logits are the output as
         # they are, a view of the first rows (copying them costs a fresh buffer per step, and on a
         # CPU a buffer that large - 33 MB for Gemma-3 at 32 sequences - is fresh pages every step).
@@ -377,7 +378,8 @@ class JaxModel:
         bs = cache.block_size
         self.table_tokens = max_model_len
         done: list[tuple[str, float]] = []
-        shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
+        # Verification chunks' positions run as decoding rows: up to draft_tokens more of them.
+        shapes = step_shapes(max_num_seqs + limits.draft_tokens, max_num_batched_tokens)
         copies = powers_of_two(1, bucket(max_num_seqs))
         self.precompiled = False  # (compiling again, for other limits)
         self.fixed_lora = None

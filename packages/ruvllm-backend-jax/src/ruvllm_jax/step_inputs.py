@@ -65,14 +65,19 @@ def step_inputs(
     ``adapters``: plans the step's adapters (None: the chunks' adapters are not looked at)."""
     bs, nb = block_size, num_blocks
     lens = [len(c.token_ids) for c in chunks]
-    decode = [i for i, n in enumerate(lens) if n == 1]
-    prefill = [i for i, n in enumerate(lens) if n > 1]
-    shape = shape_of(lens)
+    # A verification chunk's positions run as decoding rows (the numbers a token-at-a-time run gets);
+    # not on a two-tier cache, whose slots are kept per chunk (the engine does not verify there).
+    rows_of = [as_decode_rows(c, hot) for c in chunks]
+    decode = [i for i, n in enumerate(lens) if n == 1 or rows_of[i]]
+    prefill = [i for i, n in enumerate(lens) if n > 1 and not rows_of[i]]
+    decode_rows = [(i, j) for i in decode for j in range(lens[i])]
+    shape = shape_of([1] * len(decode_rows) + [lens[i] for i in prefill])
     sd, sp, qb, t = shape.decode_seqs, shape.prefill_seqs, shape.prefill_len, shape.num_tokens
     starts = np.zeros(len(chunks), np.int64)
-    for row, i in enumerate(decode):
-        starts[i] = row
-    nxt = len(decode)
+    nxt = 0
+    for i in decode:
+        starts[i] = nxt
+        nxt += lens[i]
     for i in prefill:
         starts[i] = nxt
         nxt += lens[i]
@@ -111,9 +116,9 @@ def step_inputs(
 
     decode_token = np.full(sd, t, np.int32)
     decode_context = np.zeros(sd, np.int32)
-    for row, i in enumerate(decode):
-        decode_token[row] = starts[i]
-        decode_context[row] = chunks[i].end_pos
+    for row, (i, j) in enumerate(decode_rows):
+        decode_token[row] = starts[i] + j
+        decode_context[row] = chunks[i].start_pos + j + 1
     prefill_token = np.full((sp, qb), t, np.int32)
     prefill_start = np.zeros(sp, np.int32)
     prefill_context = np.zeros(sp, np.int32)
@@ -156,7 +161,7 @@ def step_inputs(
         write_block=write_block,
         write_offset=write_offset,
         decode_token=decode_token,
-        decode_tables=tables(decode, sd),
+        decode_tables=tables([i for i, _ in decode_rows], sd),
         decode_context=decode_context,
         prefill_token=prefill_token,
         prefill_tables=tables(prefill, sp),
@@ -168,7 +173,7 @@ def step_inputs(
         live_tokens=np.int32(sum(lens)),
         live_logits=np.int32(len(logit_rows)),
         local_write_block=local_write,
-        decode_local_tables=tables(decode, sd, local=True) if hybrid else None,
+        decode_local_tables=tables([i for i, _ in decode_rows], sd, local=True) if hybrid else None,
         prefill_local_tables=tables(prefill, sp, local=True) if hybrid else None,
     )
     if hot is not None:  # two tiers: which blocks each token writes and each row reads in float
@@ -195,6 +200,12 @@ def step_inputs(
             }
         inputs = dataclasses.replace(inputs, **slots_in)
     return inputs, plan, rows, lora
+
+
+def as_decode_rows(chunk: SequenceChunk, hot: HotSlots | None) -> bool:
+    """Whether ``chunk``'s positions run as decoding rows: a verification chunk (see
+    :attr:`ruvllm.backend.SequenceChunk.verify`) on a cache without float slots."""
+    return chunk.verify and hot is None
 
 
 def check_chunks(

@@ -111,6 +111,10 @@ class SequenceChunk:
     #: at block 0 and are never read); ``block_table`` then serves the global layers only. None:
     #: every layer reads ``block_table``.
     local_block_table: np.ndarray | None = None
+    #: A speculative draft's verification (the sequence's next token, then the draft): its positions
+    #: may each be computed as a decoding token is (a backend whose prompt path sums in another order
+    #: than its decode path then gives the token-at-a-time numbers). Asks for ``all_logits`` too.
+    verify: bool = False
 
     @property
     def end_pos(self) -> int:
@@ -176,6 +180,9 @@ class StepLimits:
     #: Steps may ask for every position's logits (``SequenceChunk.all_logits``: prompt logprobs,
     #: echo): compile those variants of every shape too.
     all_logits: bool = False
+    #: Draft tokens one step may carry beside its ``max_num_seqs`` chunks (speculative decoding's
+    #: verification chunks, ``SequenceChunk.verify``); 0: none.
+    draft_tokens: int = 0
 
 
 @dataclass

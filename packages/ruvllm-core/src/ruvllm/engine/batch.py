@@ -38,6 +38,7 @@ def forward_batch(
             all_logits=all_logits(c),
             hidden_states=hidden_states(c),
             local_block_table=block_table(bm.local_block_table(c.seq.seq_id)) if hybrid else None,
+            verify=bool(c.draft),
         )
         for i, c in enumerate(sched.chunks)
     ]

@@ -285,6 +285,7 @@ class LLMEngine:
             # Speculation's verification chunks return every position's logits.
             all_logits=(self.config.precompile_all_logits or self.config.speculative is not None)
             and self.model.capabilities.all_logits,
+            draft_tokens=self._max_draft_tokens(),
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
         return self.precompiled
@@ -484,6 +485,13 @@ class LLMEngine:
                 draft = []  # the grammar refuses it: the draft would be cut at its first token
             seq.draft = draft
             room -= len(draft)
+
+    def _max_draft_tokens(self) -> int:
+        """The most draft tokens one step carries (see :meth:`_propose`)."""
+        cfg = self.config
+        if cfg.speculative is None:
+            return 0
+        return max(0, min(cfg.speculative_step_tokens - 1, cfg.max_num_seqs * cfg.num_speculative_tokens))
 
     @staticmethod
     def _speculates(seq: Sequence) -> bool:
