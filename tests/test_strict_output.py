@@ -1,8 +1,8 @@
 """Strict structured output and forced tool calls in a fixed form (issue 47).
 
 At the grammar: under ``strict`` an object's keys come in the schema's order (required ones first,
-optional ones after, each optional) and an unbounded number takes at most 16 digits each side of the
-point; outside strict mode the schema's key order is kept too (it used to be sorted). Through the
+optional ones after, each optional), an unbounded number takes at most 16 digits each side of the
+point and a gap between tokens at most one line break and an indent; outside strict mode the schema's key order is kept too (it used to be sorted). Through the
 server with the openai SDK on SmolLM2: ``beta.chat.completions.parse`` with a plain Pydantic model
 returns the object within 120 tokens, keys in order; ``tool_choice: required`` returns ``tool_calls``
 (name before arguments) streamed and not; ``parallel_tool_calls: false`` gives one call; a required
@@ -56,6 +56,22 @@ def test_strict_keys_come_in_the_schemas_order(compiler):
     assert _accepts(compiler, spec, '{\n  "name": "Paris",\n  "country": "France",\n  "population_millions": 2\n}')
     assert not _accepts(compiler, spec, '{"country": "France", "name": "Paris", "population_millions": 2.1}')
     assert not _accepts(compiler, spec, '{"name": "Paris", "country": "France"}')
+
+
+def test_strict_whitespace_is_one_line_break_and_an_indent_at_most(compiler):
+    spec = StructuredOutput.json_schema(CITY, strict=True)
+
+    def city(gap: str) -> str:
+        return f'{{{gap}"name": "P",{gap}"country": "F",{gap}"population_millions": 1{gap}}}'
+
+    assert _accepts(compiler, spec, city(""))
+    assert _accepts(compiler, spec, city("\n    "))
+    assert _accepts(compiler, spec, city("\r\n\t"))
+    assert not _accepts(compiler, spec, city("\n\n"))
+    assert not _accepts(compiler, spec, city("\t" * 17))
+    assert not _accepts(compiler, spec, city("\n" + " " * 17))
+    # Outside strict mode a gap may still hold blank lines (up to 32 characters).
+    assert _accepts(compiler, StructuredOutput.json_schema(CITY), city("\n\n"))
 
 
 def test_strict_numbers_take_at_most_16_digits_each_side(compiler):

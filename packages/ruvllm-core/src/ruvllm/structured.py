@@ -103,6 +103,11 @@ JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 #: small model cannot run a number to max_tokens (a float64 holds about 16 significant digits anyway).
 STRICT_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?/"
 STRICT_INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
+#: Strict mode's whitespace between tokens: spaces or tabs, or one line break and an indent (at most 16
+#: characters either way). Compact and pretty-printed JSON both fit; a sampled run of blank lines or
+#: tabs does not, so one gap costs a token or two, not up to 32 (the SDK's ``parse`` raises when
+#: ``max_tokens`` cuts the object).
+STRICT_WHITESPACE = r"[\x20\x09]{1,16}|\x0D?\x0A[\x20\x09]{0,16}"
 
 #: Keywords that only annotate a schema; they do not change what it matches.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
@@ -115,8 +120,8 @@ def strict_json_lark(schema: Any) -> str:
     schema's order, then the optional ones in order, each optional; unbounded numbers and integers
     take at most 16 digits each side of the point. Whatever else (strings, enums, bounded numbers,
     open objects) is an embedded ``%json`` sub-grammar, so llguidance keeps its own semantics there.
-    Whitespace between tokens is the same as outside strict mode (:data:`JSON_OPTIONS`, or the
-    schema's ``x-guidance``)."""
+    Whitespace between tokens is bounded more tightly than outside strict mode (:data:`STRICT_WHITESPACE`,
+    or the schema's ``x-guidance``)."""
     return _StrictLark(schema).grammar()
 
 
@@ -128,7 +133,7 @@ class _StrictLark:
         for where in ("$defs", "definitions"):
             for name, sub in (root.get(where) or {}).items():
                 self.defs[f"#/{where}/{name}"] = sub
-        self.options = {**JSON_OPTIONS, **(root.get("x-guidance") or {})}
+        self.options = {**JSON_OPTIONS, "whitespace_pattern": STRICT_WHITESPACE, **(root.get("x-guidance") or {})}
         pattern = self.options.get("whitespace_pattern")
         if pattern is None and self.options.get("whitespace_flexible", True):
             pattern = r"[\x20\x0A\x0D\x09]+"
