@@ -59,16 +59,19 @@ EXTRA_OPTIONS = ("device",)
 class Linear:
     """A projection's weight ``[out, in]``: float, or quantized (MLX's affine form) when ``bits``."""
 
-    weight: mx.array  # float [out, in], or packed uint32 [out, in * bits / 32]
+    weight: mx.array  # float [out, in] ([in, out] when ``transposed``), or packed uint32 [out, in * bits / 32]
     scales: mx.array | None = None
     biases: mx.array | None = None
     bits: int = 0
     #: The stored form, for ``ruvllm info`` and the load log (``float32``, ``Q4_K``, ``q8``...).
     form: str = "float"
+    #: Float weights stored ``[in, out]``: MLX's CPU product of ``x @ w`` measured 1.5-2x faster than
+    #: ``x @ w.T`` over ``[out, in]`` (x86, 16-128 rows); the tied head keeps the embedding's layout.
+    transposed: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.bits:
-            return x @ self.weight.T
+            return x @ self.weight if self.transposed else x @ self.weight.T
         return mx.quantized_matmul(
             x, self.weight, self.scales, self.biases, transpose=True, group_size=GROUP, bits=self.bits
         )
@@ -93,7 +96,12 @@ def _fuse(parts: Sequence[Linear]) -> Linear | None:
     type within a layer, as Q4_K_M's attn_v)."""
     if any(p.bits for p in parts):
         return None
-    return Linear(mx.concatenate([p.weight for p in parts]), form=parts[0].form)
+    if any(p.transposed != parts[0].transposed for p in parts):
+        return None
+    axis = 1 if parts[0].transposed else 0
+    return Linear(
+        mx.concatenate([p.weight for p in parts], axis=axis), form=parts[0].form, transposed=parts[0].transposed
+    )
 
 
 class MLXModel:
@@ -180,7 +188,7 @@ class MLXModel:
                     )
                 packed, scales, biases = mx.quantize(w, group_size=GROUP, bits=8 if quant == "q8" else 4)
                 return Linear(packed, scales, biases, 8 if quant == "q8" else 4, form=quant)
-            return Linear(w, form=dtype)
+            return Linear(mx.contiguous(w.T), form=dtype, transposed=True)
 
         projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
         with mx.stream(device):
@@ -397,5 +405,5 @@ def _gguf_linear(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> L
     except ModelFormatError as exc:
         raise ModelFormatError(f"{checkpoint.path}: tensor {name}: {exc}") from exc
     if raw.ggml_type in ("F32", "F16", "BF16"):
-        return Linear(mx.array(checkpoint.tensor(name)), form=raw.ggml_type)
+        return Linear(mx.array(np.ascontiguousarray(checkpoint.tensor(name).T)), form=raw.ggml_type, transposed=True)
     raise UnsupportedQuantizationError(f"mlx has no form for GGUF type {raw.ggml_type} (tensor {name})")
