@@ -194,6 +194,8 @@ def ruvllm_engine(
     if backend == "jax":
         r.isa = native_isa() if model.model.native else "xla"
         r.weights = _jax_weights(model.model.weights)
+    if backend == "mlx":  # the forms its matrices are held in (Q4_1, Q8_0, Q6_K->8bit, float32...)
+        r.weights = ",".join(sorted(model.model.weight_forms()))
     weight_bytes = model.model.weight_bytes if isinstance(model.model, ReportsWeightBytes) else None
     if weight_bytes:
         r.notes = f"weights {weight_bytes / 1e6:.0f} MB"
@@ -382,6 +384,7 @@ ENGINES = [
     "jax-w4a8",
     "jax-w4a8-xla",
     "candle-compat",
+    "mlx",
     "llama.cpp",
     "transformers",
 ]
@@ -483,6 +486,10 @@ def load_engine(engine: str, path: Path, w: Workload, args: argparse.Namespace, 
         return e
     if base == "candle-compat":
         return ruvllm_engine(path, "candle-compat", "none", w)
+    if base in ("mlx", "mlx-none"):  # mlx: the file's blocks (auto); mlx-none: float weights
+        e = ruvllm_engine(path, "mlx", "auto" if base == "mlx" else "none", w)
+        e.result.engine = base
+        return e
     if base == "llama.cpp":
         return llama_cpp_engine(path, w, args.threads)
     if base == "transformers":
