@@ -62,6 +62,9 @@ class BenchmarkSettings:
     #: drafts verified), and the report adds the acceptance rate; None: raw forward steps.
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    #: ``speculative="draft"``: the draft model (``same``: the benchmarked checkpoint) and its quantization.
+    draft_model: str | None = None
+    draft_quantization: str | None = None
 
     def validate(self) -> None:
         """Check what can be checked before the model is loaded."""
@@ -91,6 +94,8 @@ class BenchmarkSettings:
             kv_cache_options=dict(self.kv_cache_options),
             speculative=self.speculative,
             num_speculative_tokens=self.num_speculative_tokens,
+            draft_model=self.draft_model,
+            draft_quantization=self.draft_quantization,
             speculative_step_tokens=self.batch * (1 + self.num_speculative_tokens),
         )
 

@@ -343,6 +343,8 @@ def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
         kv_cache_options=_kv_options(args),
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
+        draft_quantization=args.draft_quantization,
     )
     settings.validate()  # before the model load, so a typo fails fast
     check_format(args.format)
@@ -435,12 +437,14 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram"],
+        choices=["ngram", "draft"],
         help="run the iterations through the engine with speculative decoding (greedy); reports the acceptance rate",
     )
     p.add_argument(
         "--num-speculative-tokens", type=int, default=4, help="most draft tokens per step, 1..16 (default 4)"
     )
+    p.add_argument("--draft-model", default=None, help="--speculative draft: the draft model, or 'same'")
+    p.add_argument("--draft-quantization", default=None, help="the draft model's quantization (default auto)")
     p.set_defaults(func=cmd_benchmark)
 
     host.hook.register_commands(subparsers=sub)

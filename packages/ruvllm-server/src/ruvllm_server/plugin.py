@@ -114,10 +114,18 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram"],
-        help="speculative decoding: ngram drafts tokens by prompt lookup over each request's prompt and output; "
-        "greedy output is unchanged, sampled output keeps the model's distribution (default off)",
+        choices=["ngram", "draft"],
+        help="speculative decoding: ngram drafts tokens by prompt lookup over each request's prompt and output, "
+        "draft with a second model (--draft-model); greedy output is unchanged, sampled output keeps the "
+        "model's distribution (default off)",
     )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="--speculative draft: the draft model (same tokenizer as the served one), or 'same' (the served "
+        "checkpoint, e.g. with --draft-quantization w4a8)",
+    )
+    p.add_argument("--draft-quantization", default=None, help="the draft model's quantization (default auto)")
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -219,6 +227,8 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "precompile_prompt_logprobs": args.precompile_prompt_logprobs,
         "speculative": args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "draft_model": args.draft_model,
+        "draft_quantization": args.draft_quantization,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "plugin_options": args.plugin_option,

@@ -97,9 +97,13 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     precompile_prompt_logprobs: bool = False
     #: Speculative decoding: ``ngram`` (prompt lookup over each request's own prompt and output);
     #: None: off. Greedy output is unchanged; a request may opt out (``"speculative": false``).
-    speculative: Literal["ngram"] | None = None
+    speculative: Literal["ngram", "draft"] | None = None
     #: Most draft tokens a stream offers per step (each stream's own count adapts below it).
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    #: ``speculative="draft"``: the draft model (a reference, or ``same``: the served checkpoint) and
+    #: its quantization (``w4a8`` under a float model: quantized self-drafting; None: auto).
+    draft_model: str | None = None
+    draft_quantization: str | None = None
     enable_prefix_caching: bool = True
     #: Seconds to wait for in-flight requests at shutdown.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0

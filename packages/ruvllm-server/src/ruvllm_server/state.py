@@ -262,6 +262,8 @@ class ServerState:
             precompile_all_logits=s.precompile_prompt_logprobs,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,
+            draft_model=s.draft_model,
+            draft_quantization=s.draft_quantization,
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:

@@ -72,6 +72,10 @@ class EngineConfig:
     speculative_step_tokens: int = 32
     #: A sequence whose acceptance rate stays below this stops drafting.
     speculative_min_acceptance: float = 0.1
+    #: ``speculative="draft"``: the draft model (a reference ``load_model`` resolves, or ``same``: the
+    #: target's own checkpoint) and its quantization (e.g. ``w4a8`` under a float target; None: auto).
+    draft_model: str | None = None
+    draft_quantization: str | None = None
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -106,10 +110,14 @@ class EngineConfig:
                 bad(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
             if not 1 <= self.ngram_n_min <= self.ngram_n_max:
                 bad(f"need 1 <= ngram_n_min <= ngram_n_max, got {self.ngram_n_min} and {self.ngram_n_max}")
+            if self.speculative == "draft" and not self.draft_model:
+                bad("speculative='draft' needs draft_model (a model reference, or 'same')")
             if self.speculative_step_tokens < 1:
                 bad(f"speculative_step_tokens must be at least 1, got {self.speculative_step_tokens}")
             if not 0.0 <= self.speculative_min_acceptance < 1.0:
                 bad(f"speculative_min_acceptance must be in [0, 1), got {self.speculative_min_acceptance}")
+        if (self.draft_model or self.draft_quantization) and self.speculative != "draft":
+            bad("draft_model and draft_quantization are for speculative='draft'")
         if self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

@@ -35,6 +35,7 @@ from ruvllm.errors import BackendError, RequestError, RequestFailedError
 from ruvllm.inference import InferenceRequest
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
 from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, verify_draft
+from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -52,7 +53,14 @@ class LLMEngine:
     request that made progress. ``stream`` and ``generate`` drive ``step`` for you.
     """
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        draft_model: LoadedModel | None = None,
+    ):
         self.model = model
         self.config = config = config or EngineConfig()
         config.validate()
@@ -118,8 +126,14 @@ class LLMEngine:
         )
         #: Speculative decoding's counters (drafted and accepted tokens).
         self.speculation = SpeculationStats()
+        #: The draft model's proposer (``speculative="draft"``).
+        self.drafter: DraftProposer | None = None
         if config.speculative is not None:
             self._check_speculation()
+        if config.speculative == "draft":
+            draft = draft_model if draft_model is not None else self._load_draft()
+            check_same_tokenizer(draft, model)
+            self.drafter = DraftProposer(draft, num_blocks=self.num_blocks, block_size=config.block_size)
 
     @property
     def broken(self) -> str | None:
@@ -183,6 +197,17 @@ class LLMEngine:
                 f"backend {name!r} cannot drop KV positions of this cache (kv_cache_options "
                 f"{self.config.kv_cache_options or {}}); speculative decoding needs a cache that can"
             )
+
+    def _load_draft(self) -> LoadedModel:
+        """``config.draft_model`` on the target's backend (``same``: the target's checkpoint)."""
+        from ruvllm.backend import LoadOptions
+        from ruvllm.runtime import load_model
+
+        ref = self.config.draft_model or ""
+        if ref == "same":
+            ref = str(self.model.checkpoint.path)
+        options = LoadOptions(quantization=self.config.draft_quantization or "auto")
+        return load_model(ref, backend=self.model.backend.name, options=options, host=self.model.host)
 
     def _check(self, prompt: list[int], sampling: SamplingParams, adapter: Any = None) -> None:
         """Raise :class:`RequestError` for a prompt or sampling parameters this engine cannot run
@@ -288,6 +313,14 @@ class LLMEngine:
             draft_tokens=self._max_draft_tokens(),
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
+        if self.drafter is not None:  # the draft's steps: one token per sequence, and catching up
+            draft_limits = StepLimits(
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            )
+            done = self.drafter.model.precompile(self.drafter.cache, draft_limits, progress)
+            self.precompiled += [(f"draft {name}", s) for name, s in done]
         return self.precompiled
 
     # ---------------------------------------------------------------------------------- steps
@@ -462,8 +495,9 @@ class LLMEngine:
         cfg = self.config
         decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
         room = cfg.speculative_step_tokens - len(decoding)
+        wanted: list[tuple[Sequence, int]] = []
         for seq in sorted(decoding, key=self.scheduler.key):
-            seq.draft = []
+            seq.draft, seq.draft_q = [], None
             if room <= 0 or not self._speculates(seq):
                 continue
             spec = seq.speculation
@@ -478,13 +512,21 @@ class LLMEngine:
             k = min(length.want(), room, left - 1)
             if k <= 0:
                 continue
-            index.sync(seq.token_ids)
-            draft = index.propose(k)
+            if self.drafter is None:
+                index.sync(seq.token_ids)
+                seq.draft = index.propose(k)
+            wanted.append((seq, k))
+            room -= k if self.drafter is not None else len(seq.draft)
+        if self.drafter is not None and wanted:
+            live = {q.seq_id for q in self.scheduler.running}
+            reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in wanted]
+            drafts = self.drafter.propose(reqs, live)
+            for seq, _ in wanted:
+                seq.draft, seq.draft_q = drafts.get(seq.seq_id, ([], None))
+        for seq, _ in wanted:
             constraint = seq.sampler.constraint
-            if draft and constraint is not None and not constraint.allowed()[draft[0]]:
-                draft = []  # the grammar refuses it: the draft would be cut at its first token
-            seq.draft = draft
-            room -= len(draft)
+            if seq.draft and constraint is not None and not constraint.allowed()[seq.draft[0]]:
+                seq.draft, seq.draft_q = [], None  # the grammar refuses it: cut at its first token
 
     def _max_draft_tokens(self) -> int:
         """The most draft tokens one step carries (see :meth:`_propose`)."""
@@ -509,7 +551,9 @@ class LLMEngine:
         if not np.isfinite(rows).all():
             raise FloatingPointError("the model produced non-finite logits for this sequence")
         accepted = 0
-        for sample, kept in verify_draft(seq.sampler, rows, chunk.draft):
+        q = seq.draft_q[: len(chunk.draft)] if seq.draft_q is not None else None
+        seq.draft_q = None
+        for sample, kept in verify_draft(seq.sampler, rows, chunk.draft, q):
             self.outputs.append_token(seq, sample)
             accepted += kept
             if seq.finished:

@@ -123,6 +123,8 @@ class Sequence:
         self.draft: list[int] = []
         #: The proposer's index over this sequence and its draft length (speculative decoding).
         self.speculation: Any = None
+        #: A draft model's probabilities at each drafted position (sampled requests), until verified.
+        self.draft_q: Any = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -15,7 +15,7 @@ from ruvllm.speculative.rejection import accept_or_resample, rejection_sample
 from ruvllm.speculative.verify import SpeculationStats, verify_draft
 
 #: Values of ``EngineConfig.speculative`` (None: off).
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 #: The most tokens one sequence may draft per step.
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -1,0 +1,148 @@
+"""The draft-model proposer: a second model (a smaller one, or the target's own checkpoint in a
+cheaper form) sharing the target's tokenizer, with a paged KV cache and block tables of its own,
+drafting for every sequence of a step in one batched forward pass per draft position.
+
+The draft's cache follows each sequence lazily: before drafting, the tokens it fed that the sequence
+no longer has (refused drafts) are dropped by giving back its block table's tail, and what the
+sequence gained since (kept tokens, the target's own) is fed in the first pass with the sequence's
+last token. Sequences that left the engine give their blocks back at the next proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.block_manager import BlockManager
+from ruvllm.engine.batch import block_table
+from ruvllm.errors import RuvllmError
+
+if TYPE_CHECKING:
+    from ruvllm.runtime import LoadedModel
+    from ruvllm.sampling import SamplingParams
+
+
+class DraftModelError(RuvllmError):
+    """The draft model cannot draft for this target (another tokenizer, another vocabulary)."""
+
+
+def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse, by name, a draft whose tokens mean something else than the target's."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise DraftModelError(
+            f"draft model {draft.name!r} has a vocabulary of {draft.config.vocab_size} tokens, the target "
+            f"{target.name!r} {target.config.vocab_size}; a draft must share the target's tokenizer"
+        )
+    if draft.tokenizer.inner.get_vocab() != target.tokenizer.inner.get_vocab():
+        raise DraftModelError(
+            f"draft model {draft.name!r} has another tokenizer than the target {target.name!r}; "
+            "a draft must share the target's tokenizer"
+        )
+
+
+@dataclass
+class _Fed:
+    """What the draft cache holds of one sequence: the tokens fed (their keys/values are written)."""
+
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DraftRequest:
+    """One sequence to draft for: its id, its tokens, how many to draft, its sampling parameters."""
+
+    seq_id: Any
+    token_ids: list[int]
+    k: int
+    params: SamplingParams
+    rng: np.random.Generator
+
+
+class DraftProposer:
+    """Drafts with ``model`` on a cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int, max_chunk: int = 2048) -> None:
+        self.model = model
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.cache = model.allocate_cache(num_blocks, block_size)
+        self.max_chunk = max_chunk
+        self._fed: dict[Any, _Fed] = {}
+
+    def propose(self, requests: list[DraftRequest], live: set[Any]) -> dict[Any, tuple[list[int], np.ndarray | None]]:
+        """Each request's draft tokens and, for a sampled request, the draft's probabilities at each
+        drafted position (``[len(draft), vocab]``; None for greedy: a deterministic draft). ``live``:
+        the ids of every sequence still in the engine (the others' blocks go back)."""
+        bm = self.block_manager
+        for sid in [s for s in self._fed if s not in live]:
+            bm.free(sid)
+            del self._fed[sid]
+        out: dict[Any, tuple[list[int], list[np.ndarray]]] = {}
+        pending: list[tuple[DraftRequest, list[int]]] = []  # (request, tokens to feed now)
+        for r in requests:
+            fed = self._fed.setdefault(r.seq_id, _Fed())
+            keep = _common_prefix(fed.tokens, r.token_ids)
+            keep = min(keep, len(r.token_ids) - 1)  # the last token is fed again: its logits are needed
+            if bm.has(r.seq_id):
+                bm.truncate(r.seq_id, keep)
+            fed.tokens = fed.tokens[:keep]
+            need = len(r.token_ids) - keep
+            if need > self.max_chunk or not bm.allocate_slots(r.seq_id, keep, need + r.k - 1):
+                continue  # no room in the draft cache: this sequence does not draft this step
+            pending.append((r, r.token_ids[keep:]))
+            out[r.seq_id] = ([], [])
+        for step in range(max((r.k for r, _ in pending), default=0)):
+            batch = [(r, feed) for r, feed in pending if step < r.k]
+            if not batch:
+                break
+            chunks = []
+            for r, feed in batch:
+                fed = self._fed[r.seq_id]
+                chunks.append(
+                    SequenceChunk(
+                        token_ids=np.asarray(feed, dtype=np.int32),
+                        start_pos=len(fed.tokens),
+                        block_table=block_table(bm.block_table(r.seq_id)),
+                    )
+                )
+                fed.tokens.extend(feed)
+            result = self.model.forward(ForwardBatch(chunks, bm.block_size), self.cache)
+            logits = np.asarray(result.logits, dtype=np.float64)
+            pending = []
+            for row, (r, _) in enumerate(batch):
+                token, q = _draw(logits[row], r.params, r.rng)
+                tokens, probs = out[r.seq_id]
+                tokens.append(token)
+                if q is not None:
+                    probs.append(q)
+                pending.append((r, [token]))
+        return {sid: (tokens, np.stack(probs) if probs else None) for sid, (tokens, probs) in out.items()}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray | None]:
+    """The draft's token: its argmax for a greedy request; for a sampled one a draw from its
+    temperature-scaled distribution, returned as ``q`` (rejection sampling keeps the target's
+    distribution whatever ``q`` is, as long as the token was drawn from it)."""
+    if params.greedy:
+        return int(np.argmax(logits)), None
+    z = logits / params.temperature
+    q = np.exp(z - z.max())
+    q /= q.sum()
+    cdf = np.cumsum(q)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(q) - 1), q
