@@ -1,5 +1,5 @@
 """Tiny random mixture-of-experts checkpoints written through transformers (``Qwen3MoeForCausalLM``,
-``MixtralForCausalLM``), and the same weights as GGUF files the way llama.cpp's converter writes
+``MixtralForCausalLM``, ``GptOssForCausalLM``), and the same weights as GGUF files the way llama.cpp's converter writes
 them (``qwen3moe``; Mixtral as a ``llama`` file with experts, Q/K rows permuted), independently of
 ruvllm's readers.
 
@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 from _family_checkpoints import COMMON, _llama_permute
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+#: Families with a GGUF form here (gpt-oss's GGUF architecture is not read yet).
+GGUF_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def moe_config(family: str, **edit: Any) -> Any:
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
         # norm_topk_prob off: the weights stay the softmax's (Qwen3-30B-A3B has it on; mixtral covers that).
@@ -28,6 +30,28 @@ def moe_config(family: str, **edit: Any) -> Any:
             head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False
         )
         return Qwen3MoeConfig(**{**COMMON, "intermediate_size": 48, "tie_word_embeddings": False, **fields, **edit})
+    if family == "gpt_oss":
+        # Alternating sliding (window 5) and full layers, YaRN without truncation, and a SwiGLU limit
+        # low enough that the clamps bite.
+        fields = dict(
+            intermediate_size=32,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            swiglu_limit=1.5,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        )
+        return GptOssConfig(**{**COMMON, **fields, **edit})
     fields = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5, tie_word_embeddings=False)
     return MixtralConfig(**{**COMMON, **fields, **edit})
 
@@ -45,8 +69,12 @@ def write_moe_checkpoint(directory: Path, family: str, seed: int = 0, **edit: An
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "embed" in name:
                 p.copy_(0.3 * torch.randn_like(p))
+            elif name.endswith("bias") or name.endswith("sinks"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif family == "gpt_oss" and name.endswith(("gate_up_proj", "down_proj")):  # [experts, in, out]
+                p.copy_(torch.randn_like(p) / np.sqrt(p.shape[-2]))
             else:
-                sharp = 2.0 if any(k in name for k in ("q_proj", "k_proj", "gate.weight")) else 1.0
+                sharp = 2.0 if any(k in name for k in ("q_proj", "k_proj", "gate.weight", "router.weight")) else 1.0
                 p.copy_(sharp * torch.randn_like(p) / np.sqrt(p.shape[-1]))
     model.save_pretrained(directory, safe_serialization=True)
     return directory

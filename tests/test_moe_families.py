@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) compute what Hugging Face transformers computes, on both
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) compute what Hugging Face transformers computes, on both
 backends: logits at every position of ragged, chunked, prefix-shared and decode steps (within 2e-5,
 float32), from HF directories and from GGUF files written the way llama.cpp writes them; the router's
 choice is transformers' (ties included); what ruvllm does not implement is refused by name."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _family_checkpoints import hf_all_logits
-from _moe_checkpoints import MOE_FAMILIES, moe_config, write_moe_checkpoint, write_moe_gguf
+from _moe_checkpoints import GGUF_FAMILIES, MOE_FAMILIES, moe_config, write_moe_checkpoint, write_moe_gguf
 
 from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
 from ruvllm.checkpoint import open_checkpoint
@@ -42,9 +42,12 @@ def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backe
     ckpt, model, cache = _load(path, backend)
     cfg = ckpt.config
     assert (cfg.architecture, cfg.num_experts, cfg.experts_per_token) == (
-        {"qwen3_moe": ("qwen3_moe", 8, 3), "mixtral": ("mixtral", 4, 2)}[family]
+        {"qwen3_moe": ("qwen3_moe", 8, 3), "mixtral": ("mixtral", 4, 2), "gpt_oss": ("gpt_oss", 4, 2)}[family]
     )
     assert cfg.norm_topk_prob == (family == "mixtral")
+    if family == "gpt_oss":
+        assert cfg.layer_windows == (5, 0) and cfg.rope.kind == "yarn" and not cfg.rope.truncate
+        assert cfg.attention_sinks and cfg.o_proj_bias and cfg.expert_bias and cfg.router_bias
     rng = np.random.default_rng(3)
     a = rng.integers(3, cfg.vocab_size, size=30).tolist()
     b = a[:12] + rng.integers(3, cfg.vocab_size, size=9).tolist()  # shares a's first 12 tokens (3 blocks)
@@ -78,24 +81,33 @@ def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backe
         run(step)
 
 
-def _hf_router(family: str, cfg, weight: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _hf_router(
+    family: str, cfg, weight: np.ndarray, bias: np.ndarray, hidden: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    router = (Qwen3MoeTopKRouter if family == "qwen3_moe" else MixtralTopKRouter)(moe_config(family, **cfg))
+    kind = {"qwen3_moe": Qwen3MoeTopKRouter, "mixtral": MixtralTopKRouter, "gpt_oss": GptOssTopKRouter}[family]
+    router = kind(moe_config(family, **cfg))
     with torch.no_grad():
         router.weight.copy_(torch.from_numpy(weight))
+        if family == "gpt_oss":
+            router.bias.copy_(torch.from_numpy(bias))
         _, scores, idx = router(torch.from_numpy(hidden))
     return scores.numpy(), idx.numpy()
 
 
-@pytest.mark.parametrize(("family", "norm"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+@pytest.mark.parametrize(
+    ("family", "norm"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True), ("gpt_oss", False)]
+)
 def test_routing_matches_the_transformers_router_ties_included(family, norm) -> None:
     """ruvllm.modeling.route (NumPy and JAX, the same lines) chooses transformers' experts with its
     weights. Experts 1 and 5 (and 2, 6) have equal router rows, so their logits tie exactly: where a
     tie straddles the k-th place, torch's pick among equals is its own, ruvllm's the lower index (a
-    stable sort, every backend alike), and the weights are the same numbers either way."""
+    stable sort, every backend alike), and the weights are the same numbers either way. gpt_oss picks
+    by logits (its router's bias included, equal for the tied pairs) and takes a softmax of the k."""
     import jax.numpy as jnp
 
     from ruvllm.model_config import ModelConfig
@@ -105,22 +117,27 @@ def test_routing_matches_the_transformers_router_ties_included(family, norm) -> 
     rng = np.random.default_rng(11)
     weight = rng.normal(size=(n, 64)).astype(np.float32) / 8
     weight[5], weight[6] = weight[1], weight[2]
+    bias = np.zeros(n, np.float32)
+    if family == "gpt_oss":  # its router's bias; on the rows of zeros four experts tie at the top
+        bias = rng.normal(size=n).astype(np.float32) / 4
+        bias[[1, 2, 5, 6]] = bias.max() + 1
     hidden = rng.normal(size=(200, 64)).astype(np.float32)
-    hidden[:20] = 0.0  # every logit equal: all eight experts tie
+    hidden[:20] = 0.0  # every logit equal (gpt_oss: the bias's), experts tie
     edit = {"num_experts" if family == "qwen3_moe" else "num_local_experts": n, "num_experts_per_tok": k}
     if family == "qwen3_moe":
         edit["norm_topk_prob"] = norm
-    want_w, want_e = _hf_router(family, edit, weight, hidden)
+    want_w, want_e = _hf_router(family, edit, weight, bias, hidden)
+    routing = "topk_softmax" if family == "gpt_oss" else "softmax_topk"
     shape = ModelConfig("x", 101, 64, 32, 1, 4, 2, 16, 64, num_experts=n, experts_per_token=k,
-                        expert_intermediate_size=32, norm_topk_prob=norm)  # fmt: skip
-    logits = hidden @ weight.T
+                        expert_intermediate_size=32, norm_topk_prob=norm, routing=routing)  # fmt: skip
+    logits = hidden @ weight.T + bias
     got_w, got_e = route(logits, shape)
     jax_w, jax_e = route(jnp.asarray(logits), shape)
     np.testing.assert_array_equal(np.asarray(jax_e), got_e)
     np.testing.assert_allclose(np.asarray(jax_w), got_w, rtol=0, atol=1e-6)  # XLA's exp: an ulp apart
     np.testing.assert_allclose(got_w, want_w, rtol=0, atol=1e-6)  # by place: weights fall alike
     probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
+    probs = probs / probs.sum(-1, keepdims=True) if family != "gpt_oss" else logits
     kth, next_ = np.sort(probs, -1)[:, ::-1][:, k - 1], np.sort(probs, -1)[:, ::-1][:, k]
     straddles = kth == next_
     assert straddles[:20].all() and 0 < straddles[20:].sum() < 180  # ties of both kinds occur
@@ -130,10 +147,11 @@ def test_routing_matches_the_transformers_router_ties_included(family, norm) -> 
         for j in range(k - 1):
             if got_w[t, j] == got_w[t, j + 1]:
                 assert got_e[t, j] < got_e[t, j + 1]
-    assert np.sort(got_e[:20], -1).tolist() == [list(range(k))] * 20
+    first = sorted(np.argsort(-logits[0], kind="stable")[:k].tolist())  # 0, 1, ... (gpt_oss: 1, 2)
+    assert np.sort(got_e[:20], -1).tolist() == [first] * 20
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gguf_files_match_transformers(family, backend, tmp_path) -> None:
     """The same weights as GGUF (experts stacked in ``ffn_*_exps``, the router ``ffn_gate_inp``;

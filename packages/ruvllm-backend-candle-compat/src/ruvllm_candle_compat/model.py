@@ -1,5 +1,5 @@
 """The decoder forward pass of every family in :mod:`ruvllm.architectures` (Llama incl. llama3 RoPE,
-Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2, and the mixtures of experts Qwen3-MoE and Mixtral)
+Mistral, Qwen2, Qwen3, Gemma-3, Phi-3, SmolLM2, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss)
 in NumPy float32 over a paged KV cache. The layer is
 :func:`ruvllm.modeling.decoder_layer`, the one every backend runs; this module gives it NumPy's ways
 to project (fused BLAS calls), attend (the paged cache) and adapt (``adapter.delta``).
@@ -33,7 +33,7 @@ from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RequestError
 from ruvllm.model_config import ModelConfig, Rope
 from ruvllm.modeling import (
-    ACTIVATIONS,
+    ACTIVATION_NAMES,
     PROJECTIONS,  # noqa: F401 (importable from here as before)
     LayerWeights,
     attention_mask,
@@ -132,8 +132,8 @@ class CandleCompatModel:
                 "set OPENBLAS_NUM_THREADS for its BLAS threads"
             )
         cfg = checkpoint.config
-        if cfg.activation not in ACTIVATIONS:
-            raise BackendError(f"candle-compat has no activation {cfg.activation!r} ({', '.join(ACTIVATIONS)})")
+        if cfg.activation not in ACTIVATION_NAMES:
+            raise BackendError(f"candle-compat has no activation {cfg.activation!r} ({', '.join(ACTIVATION_NAMES)})")
         if cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
             raise BackendError(
                 f"unsupported attention shape: {cfg.num_heads} heads over {cfg.num_kv_heads} KV heads, "
@@ -179,20 +179,23 @@ class CandleCompatModel:
             tables[rope] = (cos, sin)
         return tables
 
-    def _attend(self, q: np.ndarray, kv: SequenceKV, start_pos: int, window: int = 0) -> np.ndarray:
+    def _attend(
+        self, q: np.ndarray, kv: SequenceKV, start_pos: int, window: int = 0, sinks: np.ndarray | None = None
+    ) -> np.ndarray:
         """Causal GQA attention of ``q [n, heads, hd]`` (positions ``start_pos..``) over
-        ``kv.k, kv.v [end_pos, kv_heads, hd]``; returns ``[n, heads * hd]``."""
+        ``kv.k, kv.v [end_pos, kv_heads, hd]`` (with ``sinks`` ``[heads]``, gpt_oss's extra logit per
+        head in each softmax); returns ``[n, heads * hd]``."""
         n, k, v, overlay = q.shape[0], kv.k, kv.v, kv.overlay
         rows = max(1, SCORE_TILE_FLOATS // (q.shape[1] * k.shape[0]))
         if n <= rows:
-            return self._attend_tile(q, k, v, start_pos, overlay, window)
+            return self._attend_tile(q, k, v, start_pos, overlay, window, sinks)
         out = np.empty((n, q.shape[1] * q.shape[2]), np.float32)
         for i in range(0, n, rows):
             j = min(n, i + rows)
             # A tile's last query sits at start_pos + j - 1, so later keys are never needed.
             tile_overlay = None if overlay is None else overlay.rows(i, j)
             out[i:j] = self._attend_tile(
-                q[i:j], k[: start_pos + j], v[: start_pos + j], start_pos + i, tile_overlay, window
+                q[i:j], k[: start_pos + j], v[: start_pos + j], start_pos + i, tile_overlay, window, sinks
             )
         return out
 
@@ -204,6 +207,7 @@ class CandleCompatModel:
         start_pos: int,
         overlay: FloatOverlay | None = None,
         window: int = 0,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
         cfg = self.config
         n, end, kv_heads = q.shape[0], k.shape[0], cfg.num_kv_heads
@@ -219,7 +223,14 @@ class CandleCompatModel:
         masked = attention_mask(n, end, start_pos, window)
         if masked is not None:
             scores[..., masked] = -np.inf
-        softmax_(scores)
+        if sinks is None:
+            softmax_(scores)
+        else:  # the sink joins each row's softmax as one more logit, with no value
+            sink = sinks.reshape(kv_heads, -1, 1, 1).astype(np.float32)
+            top = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+            scores -= top
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True) + np.exp(sink - top)
         out = scores.reshape(kv_heads, qg.shape[1], end) @ v.transpose(1, 0, 2)
         if overlay is not None and use_float is not None:
             float_probs = (scores[..., lo:hi] * use_float).reshape(kv_heads, qg.shape[1], hi - lo)
@@ -368,10 +379,17 @@ class CandleCompatModel:
                 i = cfg.expert_intermediate_size
                 return [y[:, :i], y[:, i:]] if fused else [y]
 
-            def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, li: int = li, window: int = layer.window):
+            def attend(
+                q: np.ndarray,
+                k: np.ndarray,
+                v: np.ndarray,
+                li: int = li,
+                window: int = layer.window,
+                sinks: np.ndarray | None = layer.weights.sinks,
+            ):
                 for plan in local_plans if cache.is_local[li] else plans:
                     seq_kv = cache.store_and_read(li, plan, k[plan.rows], v[plan.rows])
-                    attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos, window)
+                    attn[plan.rows] = self._attend(q[plan.rows], seq_kv, plan.start_pos, window, sinks)
                 return attn
 
             def adapt(y: np.ndarray, y_in: np.ndarray, proj: str, li: int = li) -> np.ndarray:

@@ -11,7 +11,9 @@ Queries with nothing to attend to (padding) get zeros.
 (Hugging Face's sliding window; 0: no limit). ``scale`` (static) multiplies the scores, default
 ``head_dim ** -0.5``. An int8 cache comes with ``k_scale``/``v_scale`` ``[layers, num_blocks,
 block_size, kv_heads, groups]`` (see :class:`ruvllm_jax.kv_state.KVState`; the reference implementation
-only).
+only). ``sinks`` ``[heads]`` (gpt_oss; the reference implementation only): one logit per query head
+that joins each query's softmax as a key without a value, so the weights of the real keys sum to less
+than one.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def reference_paged_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     s, nq, nh, hd = q.shape
     scale = score_scale(scale, hd)
@@ -55,7 +58,7 @@ def reference_paged_attention(
     per_chunk = max(1, KEY_CHUNK_TOKENS // bs)
     scales = (k_scale, v_scale)
     if tables.shape[1] <= per_chunk:  # one chunk: no loop
-        return _attend_keys(q, k_cache, v_cache, scales, layer, tables, 0, q_pos, lo, context, scale, hot)[0]
+        return _attend_keys(q, k_cache, v_cache, scales, layer, tables, 0, q_pos, lo, context, scale, hot, sinks)[0]
     if hot is not None:
         hot = (*hot[:2], jnp.pad(hot[2], ((0, 0), (0, -tables.shape[1] % per_chunk)), constant_values=-1))
     tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % per_chunk)))
@@ -83,8 +86,8 @@ def reference_paged_attention(
         a, b = jnp.exp(m - m_new), jnp.exp(m_c - m_new)
         return m_new, total * a + sum_c * b, acc * a[..., None] + acc_c * b[..., None]
 
-    _, total, acc = lax.fori_loop(first, last, body, init)
-    out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # [S, KV, G, Q, D]
+    m, total, acc = lax.fori_loop(first, last, body, init)
+    out = acc / _denominator(m, total, sinks, nkv)[..., None]  # [S, KV, G, Q, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
 
 
@@ -101,6 +104,7 @@ def _attend_keys(
     context: jax.Array,
     scale: float,
     hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """Attention of ``q`` over the keys of ``tables`` (positions from ``offset``): the normalised
     output ``[S, Q, H, D]`` and the pieces an online softmax combines across chunks (row maximum,
@@ -138,9 +142,18 @@ def _attend_keys(
     p = e.reshape(s, nkv, group * nq, keys).astype(v.dtype)
     acc = lax.dot_general(p, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
     acc = acc.reshape(s, nkv, group, nq, hd)
-    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    out = acc / _denominator(m, total, sinks, nkv)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, nh, hd).astype(q.dtype)
     return out, (m, total, acc)
+
+
+def _denominator(m: jax.Array, total: jax.Array, sinks: jax.Array | None, nkv: int) -> jax.Array:
+    """The softmax's denominator ``[S, KV, G, Q]`` from the row maxima and sums of exponentials: with
+    ``sinks``, each head's sink added as ``exp(sink - m)`` (a row with no keys stays 0 / x = 0)."""
+    if sinks is None:
+        return jnp.where(total > 0, total, 1.0)
+    sink = sinks.astype(jnp.float32).reshape(1, nkv, -1, 1)
+    return total + jnp.exp(jnp.minimum(sink - m, 80.0))
 
 
 def paged_attention(
@@ -159,6 +172,7 @@ def paged_attention(
     v_scale: jax.Array | None = None,
     hot: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     decode_splits: int = 1,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Dispatch: ``reference``, or the Pallas kernels (``pallas`` compiled for CUDA,
     ``pallas_interpret`` interpreted anywhere): decode kernel for one query per sequence (its keys
@@ -178,7 +192,10 @@ def paged_attention(
             k_scale=k_scale,
             v_scale=v_scale,
             hot=hot,
+            sinks=sinks,
         )
+    if sinks is not None:
+        raise ValueError("the Pallas kernels have no attention sinks; sinks need attention='reference'")
     if k_scale is not None:
         raise ValueError("the Pallas kernels read a float cache; an int8 KV cache needs attention='reference'")
     from ruvllm_jax.kernels import paged_decode_attention, paged_prefill_attention

@@ -39,6 +39,7 @@ from jax import lax
 from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
 from ruvllm.modeling import (  # noqa: F401 (decoder_layer and the math stay importable from here)
+    ACTIVATION_NAMES,
     ACTIVATIONS,
     EXPERT_FIELDS,
     PROJECTION_GROUPS,
@@ -111,12 +112,19 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     routing: str = "softmax_topk"
     norm_topk_prob: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    #: gpt_oss: the o_proj bias, attention sinks (reference attention only), its clamped SwiGLU.
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: str = "float32") -> ModelSpec:
-        if cfg.activation not in ACTIVATIONS:
+        if cfg.activation not in ACTIVATION_NAMES:
             raise BackendError(
-                f"jax backend: activation {cfg.activation!r} is not implemented (known: {', '.join(ACTIVATIONS)})"
+                f"jax backend: activation {cfg.activation!r} is not implemented (known: {', '.join(ACTIVATION_NAMES)})"
             )
         layer_ropes = [cfg.layer_rope(layer) for layer in range(cfg.num_layers)]
         distinct = list(dict.fromkeys(layer_ropes))
@@ -151,6 +159,12 @@ class ModelSpec:
             expert_intermediate_size=cfg.expert_intermediate_size,
             routing=cfg.routing,
             norm_topk_prob=cfg.norm_topk_prob,
+            router_bias=cfg.router_bias,
+            expert_bias=cfg.expert_bias,
+            o_proj_bias=cfg.o_proj_bias,
+            attention_sinks=cfg.attention_sinks,
+            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_limit=cfg.swiglu_limit,
         )
 
     @property
@@ -297,15 +311,28 @@ def _hot(kv: KVState, tables: jax.Array | None) -> tuple[jax.Array, jax.Array, j
 
 
 def _attend(
-    q: jax.Array, kv: KVState, layer: jax.Array, window: jax.Array | int, inp: StepInputs, plan: StepPlan, scale: float
+    q: jax.Array,
+    kv: KVState,
+    layer: jax.Array,
+    window: jax.Array | int,
+    inp: StepInputs,
+    plan: StepPlan,
+    scale: float,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention of every token over its own sequence's cache, decode and prefill groups apart."""
+    """Attention of every token over its own sequence's cache, decode and prefill groups apart
+    (``sinks``: gpt_oss's logit per head that joins each softmax; XLA's reference attention only)."""
     _t, h, d = q.shape
     out = jnp.zeros_like(q)
+    if sinks is not None and plan.attention != "reference":
+        raise BackendError(
+            f"jax backend: attention sinks (gpt_oss) run in the reference attention only, not {plan.attention!r}"
+        )
+    native_attention = plan.native and sinks is None
     if plan.decode_seqs:
         qd = q.at[inp.decode_token].get(mode="clip")[:, None]  # [Sd, 1, H, D]
         q_pos = inp.decode_context - 1
-        if plan.native and kv.k.dtype in NATIVE_KV_DTYPES and not kv.quantized and plan.attention == "reference":
+        if native_attention and kv.k.dtype in NATIVE_KV_DTYPES and not kv.quantized and plan.attention == "reference":
             # The native kernel reads the sequences' blocks in place instead of gathering them.
             first = window_start(q_pos, window)
             od = native.paged_decode(
@@ -326,12 +353,13 @@ def _attend(
                 k_scale=kv.k_scale,
                 v_scale=kv.v_scale,
                 hot=_hot(kv, inp.decode_hot_tables),
+                sinks=sinks,
             )
         out = out.at[inp.decode_token].set(od[:, 0].astype(q.dtype), mode="drop")
     if plan.prefill_seqs:
         qp = q.at[inp.prefill_token].get(mode="clip")  # [Sp, Qb, H, D]
         q_pos = inp.prefill_start[:, None] + jnp.arange(plan.prefill_len, dtype=jnp.int32)[None, :]
-        if plan.native and kv.k.dtype in NATIVE_KV_DTYPES and not kv.quantized and plan.attention == "reference":
+        if native_attention and kv.k.dtype in NATIVE_KV_DTYPES and not kv.quantized and plan.attention == "reference":
             # The native kernel reads the blocks in place and skips padding queries (XLA's attention
             # computes every padded query of the group's shape).
             sp, qb = q_pos.shape
@@ -362,6 +390,7 @@ def _attend(
                 k_scale=kv.k_scale,
                 v_scale=kv.v_scale,
                 hot=_hot(kv, inp.prefill_hot_tables),
+                sinks=sinks,
             )
         out = out.at[inp.prefill_token.reshape(-1)].set(op.reshape(-1, h, d), mode="drop")
     return out
@@ -561,12 +590,12 @@ class _Pools:
             )
         return cls(inp, plan, spec.attention_scale, local_inp)
 
-    def attend(self, kv: KVState, kvl: KVState | None, layer, pool, window, q, k, v):
+    def attend(self, kv: KVState, kvl: KVState | None, layer, pool, window, q, k, v, sinks=None):
         """Write the layer's ``k``/``v``, attend ``q`` over its pool: (output, kv, kvl)."""
         inp, plan, scale = self.inp, self.plan, self.scale
         if pool is None:
             kv = write_kv(kv, layer, inp.write_block, inp.write_offset, k, v, inp.hot_write)
-            return _attend(q, kv, layer, window, inp, plan, scale), kv, kvl
+            return _attend(q, kv, layer, window, inp, plan, scale, sinks), kv, kvl
         local, idx = pool
         hot, local_hot = None, None
         if kv.two_tier:
@@ -578,8 +607,8 @@ class _Pools:
         )
         out = lax.cond(
             local,
-            lambda: _attend(q, kvl, idx, window, self.local_inp, plan, scale),
-            lambda: _attend(q, kv, idx, window, inp, plan, scale),
+            lambda: _attend(q, kvl, idx, window, self.local_inp, plan, scale, sinks),
+            lambda: _attend(q, kv, idx, window, inp, plan, scale, sinks),
         )
         return out, kv, kvl
 
@@ -608,7 +637,7 @@ def forward_step(
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             nonlocal kv, kvl
-            out, kv, kvl = pools.attend(kv, kvl, layer, pool, window, q, k, v)
+            out, kv, kvl = pools.attend(kv, kvl, layer, pool, window, q, k, v, lw.sinks)
             return out
 
         project, adapt = projector.at(lw, layer), adapters.at(layer, dense, layer_mask)

@@ -61,6 +61,12 @@ WEIGHT_AXES: dict[str, tuple[str, ...]] = {
     "expert_gate": ("experts", "expert_ffn", "embed"),
     "expert_up": ("experts", "expert_ffn", "embed"),
     "expert_down": ("experts", "embed", "expert_ffn"),
+    "o_bias": ("embed",),
+    "sinks": ("heads",),
+    "router_bias": ("experts",),
+    "expert_gate_bias": ("experts", "expert_ffn"),
+    "expert_up_bias": ("experts", "expert_ffn"),
+    "expert_down_bias": ("experts", "embed"),
 }
 
 

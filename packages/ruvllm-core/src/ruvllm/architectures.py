@@ -161,6 +161,15 @@ class Family:
     hf_expert_size: str = "moe_intermediate_size"
     #: The top-k weights are always renormalised (mixtral); else HF's ``norm_topk_prob`` says.
     always_norm_topk: bool = False
+    #: The router's rule (:data:`~ruvllm.model_config.ROUTINGS`).
+    routing: str = "softmax_topk"
+    #: gpt_oss: biases on o_proj, the router and the experts; attention sinks; HF's experts fused
+    #: ``[experts, in, out]`` with gate and up interleaved (``mlp.experts.gate_up_proj``, ``down_proj``
+    #: and their ``_bias``), read by expert through :func:`hf_expert_views`.
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    moe_biases: bool = False
+    hf_fused_experts: bool = False
     #: HF module that holds the router and experts when it is not ``mlp`` (mixtral's
     #: ``block_sparse_moe``), and the experts' projection names when not HF's usual (its w1/w3/w2).
     hf_moe_module: str = "mlp"
@@ -210,6 +219,24 @@ FAMILIES: tuple[Family, ...] = (
         hf_expert_names={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
         **_LLAMA,
     ),
+    # gpt-oss from HF directories in float (its MXFP4 checkpoints carry a quantization_config, refused;
+    # its GGUF files, architecture "gpt-oss", are not read yet).
+    Family(
+        "gpt_oss",
+        gguf_archs=(),
+        hf_model_types=("gpt_oss",),
+        activation="swiglu_oai",
+        hf_activations=("silu",),
+        qkv_bias=True,
+        o_proj_bias=True,
+        attention_sinks=True,
+        experts=True,
+        hf_expert_size="intermediate_size",
+        routing="topk_softmax",
+        moe_biases=True,
+        hf_fused_experts=True,
+        hf_renames={"mlp.router": "mlp.gate"},
+    ),
     Family(
         "gemma3",
         gguf_archs=("gemma3",),
@@ -243,6 +270,32 @@ FAMILIES: tuple[Family, ...] = (
 )
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_archs}
 _BY_HF = {t: f for f in FAMILIES for t in f.hf_model_types}
+
+
+_FUSED_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+def hf_expert_views(fam: Family, name: str, num_experts: int) -> dict[str, Callable[[Any], Any]]:
+    """gpt_oss's fused expert tensors (HF ``mlp.experts.gate_up_proj`` ``[experts, hidden, 2 * inter]``
+    with gate and up columns interleaved, ``down_proj`` ``[experts, inter, hidden]``, their biases):
+    each expert's canonical tensor -> how to cut it from the stored one (empty for other names)."""
+    m = _FUSED_EXPERT.match(name) if fam.hf_fused_experts else None
+    if m is None:
+        return {}
+    layer, which, bias = m.group(1), m.group(2), bool(m.group(3))
+    kind = "bias" if bias else "weight"
+    views: dict[str, Callable[[Any], Any]] = {}
+    for e in range(num_experts):
+        prefix = f"model.layers.{layer}.mlp.experts.{e}"
+        if which == "down_proj":
+            views[f"{prefix}.down_proj.{kind}"] = (lambda t, e=e: t[e]) if bias else (lambda t, e=e: t[e].T)
+            continue
+        for proj, start in (("gate_proj", 0), ("up_proj", 1)):
+            if bias:
+                views[f"{prefix}.{proj}.bias"] = lambda t, e=e, s=start: t[e, s::2]
+            else:
+                views[f"{prefix}.{proj}.weight"] = lambda t, e=e, s=start: t[e][:, s::2].T
+    return views
 
 
 def supported() -> str:
@@ -432,7 +485,18 @@ def _hf_experts(c: Mapping[str, Any], fam: Family, where: str) -> dict[str, Any]
     width = c.get(fam.hf_expert_size)
     fields = _experts(int(n), int(k), int(width or 0), refuse, (count_key, "num_experts_per_tok", fam.hf_expert_size))
     fields["norm_topk_prob"] = fam.always_norm_topk or bool(c.get("norm_topk_prob", False))
+    fields["routing"] = fam.routing
+    fields["router_bias"] = fields["expert_bias"] = fam.moe_biases
     return fields
+
+
+def _swiglu(c: Mapping[str, Any], fam: Family, where: str) -> dict[str, Any]:
+    if fam.activation != "swiglu_oai":
+        return {}
+    alpha, limit = c.get("swiglu_alpha", 1.702), c.get("swiglu_limit", 7.0)
+    if not limit or limit <= 0:
+        _refuse(where, "swiglu_limit", limit, "(an unclamped gate) is not implemented")
+    return {"swiglu_alpha": float(alpha), "swiglu_limit": float(limit)}
 
 
 def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> ModelConfig:
@@ -457,6 +521,8 @@ def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> Model
             _refuse(where, key, c[key])
     if c.get("final_logit_softcapping") and not fam.supports_final_softcap:
         _refuse(where, "final_logit_softcapping", c["final_logit_softcapping"])
+    if fam.o_proj_bias and not c.get("attention_bias", True):
+        _refuse(where, "attention_bias", False, f"({fam.name} without biases) is not implemented")
     if c.get("attention_bias") and not fam.qkv_bias:
         _refuse(where, "attention_bias", True, f"(an o_proj bias) is not implemented for {fam.name}")
     n_head, hidden, layers = int(c["num_attention_heads"]), int(c["hidden_size"]), int(c["num_hidden_layers"])
@@ -495,6 +561,9 @@ def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> Model
         rope=rope,
         rope_local=rope_local,
         final_logit_softcap=float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None,
+        o_proj_bias=fam.o_proj_bias,
+        attention_sinks=fam.attention_sinks,
+        **_swiglu(c, fam, where),
         **_hf_experts(c, fam, where),
     )
 

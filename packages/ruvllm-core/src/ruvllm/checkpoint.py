@@ -366,6 +366,7 @@ class SafetensorsCheckpoint(Checkpoint):
             raise ModelFormatError(f"{self.path}: no *.safetensors files")
         self._where: dict[str, Path] = {}
         self._dtypes: dict[str, str] = {}
+        self._fused_cache: tuple[str | None, Any] = (None, None)
         for f in files:
             try:
                 with safe_open(f, framework="numpy") as sf:
@@ -386,10 +387,15 @@ class SafetensorsCheckpoint(Checkpoint):
         return replace(cfg, name=self.path.name)
 
     @cached_property
-    def _canonical(self) -> dict[str, tuple[str, _Part | None]]:
-        """Canonical name -> (stored name, row range when it is part of a fused tensor)."""
+    def _canonical(self) -> dict[str, tuple[str, _Part | Callable[[np.ndarray], np.ndarray] | None]]:
+        """Canonical name -> (stored name, row range when it is part of a fused tensor, or how to cut
+        one expert out of a fused expert tensor)."""
         fam, out = self.family, {}
         for name in self._where:
+            views = architectures.hf_expert_views(fam, name, self.config.num_experts)
+            if views:
+                out.update((canonical, (name, view)) for canonical, view in views.items())
+                continue
             m = _HF_LAYER_RE.match(name)
             if m and m.group(2) in fam.hf_fused:
                 continue
@@ -434,6 +440,10 @@ class SafetensorsCheckpoint(Checkpoint):
         if name not in self._canonical:
             raise ModelFormatError(f"{self.path}: tensor {name!r} is missing")
         stored, part = self._canonical[name]
+        if callable(part):  # one expert of a fused expert tensor (read once for all its experts)
+            if self._fused_cache[0] != stored:
+                self._fused_cache = (stored, self._stored_tensor(stored))
+            return np.ascontiguousarray(part(self._fused_cache[1]))
         t = self._stored_tensor(stored)
         if part is not None:
             if t.shape[0] != part.hi and part.hi > t.shape[0]:

@@ -17,8 +17,9 @@ import numpy as np
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 #: How a mixture-of-experts router turns its logits into the chosen experts' weights:
 #: ``softmax_topk``, a softmax over every expert, then the top k (qwen3_moe, mixtral; renormalised
-#: to sum 1 when ``norm_topk_prob``).
-ROUTINGS = ("softmax_topk",)
+#: to sum 1 when ``norm_topk_prob``); ``topk_softmax``, the k largest logits, then a softmax over
+#: those k (gpt_oss).
+ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (qwen2)
+    o_proj_bias: bool = False  # an o_proj bias (gpt_oss)
+    #: One learned logit per query head that joins every softmax of attention as a key with no value
+    #: (gpt_oss's sinks: ``self_attn.sinks``).
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
-    #: The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, Gemma).
+    #: The gated MLP's activation: ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU, Gemma) or ``swiglu_oai``
+    #: (gpt_oss: gate and up clamped to ``swiglu_limit``, ``gate * sigmoid(swiglu_alpha * gate) * (up + 1)``).
     activation: str = "silu"
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
     #: RMSNorm of each head's query and key before RoPE (``self_attn.q_norm`` / ``k_norm``: qwen3, gemma3).
     qk_norm: bool = False
     #: Norms on the attention and MLP outputs before the residual add (``attn_output_norm`` /
@@ -184,6 +192,9 @@ class ModelConfig:
     #: The router's rule (:data:`ROUTINGS`) and whether the chosen weights are renormalised.
     routing: str = "softmax_topk"
     norm_topk_prob: bool = False
+    #: A bias on the router's logits, and on each expert's projections (gpt_oss).
+    router_bias: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
@@ -232,8 +243,12 @@ class ModelConfig:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        mlp = (self.num_experts * (3 * h * self.expert_intermediate_size + h)) if self.num_experts else 3 * h * i
+        e, ie = self.num_experts, self.expert_intermediate_size
+        mlp = e * (3 * h * ie + h) if e else 3 * h * i
+        mlp += e * (2 * ie + h) if self.expert_bias else 0
+        mlp += e if self.router_bias else 0
         per_layer = h * q + 2 * h * kv + q * h + mlp + 2 * h
+        per_layer += (h if self.o_proj_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:

@@ -79,6 +79,18 @@ class LayerShape(Protocol):
     @property
     def activation(self) -> str: ...
     @property
+    def swiglu_alpha(self) -> float: ...
+    @property
+    def swiglu_limit(self) -> float: ...
+    @property
+    def o_proj_bias(self) -> bool: ...
+    @property
+    def attention_sinks(self) -> bool: ...
+    @property
+    def router_bias(self) -> bool: ...
+    @property
+    def expert_bias(self) -> bool: ...
+    @property
     def num_experts(self) -> int: ...
     @property
     def experts_per_token(self) -> int: ...
@@ -173,6 +185,16 @@ def _expert(p: str) -> LayerTensor:
     return LayerTensor(EXPERT_FIELDS[p], f"mlp.experts.{{e}}.{p}.weight", lambda s: expert_shape(s, p), _moe, True)
 
 
+def _expert_bias(p: str) -> LayerTensor:
+    return LayerTensor(
+        f"{EXPERT_FIELDS[p]}_bias",
+        f"mlp.experts.{{e}}.{p}.bias",
+        lambda s: expert_shape(s, p)[:1],
+        lambda s: bool(s.num_experts and s.expert_bias),
+        True,
+    )
+
+
 def _bias(p: str) -> LayerTensor:
     return LayerTensor(
         BIAS_FIELDS[p], f"self_attn.{p}.bias", lambda s: (projection_shape(s, p)[0],), lambda s: s.attention_bias
@@ -212,6 +234,12 @@ LAYER_TENSORS: tuple[LayerTensor, ...] = (
     *(_bias(p) for p in BIAS_FIELDS),
     LayerTensor("router", "mlp.gate.weight", lambda s: (s.num_experts, s.hidden_size), _moe),
     *(_expert(p) for p in MLP_PROJECTIONS),
+    LayerTensor("o_bias", "self_attn.o_proj.bias", lambda s: (s.hidden_size,), lambda s: s.o_proj_bias),
+    LayerTensor("sinks", "self_attn.sinks", lambda s: (s.num_heads,), lambda s: s.attention_sinks),
+    LayerTensor(
+        "router_bias", "mlp.gate.bias", lambda s: (s.num_experts,), lambda s: bool(s.num_experts and s.router_bias)
+    ),
+    *(_expert_bias(p) for p in MLP_PROJECTIONS),
     _norm("q_norm", "self_attn.q_norm", _head, _qk_norm),
     _norm("k_norm", "self_attn.k_norm", _head, _qk_norm),
     _norm("attn_output_norm", "attn_output_norm", _hidden, _output_norms),
@@ -271,6 +299,15 @@ class LayerWeights(Generic[W, A]):
     expert_gate: W | None = None
     expert_up: W | None = None
     expert_down: W | None = None
+    #: gpt_oss: the o_proj bias ``[hidden]``, attention sinks ``[heads]`` (one logit per query head that
+    #: joins its softmax; read by the backend's attention), the router's bias ``[experts]`` and the
+    #: experts' biases ``[experts, out]``.
+    o_bias: A | None = None
+    sinks: A | None = None
+    router_bias: A | None = None
+    expert_gate_bias: A | None = None
+    expert_up_bias: A | None = None
+    expert_down_bias: A | None = None
 
 
 def load_layer(
@@ -393,6 +430,24 @@ def gelu_tanh(g: Any) -> Any:
 
 #: The gated MLP's activation, by :attr:`ModelConfig.activation`.
 ACTIVATIONS: dict[str, Callable[[Any], Any]] = {"silu": silu, "gelu_tanh": gelu_tanh}
+#: Activations of ``gate`` and ``up`` together (not ``act(gate) * up``): see :func:`gated_activation`.
+GATED_ACTIVATIONS = ("swiglu_oai",)
+#: Every :attr:`ModelConfig.activation` :func:`gated_activation` computes.
+ACTIVATION_NAMES = (*ACTIVATIONS, *GATED_ACTIVATIONS)
+
+
+def gated_activation(gate: Any, up: Any, shape: LayerShape) -> Any:
+    """The gated MLP's middle: ``act(gate) * up``, or gpt_oss's ``swiglu_oai`` (OpenAI's reference:
+    gate clamped above and up on both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha *
+    gate)``)."""
+    if shape.activation == "swiglu_oai":
+        xp = namespace(gate)
+        limit = shape.swiglu_limit
+        gate = xp.minimum(gate, limit)
+        up = xp.clip(up, -limit, limit)
+        glu = gate * primitives(xp).sigmoid(gate * shape.swiglu_alpha)
+        return (up + 1) * glu
+    return ACTIVATIONS[shape.activation](gate) * up
 
 
 def apply_rope(x: Any, cos: Any, sin: Any) -> Any:
@@ -489,14 +544,21 @@ def route(logits: Any, shape: LayerShape) -> tuple[Any, Any]:
     """The router's choice for router logits ``[T, experts]``: (weights ``[T, k]`` float32, experts
     ``[T, k]``), the experts by falling weight. ``softmax_topk`` (qwen3_moe, mixtral): a float32
     softmax over every expert, the k largest (among equal ones the lower index first: a stable sort,
-    the same on every backend), renormalised to sum 1 when ``norm_topk_prob``."""
+    the same on every backend), renormalised to sum 1 when ``norm_topk_prob``; ``topk_softmax``
+    (gpt_oss): the k largest logits (same rule), a softmax over them."""
     xp = namespace(logits)
+    k = shape.experts_per_token
+    z = _f32(logits, xp)
+    if shape.routing == "topk_softmax":  # gpt_oss: the k largest logits, then a softmax over them
+        experts = xp.argsort(-z, axis=-1, stable=True)[:, :k]
+        top = xp.take_along_axis(z, experts, axis=-1)
+        top = xp.exp(top - xp.max(top, axis=-1, keepdims=True))
+        return top / xp.sum(top, axis=-1, keepdims=True), experts
     if shape.routing != "softmax_topk":
         raise ValueError(f"unknown routing {shape.routing!r}")
-    z = _f32(logits, xp)
     z = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
     probs = z / xp.sum(z, axis=-1, keepdims=True)
-    experts = xp.argsort(-probs, axis=-1, stable=True)[:, : shape.experts_per_token]
+    experts = xp.argsort(-probs, axis=-1, stable=True)[:, :k]
     weights = xp.take_along_axis(probs, experts, axis=-1)
     if shape.norm_topk_prob:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
@@ -510,6 +572,7 @@ class ExpertGroups(NamedTuple):
     rows: Any  # [T * k] token of each sorted pair
     sizes: Any  # [experts] int32
     inverse: Any  # [T * k] sorted position of pair (t, j) at t * k + j
+    experts: Any  # [T * k] expert of each sorted pair
 
 
 def expert_groups(experts: Any, num_experts: int) -> ExpertGroups:
@@ -520,7 +583,7 @@ def expert_groups(experts: Any, num_experts: int) -> ExpertGroups:
     order = xp.argsort(flat, stable=True)
     ids = xp.arange(num_experts, dtype=flat.dtype)
     sizes = xp.sum(xp.astype(flat[None, :] == ids[:, None], xp.int32), axis=1)
-    return ExpertGroups(order // k, sizes, xp.argsort(order, stable=True))
+    return ExpertGroups(order // k, sizes, xp.argsort(order, stable=True), xp.take(flat, order, axis=0))
 
 
 def moe_mlp(
@@ -533,11 +596,19 @@ def moe_mlp(
     xp = namespace(h2)
     t, k = h2.shape[0], shape.experts_per_token
     (logits,) = project(h2, ("router",))
+    if lw.router_bias is not None:
+        logits = logits + lw.router_bias.astype(logits.dtype)
     weights, experts = route(logits, shape)
     groups = expert_groups(experts, shape.num_experts)
     x = xp.take(h2, groups.rows, axis=0)
     gate, up = project_experts(x, groups.sizes, ("gate_proj", "up_proj"))
-    (down,) = project_experts(ACTIVATIONS[shape.activation](gate) * up, groups.sizes, ("down_proj",))
+
+    def bias(y: Any, b: Any) -> Any:  # each row's own expert's bias
+        return y if b is None else y + xp.take(b, groups.experts, axis=0).astype(y.dtype)
+
+    gate, up = bias(gate, lw.expert_gate_bias), bias(up, lw.expert_up_bias)
+    (down,) = project_experts(gated_activation(gate, up, shape), groups.sizes, ("down_proj",))
+    down = bias(down, lw.expert_down_bias)
     down = xp.reshape(xp.take(down, groups.inverse, axis=0), (t, k, down.shape[-1]))
     w = weights if weights.dtype == down.dtype else weights.astype(down.dtype)
     out = down[:, 0] * w[:, 0:1]
@@ -606,6 +677,8 @@ def decoder_layer(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v).reshape(t, nh * hd)
     (o,) = project(a, PROJECTION_GROUPS[1])
+    if shape.o_proj_bias:
+        o = o + lw.o_bias.astype(o.dtype)
     o = adapt(o, a, "o_proj")
     if shape.output_norms:
         o = rms_norm(o, lw.attn_output_norm, eps)
@@ -620,7 +693,7 @@ def decoder_layer(
         return mid + down, LayerActivations(h, q, k, v, a, mid, h2, None, None, None)
     gate, up = project(h2, PROJECTION_GROUPS[2])
     gate, up = adapt(gate, h2, "gate_proj"), adapt(up, h2, "up_proj")
-    act = ACTIVATIONS[shape.activation](gate) * up
+    act = gated_activation(gate, up, shape)
     (down,) = project(act, PROJECTION_GROUPS[3])
     down = adapt(down, act, "down_proj")
     if shape.output_norms:
