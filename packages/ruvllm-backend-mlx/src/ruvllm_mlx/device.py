@@ -21,7 +21,7 @@ def choose_device(asked: str) -> mx.Device:
         raise BackendError(f"mlx device {asked!r} is not one of {', '.join(DEVICE_CHOICES)}")
     if asked == "gpu" and not metal_available():
         raise BackendError("mlx device 'gpu' is Metal-only: MLX reports no Metal GPU on this machine (use cpu)")
-    return mx.gpu if asked != "cpu" and metal_available() else mx.cpu
+    return mx.Device(mx.gpu if asked != "cpu" and metal_available() else mx.cpu)
 
 
 def device_label(device: mx.Device) -> str:

@@ -70,7 +70,7 @@ class Linear:
     transposed: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.bits:
+        if self.scales is None:
             return x @ self.weight if self.transposed else x @ self.weight.T
         return mx.quantized_matmul(
             x, self.weight, self.scales, self.biases, transpose=True, group_size=GROUP, bits=self.bits
