@@ -50,6 +50,7 @@ def smollm2_prompts(smollm2_checkpoint):
     return [tok.encode(p) for p in SMOLLM2_PROMPTS]
 
 
+@pytest.mark.slow
 def test_smollm2_float_weights_give_transformers_greedy_tokens(smollm2_path, smollm2_prompts):
     model = _mlx(str(smollm2_path), "none")
     got = GreedyDecoder(model).run(smollm2_prompts, NEW_TOKENS)
