@@ -319,3 +319,51 @@ def test_adapters_on_experts_or_the_router_are_refused_by_name(tmp_path) -> None
         with pytest.raises(AdapterError, match=f"{module}.*mixture of experts") as info:
             load_peft_adapter(d, "x", cfg)
         assert "\n" not in str(info.value)
+
+
+def _hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    from _family_checkpoints import hf_model
+
+    with torch.no_grad():
+        out = hf_model(str(path)).generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(("family", "backend"), [("gpt_oss", "jax"), ("mixtral", "jax"), ("gpt_oss", "candle-compat")])
+def test_engine_greedy_tokens_match_transformers_with_moe_steps_precompiled(family, backend, tmp_path) -> None:
+    """Through the engine (chunked prefill, a shared prefix, decode past the window; gpt_oss on the
+    hybrid cache of its alternating layers): transformers' greedy tokens, and on jax every MoE step
+    in the precompiled set (nothing compiles while running)."""
+    import tokenizers
+
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.runtime import load_model
+    from ruvllm.sampling import SamplingParams
+    from ruvllm.tokenizer import Tokenizer
+
+    path = write_moe_checkpoint(tmp_path, family)
+    llm = load_model(str(path), backend=backend, host=load_plugins())
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(101)}, unk_token="t0"))
+    engine = LLMEngine(
+        llm,
+        EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, num_blocks=64),
+        tokenizer=Tokenizer(inner, bos_token_id=None, eos_token_ids=()),
+    )
+    assert engine.hybrid == (family == "gpt_oss")
+    if backend == "jax":
+        engine.precompile()
+        compiled = llm.model.compiled_steps.stats.count
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 101, size=15).tolist()
+    other = prompt[:12] + rng.integers(3, 101, size=5).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = engine.generate([GenerationRequest(list(p), params) for p in (prompt, other)])
+    got = [[t for o in out for d in o.deltas for t in d.token_ids] for out in outs]
+    assert got == [_hf_greedy(path, p, 12) for p in (prompt, other)]
+    assert engine.scheduler.prefix_cache_hit_tokens >= 8  # whole blocks of the shared 12 tokens
+    if backend == "jax":
+        assert llm.model.compiled_steps.stats.count == compiled
