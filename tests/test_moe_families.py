@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _family_checkpoints import hf_all_logits
+from _family_checkpoints import hf_all_logits, hf_model
 from _moe_checkpoints import GGUF_FAMILIES, MOE_FAMILIES, moe_config, write_moe_checkpoint, write_moe_gguf
 
 from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
@@ -323,8 +323,6 @@ def test_adapters_on_experts_or_the_router_are_refused_by_name(tmp_path) -> None
 
 def _hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     import torch
-
-    from _family_checkpoints import hf_model
 
     with torch.no_grad():
         out = hf_model(str(path)).generate(
