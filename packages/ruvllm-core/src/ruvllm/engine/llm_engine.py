@@ -133,7 +133,13 @@ class LLMEngine:
         if config.speculative == "draft":
             draft = draft_model if draft_model is not None else self._load_draft()
             check_same_tokenizer(draft, model)
-            self.drafter = DraftProposer(draft, num_blocks=self.num_blocks, block_size=config.block_size)
+            # Catching up is one chunk per sequence, no longer than a step's (a precompiled shape).
+            self.drafter = DraftProposer(
+                draft,
+                num_blocks=self.num_blocks,
+                block_size=config.block_size,
+                max_chunk=config.max_num_batched_tokens,
+            )
 
     @property
     def broken(self) -> str | None:

@@ -89,27 +89,19 @@ class DraftProposer:
                 bm.truncate(r.seq_id, keep)
             fed.tokens = fed.tokens[:keep]
             need = len(r.token_ids) - keep
-            if need > self.max_chunk or not bm.allocate_slots(r.seq_id, keep, need + r.k - 1):
+            if not bm.allocate_slots(r.seq_id, keep, need + r.k - 1):
                 continue  # no room in the draft cache: this sequence does not draft this step
             pending.append((r, r.token_ids[keep:]))
             out[r.seq_id] = ([], [])
+        while any(len(feed) > self.max_chunk for _, feed in pending):  # long catch-ups first, in pieces
+            part = [(r, feed[: self.max_chunk]) for r, feed in pending if len(feed) > self.max_chunk]
+            self._feed(part)
+            pending = [(r, feed[self.max_chunk :] if len(feed) > self.max_chunk else feed) for r, feed in pending]
         for step in range(max((r.k for r, _ in pending), default=0)):
             batch = [(r, feed) for r, feed in pending if step < r.k]
             if not batch:
                 break
-            chunks = []
-            for r, feed in batch:
-                fed = self._fed[r.seq_id]
-                chunks.append(
-                    SequenceChunk(
-                        token_ids=np.asarray(feed, dtype=np.int32),
-                        start_pos=len(fed.tokens),
-                        block_table=block_table(bm.block_table(r.seq_id)),
-                    )
-                )
-                fed.tokens.extend(feed)
-            result = self.model.forward(ForwardBatch(chunks, bm.block_size), self.cache)
-            logits = np.asarray(result.logits, dtype=np.float64)
+            logits = self._feed(batch)
             pending = []
             for row, (r, _) in enumerate(batch):
                 token, q = _draw(logits[row], r.params, r.rng)
@@ -119,6 +111,18 @@ class DraftProposer:
                     probs.append(q)
                 pending.append((r, [token]))
         return {sid: (tokens, np.stack(probs) if probs else None) for sid, (tokens, probs) in out.items()}
+
+    def _feed(self, batch: list[tuple[DraftRequest, list[int]]]) -> np.ndarray:
+        """Run each sequence's ``tokens`` in one forward pass; returns each one's last logits row."""
+        bm = self.block_manager
+        chunks = []
+        for r, tokens in batch:
+            fed = self._fed[r.seq_id]
+            table = block_table(bm.block_table(r.seq_id))
+            chunks.append(SequenceChunk(np.asarray(tokens, dtype=np.int32), len(fed.tokens), table))
+            fed.tokens.extend(tokens)
+        result = self.model.forward(ForwardBatch(chunks, bm.block_size), self.cache)
+        return np.asarray(result.logits, dtype=np.float64)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
