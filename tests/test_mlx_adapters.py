@@ -59,3 +59,28 @@ def test_a_batch_mixing_adapters_xlora_and_the_base_model_equals_each_alone(root
     )
     together, _ = _generate(mlx_base, pairs, budget=64, max_tokens=6)
     assert together == [_generate(mlx_base, [pair], budget=64, max_tokens=6)[0][0] for pair in pairs]
+
+
+def test_factors_are_uploaded_once_and_a_delta_only_adapter_runs_on_the_host(base_dir, adapters):  # noqa: F811
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+
+    d, _ = adapters["all-r8-rslora"]
+    lora = load_peft_adapter(d, "all-r8-rslora", open_checkpoint(base_dir).config)
+
+    class DeltaOnly:  # what a plugin may attach: no lora_params, only delta
+        def delta(self, layer, proj, x):
+            return lora.delta(layer, proj, x)
+
+    llm = load_model(str(base_dir), backend="mlx", host=load_plugins())
+    ids = np.arange(3, 22, dtype=np.int32)
+
+    def run(adapter):
+        chunk = SequenceChunk(ids, 0, np.arange(5, dtype=np.int32), all_logits=True, adapter=adapter)
+        return llm.forward(ForwardBatch([chunk], 4), llm.allocate_cache(8, 4)).all_logits[0]
+
+    on_device = [run(lora) for _ in range(2)]
+    assert llm.model.adapter_factors.uploads == 1
+    np.testing.assert_array_equal(on_device[0], on_device[1])
+    np.testing.assert_allclose(run(DeltaOnly()), on_device[0], atol=1e-4, rtol=0)

@@ -34,6 +34,7 @@ from ruvllm.modeling import (
     attention_mask,
     decoder_layer,
     load_layer,
+    projection_shape,
     register_primitives,
     rms_norm,
     softcap,
@@ -41,6 +42,7 @@ from ruvllm.modeling import (
 from ruvllm_mlx.device import choose_device, device_label, device_memory
 from ruvllm_mlx.gguf_blocks import EXACT_BITS, GROUP, NEAREST_FORMS, affine_from_gguf, nearest_affine
 from ruvllm_mlx.kv_cache import ChunkPlan, MLXPagedKVCache, make_kv_cache, plan_step
+from ruvllm_mlx.lora import AdapterFactors, is_mix, on_device
 
 log = structlog.get_logger("ruvllm_mlx")
 
@@ -131,6 +133,9 @@ class MLXModel:
         self.dtype = DTYPES[options.dtype]
         self.embed, self.layers, self.final_norm, self.lm_head = embed, list(layers), final_norm, lm_head
         self._ropes = {layer.rope for layer in self.layers}
+        self.adapter_factors = AdapterFactors(
+            config.num_layers, lambda proj: projection_shape(config, proj), self.dtype, options.max_adapters
+        )
         # MLX's graph building and evaluation are not safe from two threads at once (the server's
         # engine and its embeddings endpoint): steps take turns.
         self._lock = threading.Lock()
@@ -269,12 +274,8 @@ class MLXModel:
         local_plans, local_writes = plan_step(cfg, batch, cache, local=True) if cache.local_blocks else (plans, writes)
         if batch.local_block_copies and not cache.local_blocks:
             raise RequestError("local_block_copies given to a cache without a windowed layers' pool")
-        for idx, chunk in enumerate(batch.chunks):
-            if chunk.adapter is not None and not callable(getattr(chunk.adapter, "delta", None)):
-                raise RequestError(
-                    f"chunk {idx}'s adapter {type(chunk.adapter).__name__} has no delta(layer, proj, x) method"
-                )
         with self._lock, mx.stream(self.device):
+            self._check_adapters(batch)
             cache.copy_blocks(batch.block_copies)
             cache.copy_blocks(batch.local_block_copies, local=True)
             if not batch.chunks:
@@ -336,11 +337,41 @@ class MLXModel:
                 return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
             def adapt(y: mx.array, y_in: mx.array, proj: str, li: int = li) -> mx.array:
-                return self._add_delta(with_adapters, li, proj, y, y_in) if with_adapters else y
+                return self._adapt(with_adapters, li, proj, y, y_in) if with_adapters else y
 
             cos, sin = tables[layer.rope]
             x, _ = decoder_layer(x, layer.weights, cfg, cos, sin, project=project, attend=attend, adapt=adapt)
         return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+
+    def _check_adapters(self, batch: ForwardBatch) -> None:
+        """Every chunk's adapter can be applied (its factors checked and uploaded now), before the
+        cache is touched."""
+        for idx, chunk in enumerate(batch.chunks):
+            adapter = chunk.adapter
+            if adapter is None:
+                continue
+            if on_device(adapter):
+                for part in adapter.components if is_mix(adapter) else (adapter,):
+                    self.adapter_factors.get(part)
+            elif not callable(getattr(adapter, "delta", None)):
+                raise RequestError(
+                    f"chunk {idx}'s adapter {type(adapter).__name__} has neither lora_params() nor "
+                    "delta(layer, proj, x)"
+                )
+
+    def _adapt(self, plans: Sequence[ChunkPlan], layer: int, proj: str, y: mx.array, x: mx.array) -> mx.array:
+        """``y`` plus each chunk's adapter update on its own rows: on the device from the adapter's
+        factors, or through its ``delta`` on the host where it has none."""
+        host = [p for p in plans if not on_device(p.adapter)]
+        if host:
+            y = self._add_delta(host, layer, proj, y, x)
+        for p in plans:
+            if not on_device(p.adapter):
+                continue
+            d = self.adapter_factors.update(p.adapter, layer, proj, x[p.rows])
+            if d is not None:
+                y = y.at[mx.arange(p.rows.start, p.rows.stop)].add(d.astype(y.dtype))
+        return y
 
     @staticmethod
     def _add_delta(plans: Sequence[ChunkPlan], layer: int, proj: str, y: mx.array, x: mx.array) -> mx.array:
