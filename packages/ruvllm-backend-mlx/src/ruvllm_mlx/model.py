@@ -106,6 +106,16 @@ def _fuse(parts: Sequence[Linear]) -> Linear | None:
     )
 
 
+def _views(fused: Linear, sizes: Sequence[int]) -> list[Linear]:
+    """The parts of a fused float product as views of its weight (no second copy kept)."""
+    out, lo = [], 0
+    for n in sizes:
+        w = fused.weight[:, lo : lo + n] if fused.transposed else fused.weight[lo : lo + n]
+        out.append(Linear(w, form=fused.form, transposed=fused.transposed))
+        lo += n
+    return out
+
+
 class MLXModel:
     """A checkpoint loaded on MLX (a :class:`ruvllm.backend.BackendModel`)."""
 
@@ -206,8 +216,14 @@ class MLXModel:
 
                 lw = LayerWeights(**load_layer(cfg, n, tensor))
                 qkv, gate_up = _fuse([lw.q_proj, lw.k_proj, lw.v_proj]), _fuse([lw.gate_proj, lw.up_proj])
+                if qkv is not None:
+                    q_out, kv_out = projection_shape(cfg, "q_proj")[0], projection_shape(cfg, "k_proj")[0]
+                    lw.q_proj, lw.k_proj, lw.v_proj = _views(qkv, [q_out, kv_out, kv_out])
+                if gate_up is not None:
+                    lw.gate_proj, lw.up_proj = _views(gate_up, [cfg.intermediate_size] * 2)
                 layers.append(MLXLayer(lw, qkv, gate_up, cfg.layer_window(n), cfg.layer_rope(n)))
-                mx.eval(lw)  # one layer at a time: float copies of the file's tensors are freed as we go
+                # One layer at a time: float copies of the file's tensors are freed as we go.
+                mx.eval(lw, *(f.weight for f in (qkv, gate_up) if f is not None))
             h = cfg.hidden_size
             embed = array("model.embed_tokens.weight", (cfg.vocab_size, h))
             lm_head = (
@@ -237,9 +253,12 @@ class MLXModel:
         if self.lm_head.weight is not self.embed:
             total += self.lm_head.nbytes
         for layer in self.layers:
+            fused = {"q_proj", "k_proj", "v_proj"} if layer.qkv is not None else set()
+            fused |= {"gate_proj", "up_proj"} if layer.gate_up is not None else set()
             for f in dataclasses.fields(layer.weights):
                 v = getattr(layer.weights, f.name)
-                total += 0 if v is None else v.nbytes
+                total += 0 if v is None or f.name in fused else v.nbytes  # views of a fused product
+            total += sum(g.nbytes for g in (layer.qkv, layer.gate_up) if g is not None)
         return total
 
     # -- the protocol -------------------------------------------------------------------------------
