@@ -12,8 +12,9 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from ruvllm.backend import Backend, LoadOptions
+from ruvllm.backend import Backend, BackendModel, LoadOptions
 from ruvllm.checkpoint import Checkpoint
+from ruvllm.errors import BackendError
 from ruvllm.hookspecs import hookimpl
 
 BACKEND_NAME = "mlx"
@@ -47,7 +48,11 @@ class MLXBackend(Backend):
         from ruvllm_mlx.device import choose_device, device_label
         from ruvllm_mlx.gguf_blocks import EXACT_BITS, NEAREST_FORMS
 
-        rows = [("device", device_label(choose_device(os.environ.get("RUVLLM_MLX_DEVICE", "auto"))))]
+        try:
+            device = device_label(choose_device(os.environ.get("RUVLLM_MLX_DEVICE", "auto")))
+        except BackendError as exc:  # RUVLLM_MLX_DEVICE names what this machine lacks: say so, as a row
+            device = str(exc)
+        rows = [("device", device)]
         if checkpoint.format == "gguf":
             types = checkpoint.matrix_types()
             exact = sorted(t for t in types if t in EXACT_BITS)
@@ -58,12 +63,10 @@ class MLXBackend(Backend):
             rows.append(("quantization=auto", "float weights"))
         return rows
 
-    def load(self, checkpoint: Checkpoint, options: LoadOptions):  # type: ignore[override]
+    def load(self, checkpoint: Checkpoint, options: LoadOptions) -> BackendModel:
         try:
             from ruvllm_mlx.model import MLXModel
         except ImportError as exc:
-            from ruvllm.errors import BackendError
-
             raise BackendError(
                 f"the mlx backend needs MLX: pip install 'mlx[cpu]' on Linux, 'mlx' on macOS ({exc})"
             ) from exc
