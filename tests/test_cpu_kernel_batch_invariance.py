@@ -179,3 +179,21 @@ def test_prefill_attention_does_not_depend_on_the_other_chunks(isa, heads, kv_he
             n = chunks[c][2]
             np.testing.assert_array_equal(got[at : at + n], alone[c], err_msg=f"{isa}: chunk {c} in {which}")
             at += n
+
+
+@pytest.mark.parametrize("cols", [576, 640, 1000, 7])
+def test_rmsnorm_mean_square_does_not_depend_on_the_row_count(cols):
+    """RMSNorm's mean of squares (one native kernel for every ISA): each row alone equals the row in
+    any batch, bit for bit, and the float64 mean within float32 rounding of a 1,000-term sum."""
+    import jax
+
+    from ruvllm_jax.row_sums import mean_square
+
+    rng = np.random.default_rng(cols)
+    x = _activations(rng, cols)
+    step = jax.jit(mean_square)
+    _each_row_alone(lambda a: np.asarray(step(jnp.asarray(a))), x, f"mean_square over {cols}")
+    ref = (x.astype(np.float64) ** 2).mean(axis=-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(step(jnp.asarray(x))), ref, rtol=2e-6)
+    # The mean really is the native one on the CPU (the XLA tree is only its fallback).
+    assert "ruvllm_mean_square" in step.lower(jnp.asarray(x)).as_text()

@@ -67,7 +67,7 @@ from ruvllm_jax.quant import QuantArray, Weight, linear, take_rows
 
 # XLA's own sigmoid (SiLU) and rsqrt (RMSNorm) for the model's formulas: the ops the step always ran;
 # RMSNorm's mean in a fixed order, so a row's norm does not depend on the step's row count.
-register_primitives(jnp, sigmoid=jax.nn.sigmoid, rsqrt=lax.rsqrt, row_mean=row_sums.row_mean)
+register_primitives(jnp, sigmoid=jax.nn.sigmoid, rsqrt=lax.rsqrt, mean_square=row_sums.mean_square)
 
 
 def bucket(n: int) -> int:

@@ -341,14 +341,15 @@ def namespace(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class Primitives:
-    """The two elementwise functions the array API leaves out, and the mean over the last axis, as an
-    array library computes them best. The model's formulas above them are written once; a backend
-    registers its library's own forms (:func:`register_primitives`), so its compiled step keeps the
-    operations it always had, or one whose row sums keep one order whatever the number of rows."""
+    """The two elementwise functions the array API leaves out, and the mean of squares over the last
+    axis (RMSNorm's), as an array library computes them best. The model's formulas above them are
+    written once; a backend registers its library's own forms (:func:`register_primitives`), so its
+    compiled step keeps the operations it always had, or one whose row sums keep one order whatever
+    the number of rows."""
 
     sigmoid: Callable[[Any], Any]
     rsqrt: Callable[[Any], Any]
-    row_mean: Callable[[Any], Any] | None = None  # mean over the last axis, kept; None: xp.mean
+    mean_square: Callable[[Any], Any] | None = None  # mean of x*x over the last axis, kept; None: xp.mean
 
 
 def _np_sigmoid(g: Any) -> Any:
@@ -369,11 +370,12 @@ def register_primitives(
     *,
     sigmoid: Callable[[Any], Any],
     rsqrt: Callable[[Any], Any],
-    row_mean: Callable[[Any], Any] | None = None,
+    mean_square: Callable[[Any], Any] | None = None,
 ) -> None:
-    """Use ``sigmoid``, ``rsqrt`` and ``row_mean`` (the mean over the last axis, kept; default the
-    library's mean) for arrays of the array module ``xp`` (e.g. ``jax.numpy``)."""
-    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, row_mean)
+    """Use ``sigmoid``, ``rsqrt`` and ``mean_square`` (the mean of ``x * x`` over the last axis, kept;
+    default the library's mean of the squares) for arrays of the array module ``xp`` (e.g.
+    ``jax.numpy``)."""
+    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, mean_square)
 
 
 def primitives(xp: Any) -> Primitives:
@@ -389,8 +391,7 @@ def inv_rms(x: Any, eps: float) -> Any:
     xp = namespace(x)
     xf = _f32(x, xp)
     prim = primitives(xp)
-    sq = xf * xf
-    mean = prim.row_mean(sq) if prim.row_mean is not None else xp.mean(sq, axis=-1, keepdims=True)
+    mean = prim.mean_square(xf) if prim.mean_square is not None else xp.mean(xf * xf, axis=-1, keepdims=True)
     return prim.rsqrt(mean + eps)
 
 

@@ -44,6 +44,7 @@ KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
 DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"
+MEAN_SQUARE_TARGET = "ruvllm_mean_square"
 #: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
 
@@ -151,6 +152,7 @@ def _load() -> None:
         (DECODE_TARGET, lib.RuvllmPagedDecode),
         (PREFILL_TARGET, lib.RuvllmPagedPrefill),
         (LORA_TARGET, lib.RuvllmLora),
+        (MEAN_SQUARE_TARGET, lib.RuvllmMeanSquare),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     log.info(
@@ -390,3 +392,11 @@ def lora_delta(x: jax.Array, layer: jax.Array, a: jax.Array, bt: jax.Array, slot
         jnp.asarray(slot, jnp.int32),
         rank=np.int64(rank),
     )
+
+
+def mean_square(x: jax.Array) -> jax.Array:
+    """``mean(x * x, axis=-1, keepdims=True)`` of float32 ``x`` (RMSNorm's), each row summed in one
+    fixed order (16 lane sums, folded as a fixed tree) whatever the number of rows: batch invariant."""
+    _lib()
+    call = jax.ffi.ffi_call(MEAN_SQUARE_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], 1), jnp.float32))
+    return call(x.astype(jnp.float32))

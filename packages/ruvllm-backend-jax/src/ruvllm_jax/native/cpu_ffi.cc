@@ -15,7 +15,8 @@
 // blocks), activations quantized to int8 per group of 32 (llama.cpp's Q8_1 scheme); see
 // cpu_kernels.h for the arithmetic. ruvllm_paged_decode: attention of one token per sequence over
 // the paged cache (float32, float16 or bfloat16), read in place, from a first key per sequence
-// (sliding windows) with the model's score scale (attribute "scale").
+// (sliding windows) with the model's score scale (attribute "scale"). ruvllm_mean_square: each row's
+// mean of squares in a fixed order (RMSNorm's, batch invariant).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -525,7 +526,40 @@ ffi::Error LoraImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::B
   return ffi::Error::Success();
 }
 
+// One row's mean of squares (RMSNorm's) in a fixed order: 16 running lane sums over the row, then the
+// lanes folded as a fixed tree. The order depends on the row's length only, never on the number of
+// rows or on how they are split, so the norm is the same for a row alone and in a batch. Plain loops:
+// the lane sums vectorise without reassociation, the same arithmetic on every ISA.
+float fixed_order_mean_square(const float* row, int64_t n) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += row[i + l] * row[i + l];
+  for (int l = 0; i + l < n; ++l) acc[l] += row[i + l] * row[i + l];
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0] / static_cast<float>(n);
+}
+
+ffi::Error MeanSquareImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const int64_t n = xd.size() == 0 ? 1 : xd[xd.size() - 1];
+  if (n < 1) return ffi::Error::InvalidArgument("ruvllm_mean_square: rows must not be empty");
+  const int64_t rows = static_cast<int64_t>(x.element_count()) / n;
+  if (static_cast<int64_t>(out->element_count()) != rows)
+    return ffi::Error::InvalidArgument("ruvllm_mean_square: one output per row expected");
+  const float* p = x.typed_data();
+  float* o = out->typed_data();
+  // A memory-bound pass (a prefill chunk of 512 rows of 576 reads 1.2 MB): one thread is enough.
+  for (int64_t r = 0; r < rows; ++r) o[r] = fixed_order_mean_square(p + r * n, n);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmMeanSquare, MeanSquareImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
                               ffi::Ffi::Bind()
