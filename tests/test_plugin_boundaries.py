@@ -19,15 +19,17 @@ PACKAGES = {
     "ruvllm": ROOT / "packages/ruvllm-core/src/ruvllm",
     "ruvllm_candle_compat": ROOT / "packages/ruvllm-backend-candle-compat/src/ruvllm_candle_compat",
     "ruvllm_jax": ROOT / "packages/ruvllm-backend-jax/src/ruvllm_jax",
+    "ruvllm_mlx": ROOT / "packages/ruvllm-backend-mlx/src/ruvllm_mlx",
     "ruvllm_sona": ROOT / "packages/ruvllm-sona/src/ruvllm_sona",
     "ruvllm_server": ROOT / "packages/ruvllm-server/src/ruvllm_server",
 }
 FORBIDDEN = {
-    "ruvllm": {"ruvllm_candle_compat", "ruvllm_jax", "ruvllm_sona", "ruvllm_server"},
-    "ruvllm_candle_compat": {"ruvllm_jax", "ruvllm_sona", "ruvllm_server"},
-    "ruvllm_jax": {"ruvllm_candle_compat", "ruvllm_sona", "ruvllm_server"},
-    "ruvllm_sona": {"ruvllm_server"},
-    "ruvllm_server": {"ruvllm_candle_compat", "ruvllm_jax", "ruvllm_sona"},
+    "ruvllm": {"ruvllm_candle_compat", "ruvllm_jax", "ruvllm_mlx", "ruvllm_sona", "ruvllm_server"},
+    "ruvllm_candle_compat": {"ruvllm_jax", "ruvllm_mlx", "ruvllm_sona", "ruvllm_server"},
+    "ruvllm_jax": {"ruvllm_candle_compat", "ruvllm_mlx", "ruvllm_sona", "ruvllm_server"},
+    "ruvllm_mlx": {"ruvllm_candle_compat", "ruvllm_jax", "ruvllm_sona", "ruvllm_server"},
+    "ruvllm_sona": {"ruvllm_server", "ruvllm_mlx"},
+    "ruvllm_server": {"ruvllm_candle_compat", "ruvllm_jax", "ruvllm_mlx", "ruvllm_sona"},
 }
 #: Deprecated forwarders core keeps for one release after their code moved to the server; each may
 #: import only the server module that replaced it. Drop an entry when its module goes.
