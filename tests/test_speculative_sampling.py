@@ -110,3 +110,16 @@ def test_draft_length_shrinks_and_stops_on_low_acceptance():
     for _ in range(8):
         length.observe(1, 0)
     assert length.want() == 0 and length.stopped
+
+
+def test_draft_length_drafts_only_what_pays_for_its_positions():
+    from ruvllm.speculative.adaptive import PROBE_AFTER, expected_tokens
+
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4.0
+    length = DraftLength(4, row_cost=0.2, stop_below=0.0)
+    assert length.want() == 4  # all kept so far: the longest draft
+    length.rate = 0.6  # 1.96 tokens for 1.4 of cost with two tokens: the best
+    assert length.want() == 2
+    length.rate = 0.15  # no draft beats a plain step; it tries one token now and then
+    wants = [length.want() for _ in range(PROBE_AFTER)]
+    assert wants.count(0) == PROBE_AFTER - 1 and wants[-1] == 1

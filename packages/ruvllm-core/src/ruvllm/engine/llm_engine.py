@@ -508,7 +508,11 @@ class LLMEngine:
                 continue
             spec = seq.speculation
             if spec is None:
-                length = DraftLength(cfg.num_speculative_tokens, stop_below=cfg.speculative_min_acceptance)
+                length = DraftLength(
+                    cfg.num_speculative_tokens,
+                    stop_below=cfg.speculative_min_acceptance,
+                    row_cost=cfg.speculative_position_cost,
+                )
                 spec = seq.speculation = (NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length)
             index, length = spec
             p = seq.state.sampling
