@@ -34,9 +34,12 @@ class ChunkPlan:
     rows: slice
     start_pos: int
     end_pos: int
-    #: Flat cache slots of positions ``0 .. end_pos`` (uint32; blocks out of a window read slot 0..).
+    #: Flat cache slots of positions ``read_from .. end_pos`` (uint32).
     read_slots: mx.array
     adapter: Any
+    #: First position any of the chunk's queries reads: where every layer of the pool is windowed,
+    #: the first query's window start (a long sequence gathers a window, not its whole context).
+    read_from: int = 0
 
 
 class MLXPagedKVCache:
@@ -120,6 +123,8 @@ def plan_step(
     for src, dst in batch.local_block_copies if local else batch.block_copies:
         if not (0 <= src < pool and 0 <= dst < pool):
             raise RequestError(f"block copy {src} -> {dst} names a block outside 0..{pool - 1}")
+    # Where every layer of this pool is windowed, nothing before the first query's window is read.
+    window = config.hybrid_window if local else config.uniform_window
     plans, writes, row = [], [], 0
     for idx, chunk in enumerate(batch.chunks):
         n, start, end = len(chunk.token_ids), chunk.start_pos, chunk.end_pos
@@ -151,7 +156,9 @@ def plan_step(
         pos = np.arange(end)
         slots = np.maximum(used, 0)[pos // bs] * bs + pos % bs
         writes.append(slots[start:])
-        plans.append(ChunkPlan(slice(row, row + n), start, end, mx.array(slots.astype(np.uint32)), chunk.adapter))
+        read_from = max(0, start - window + 1) if window else 0
+        read = mx.array(slots[read_from:].astype(np.uint32))
+        plans.append(ChunkPlan(slice(row, row + n), start, end, read, chunk.adapter, read_from))
         row += n
     write_slots = mx.array(np.concatenate(writes).astype(np.uint32)) if writes else mx.zeros((0,), mx.uint32)
     return plans, write_slots

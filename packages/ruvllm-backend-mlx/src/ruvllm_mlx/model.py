@@ -344,10 +344,10 @@ class MLXModel:
                 outs = []
                 for ci, plan in enumerate(local_plans if local else plans):
                     n = plan.rows.stop - plan.rows.start
-                    key = (ci, window)
+                    key = (ci, local, window)
                     if key not in masks:
                         masked = attention_mask(n, plan.end_pos, plan.start_pos, window)
-                        masks[key] = None if masked is None else mx.array(~masked)
+                        masks[key] = None if masked is None else mx.array(~masked[:, plan.read_from :])
                     ks = kc[plan.read_slots].astype(q.dtype).transpose(1, 0, 2)[None]
                     vs = vc[plan.read_slots].astype(q.dtype).transpose(1, 0, 2)[None]
                     qs = q[plan.rows].transpose(1, 0, 2)[None]
