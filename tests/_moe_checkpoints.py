@@ -171,3 +171,101 @@ def write_moe_gguf(hf_dir: Path, family: str, out: Path, ggml_type: str = "F32")
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def mxfp4_representable(hf_dir: Path) -> None:
+    """Round a gpt_oss checkpoint's expert matrices to MXFP4 values in place (blocks of 32 along each
+    matrix's input, as llama.cpp's GGUF stores them), so its MXFP4 GGUF holds exactly these weights."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    file = hf_dir / "model.safetensors"
+    tensors = load_file(str(file))
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out]
+            rows = np.ascontiguousarray(t.swapaxes(-1, -2), np.float32)
+            back = gguf.quants.dequantize(gguf.quants.quantize(rows, mx), mx).reshape(rows.shape)
+            tensors[name] = np.ascontiguousarray(back.swapaxes(-1, -2))
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def write_gpt_oss_gguf(hf_dir: Path, out: Path, experts_type: str = "F32") -> Path:
+    """A gpt_oss checkpoint as llama.cpp's converter writes it (architecture ``gpt-oss``): the pre-MLP
+    norm as ``post_attention_norm``, sinks as ``attn_sinks.weight``, the fused interleaved experts
+    split into ``ffn_{gate,up,down}_exps`` ``[experts, out, in]`` with their biases, the experts in
+    ``experts_type`` (``MXFP4``: gguf's own quantizer)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    c = json.loads((hf_dir / "config.json").read_text())
+    rp = c["rope_parameters"]
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rp["factor"])
+    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    w.add_expert_count(c["num_local_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(c["intermediate_size"])
+    w.add_sliding_window(c["sliding_window"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(c["vocab_size"])])
+    w.add_token_types([1] * c["vocab_size"])
+    w.add_token_merges([])
+    qtype = gguf.GGMLQuantizationType[experts_type]
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+        **{f"self_attn.{p}_proj.{k}": f"attn_{g}.{k}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+           for k in ("weight", "bias")},
+    }  # fmt: skip
+
+    def experts(name: str, t: np.ndarray) -> None:
+        t = np.ascontiguousarray(t, np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+
+    for name, t in tensors.items():
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", t)
+        elif name == "lm_head.weight":
+            w.add_tensor("output.weight", t)
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            blk = f"blk.{layer}"
+            if rest == "mlp.experts.gate_up_proj":  # [experts, in, 2 * inter], gate/up interleaved
+                rows = t.swapaxes(-1, -2)
+                experts(f"{blk}.ffn_gate_exps.weight", rows[:, ::2])
+                experts(f"{blk}.ffn_up_exps.weight", rows[:, 1::2])
+            elif rest == "mlp.experts.gate_up_proj_bias":
+                w.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(t[:, ::2]))
+                w.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(t[:, 1::2]))
+            elif rest == "mlp.experts.down_proj":
+                experts(f"{blk}.ffn_down_exps.weight", t.swapaxes(-1, -2))
+            elif rest == "mlp.experts.down_proj_bias":
+                w.add_tensor(f"{blk}.ffn_down_exps.bias", t)
+            else:
+                w.add_tensor(f"{blk}.{names[rest]}", np.ascontiguousarray(t, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

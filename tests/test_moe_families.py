@@ -11,7 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _family_checkpoints import hf_all_logits, hf_model
-from _moe_checkpoints import GGUF_FAMILIES, MOE_FAMILIES, moe_config, write_moe_checkpoint, write_moe_gguf
+from _moe_checkpoints import (
+    GGUF_FAMILIES,
+    MOE_FAMILIES,
+    moe_config,
+    mxfp4_representable,
+    write_gpt_oss_gguf,
+    write_moe_checkpoint,
+    write_moe_gguf,
+)
 
 from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
 from ruvllm.checkpoint import open_checkpoint
@@ -167,6 +175,39 @@ def test_gguf_files_match_transformers(family, backend, tmp_path) -> None:
     chunk = SequenceChunk(np.asarray(ids, np.int32), 0, table, all_logits=True)
     out = model.forward(ForwardBatch([chunk], BLOCK), cache)
     np.testing.assert_allclose(out.all_logits[0], hf_all_logits(hf_dir, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(backend, tmp_path) -> None:
+    """gpt-oss as llama.cpp's converter writes it, its experts in MXFP4 (the HF checkpoint's experts
+    rounded to MXFP4 values first, so both hold the same weights): transformers' logits. (llama.cpp
+    fixes the SwiGLU limit at 7 and writes none, so the checkpoint has that one.)"""
+    hf_dir = write_moe_checkpoint(tmp_path / "hf", "gpt_oss", swiglu_limit=7.0)
+    mxfp4_representable(hf_dir)
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "model.gguf", "MXFP4")
+    ckpt, model, cache = _load(path, backend)
+    cfg = ckpt.config
+    assert (cfg.architecture, cfg.layer_windows, cfg.routing) == ("gpt_oss", (5, 0), "topk_softmax")
+    assert ckpt.raw_tensor("model.layers.1.mlp.experts.3.up_proj.weight").ggml_type == "MXFP4"
+    ids = np.random.default_rng(7).integers(3, 101, size=26).tolist()
+    table = np.random.default_rng(8).permutation(48)[:7].astype(np.int32)
+    chunk = SequenceChunk(np.asarray(ids, np.int32), 0, table, all_logits=True)
+    out = model.forward(ForwardBatch([chunk], BLOCK), cache)
+    np.testing.assert_allclose(out.all_logits[0], hf_all_logits(hf_dir, ids), atol=ATOL, rtol=0)
+
+
+def test_an_mxfp4_block_with_a_bad_scale_is_a_load_error_naming_it(tmp_path) -> None:
+    import gguf
+
+    hf_dir = write_moe_checkpoint(tmp_path / "hf", "gpt_oss")
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "model.gguf", "MXFP4")
+    reader = gguf.GGUFReader(str(path), "r+")
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    down.data.reshape(-1, 17)[5, 0] = 0xFF  # expert 0's sixth block: an E8M0 scale that is NaN
+    del reader, down
+    with pytest.raises(ModelFormatError, match=r"blk\.1\.ffn_down_exps\.weight \(expert 0\).*0xFF") as info:
+        _load(path, "candle-compat")
+    assert "\n" not in str(info.value)
 
 
 def test_quantized_gguf_experts_keep_their_blocks(tmp_path) -> None:

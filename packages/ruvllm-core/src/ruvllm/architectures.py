@@ -65,6 +65,7 @@ config) is refused at load with the field's name: never a silent approximation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -90,6 +91,7 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "mlp_output_norm",
     "ffn_gate_inp": "mlp.gate",
+    "attn_sinks": "self_attn.sinks",
 }
 #: GGUF's stacked expert tensors (``blk.{n}.<key>``, ``[experts, out, in]``) -> the projection of
 #: each expert's ``mlp.experts.{e}.<projection>``.
@@ -170,6 +172,9 @@ class Family:
     attention_sinks: bool = False
     moe_biases: bool = False
     hf_fused_experts: bool = False
+    #: GGUF per-layer names that mean another canonical tensor in this family's files (gpt-oss's
+    #: ``post_attention_norm`` is its pre-MLP norm).
+    gguf_renames: Mapping[str, str] = field(default_factory=dict)
     #: HF module that holds the router and experts when it is not ``mlp`` (mixtral's
     #: ``block_sparse_moe``), and the experts' projection names when not HF's usual (its w1/w3/w2).
     hf_moe_module: str = "mlp"
@@ -196,6 +201,8 @@ class Family:
         """Canonical suffix of GGUF per-layer tensor ``key`` (None: not one ruvllm reads)."""
         if key in self.gguf_fused:
             return None
+        if key in self.gguf_renames:
+            return self.gguf_renames[key]
         return _GGUF_LAYER.get(key)
 
 
@@ -219,11 +226,13 @@ FAMILIES: tuple[Family, ...] = (
         hf_expert_names={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
         **_LLAMA,
     ),
-    # gpt-oss from HF directories in float (its MXFP4 checkpoints carry a quantization_config, refused;
-    # its GGUF files, architecture "gpt-oss", are not read yet).
+    # gpt-oss from HF directories in float (its MXFP4 HF checkpoints carry a quantization_config,
+    # refused) and from GGUF files (llama.cpp's converter: MXFP4 experts, even layers sliding).
     Family(
         "gpt_oss",
-        gguf_archs=(),
+        gguf_archs=("gpt-oss",),
+        gguf_renames={"post_attention_norm": "post_attention_layernorm"},
+        global_period=2,
         hf_model_types=("gpt_oss",),
         activation="swiglu_oai",
         hf_activations=("silu",),
@@ -709,8 +718,18 @@ def config_from_gguf(
             ("expert_count", "expert_used_count", "expert_feed_forward_length"),
         )
         experts["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+        experts["routing"] = fam.routing
+        experts["router_bias"] = has_tensor("blk.0.ffn_gate_inp.bias")
+        experts["expert_bias"] = has_tensor("blk.0.ffn_gate_exps.bias")
     elif fam.experts:
         refuse("expert_count", get("expert_count"), f"must be given for {fam.name}")
+
+    gpt_oss: dict[str, Any] = {}
+    if fam.name == "gpt_oss":
+        # llama.cpp's constants for gpt-oss's SwiGLU; YaRN unrounded, as OpenAI's and HF's models compute it.
+        gpt_oss = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+        if rope.kind == "yarn":
+            rope = dataclasses.replace(rope, truncate=False)
 
     eos = meta("tokenizer.ggml.eos_token_id")
     eot = meta("tokenizer.ggml.eot_token_id")
@@ -742,5 +761,8 @@ def config_from_gguf(
         rope=rope,
         rope_local=rope_local,
         final_logit_softcap=float(softcap) if softcap else None,
+        o_proj_bias=has_tensor("blk.0.attn_output.bias"),
+        attention_sinks=has_tensor("blk.0.attn_sinks.weight"),
+        **gpt_oss,
         **experts,
     )

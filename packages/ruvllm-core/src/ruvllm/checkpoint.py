@@ -28,7 +28,21 @@ if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
 
 #: GGUF tensor types ruvllm decodes (through the ``gguf`` library's reference dequantizers).
-SUPPORTED_GGML_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+SUPPORTED_GGML_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
+)
+#: MXFP4 blocks: one E8M0 scale byte, then 32 4-bit E2M1 codes; scale 0xFF is NaN (OCP MX spec).
+_MXFP4_BLOCK_BYTES = 17
+
+
+def _check_blocks(ggml_type: str, data: np.ndarray, where: str) -> None:
+    """Refuse blocks whose scale is not a number (an MXFP4 scale of 0xFF) by the tensor's name."""
+    if ggml_type != "MXFP4":
+        return
+    scales = np.asarray(data).reshape(-1, _MXFP4_BLOCK_BYTES)[:, 0]
+    bad = np.flatnonzero(scales == 0xFF)
+    if bad.size:
+        raise ModelFormatError(f"{where}: MXFP4 block {int(bad[0])} has scale 0xFF (NaN in E8M0); the file is corrupt")
 
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -44,6 +58,8 @@ def gguf_to_hf_name(name: str, fam: Family | None = None) -> str | None:
     m = _GGUF_BLOCK_RE.match(name)
     if m:
         suffix = fam.gguf_layer_name(m.group(2))
+        if suffix == "self_attn.sinks":  # HF names it without ``.weight``
+            return f"model.layers.{m.group(1)}.{suffix}"
         if suffix is not None:
             return f"model.layers.{m.group(1)}.{suffix}.{m.group(3)}"
     return None
@@ -215,9 +231,10 @@ class GGUFCheckpoint(Checkpoint):
         self._experts: dict[str, tuple[Any, int]] = {}
         for t in self._reader.tensors:
             m = _GGUF_BLOCK_RE.match(t.name)
-            if m and m.group(2) in architectures.GGUF_EXPERTS and len(t.shape) == 3:
+            # Matrices [experts, out, in] and biases [experts, out] (gpt-oss).
+            if m and m.group(2) in architectures.GGUF_EXPERTS and len(t.shape) == (3 if m.group(3) == "weight" else 2):
                 proj = architectures.GGUF_EXPERTS[m.group(2)]
-                for e in range(int(t.shape[2])):
+                for e in range(int(t.shape[-1])):
                     self._experts[f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.{m.group(3)}"] = (t, e)
 
     # -- metadata -------------------------------------------------------------------------------
@@ -311,9 +328,12 @@ class GGUFCheckpoint(Checkpoint):
         if name in self._experts:  # one expert of a stacked tensor: its own blocks, in the file's format
             stacked, e = self._experts[name]
             whole = self._raw(stacked, name)
-            data = whole.data.reshape(whole.shape[0], whole.shape[1], -1)[e]
+            data = whole.data.reshape(*whole.shape[:-1], -1)[e]
+            _check_blocks(whole.ggml_type, data, f"{self.path}: tensor {stacked.name} (expert {e})")
             return RawTensor(whole.ggml_type, data, whole.shape[1:])
-        return self._raw(self._get(name), name)
+        raw = self._raw(self._get(name), name)
+        _check_blocks(raw.ggml_type, raw.data, f"{self.path}: tensor {name}")
+        return raw
 
     def _raw(self, t: Any, name: str) -> RawTensor:
         qtype = t.tensor_type.name
