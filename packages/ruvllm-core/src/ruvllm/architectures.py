@@ -54,6 +54,12 @@ top-k renormalised     ``{arch}.expert_weights_norm``, else always   ``norm_topk
                        (llama.cpp's qwen3moe and llama graphs)
 =====================  ===========================================  ==========================================
 
+gpt_oss: HF stores its experts fused (``mlp.experts.gate_up_proj`` ``[experts, hidden, 2 * inter]``,
+gate/up interleaved; cut per expert by :func:`hf_expert_views`), its router as ``mlp.router``, sinks as
+``self_attn.sinks``; its GGUF (``gpt-oss``) has ``attn_sinks``, biases on ``ffn_*_exps`` and
+``ffn_gate_inp``, and its pre-MLP norm under ``post_attention_norm``; the SwiGLU limit (7) and alpha
+(1.702) are llama.cpp's constants there, ``swiglu_limit``/``swiglu_alpha`` in config.json.
+
 A Mixtral GGUF is a ``llama`` file with ``llama.expert_count`` set (llama.cpp's converter). Mixtures
 of dense and MoE layers (``decoder_sparse_step``, ``mlp_only_layers``, a GGUF's
 ``leading_dense_block_count``), shared experts and routers other than a softmax are refused by name.
