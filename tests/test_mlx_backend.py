@@ -91,3 +91,44 @@ def test_rounded_weights_and_16_bit_dtypes_stay_close(tiny, tmp_path):
     scale = np.abs(outs["f32"]).max()
     assert np.abs(outs["q8"] - outs["f32"]).max() < 0.05 * scale
     assert np.abs(outs["bf16"] - outs["f32"]).max() < 0.1 * scale
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8", "q4"])
+def test_batch_invariant_bit_for_bit_on_the_cpu(tmp_path, quantization):
+    """On MLX's CPU build a row's products, norms and attention do not depend on the other rows of
+    the step: a prompt's logits and a decode's are the same bits alone and beside others (the kit's
+    quantized_batch_invariance, for mlx's own forms; on Metal this is not claimed)."""
+    import numpy as np
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.runtime import load_model
+    from ruvllm.testing import QUANTIZABLE_TINY
+
+    path = write_tiny_checkpoint(tmp_path / "t", seed=3, sizes=QUANTIZABLE_TINY)
+    model = load_model(
+        str(path), backend="mlx", options=LoadOptions(quantization=quantization, extra={"device": "cpu"})
+    )
+    rng = np.random.default_rng(9)
+    ids = rng.integers(3, 97, size=8).tolist()
+    others = [rng.integers(3, 97, size=n).tolist() for n in (3, 11, 1, 6, 2)]
+
+    def chunk(s, start, table, **kw):
+        return SequenceChunk(np.asarray(s, np.int32), start, np.asarray(table, np.int32), **kw)
+
+    def step(chunks, cache=None):
+        return model.forward(ForwardBatch(chunks, 4), cache or model.allocate_cache(48, 4))
+
+    alone = step([chunk(ids, 0, [1, 2], all_logits=True)]).all_logits[0]
+    beside = [chunk(o, 0, [10 + 3 * k, 11 + 3 * k, 12 + 3 * k]) for k, o in enumerate(others)]
+    crowd = step([beside[0], chunk(ids, 0, [1, 2], all_logits=True), *beside[1:]]).all_logits[1]
+    np.testing.assert_array_equal(crowd, alone)
+    seqs = [ids, *others]
+    tables = [[1, 2, 3, 4]] + [[10 + 4 * k, 11 + 4 * k, 12 + 4 * k, 13 + 4 * k] for k in range(len(others))]
+    cache = model.allocate_cache(48, 4)
+    step([chunk(s, 0, t) for s, t in zip(seqs, tables, strict=True)], cache)
+    nxt = int(np.argmax(alone[-1]))
+    one = step([chunk([nxt], len(ids), tables[0])], cache).logits[0]
+    many = step(
+        [chunk([nxt if k == 0 else 5], len(s), t) for k, (s, t) in enumerate(zip(seqs, tables, strict=True))], cache
+    )
+    np.testing.assert_array_equal(many.logits[0], one)
