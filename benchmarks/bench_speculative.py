@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) against the same engine without it and against
+"""Speculative decoding (n-gram prompt lookup, or a draft model: ``--speculative draft``, by default
+the model's own w4a8 form) against the same engine without it and against
 llama.cpp (llama-cpp-python, same GGUF, when installed): single-stream decode tok/s on the
 input-grounded prompts kept in ``benchmarks/prompts/speculative_grounded.jsonl`` (rewrite or continue
 a given code file, extract fields from a given text, summarize with quotes) and on open-ended ones
@@ -7,6 +8,7 @@ a given code file, extract fields from a given text, summarize with quotes) and 
     python benchmarks/bench_speculative.py                      # SmolLM2 on jax, every prompt
     python benchmarks/bench_speculative.py --limit 3 --max-tokens 64 --no-aggregate   # a smoke run
     python benchmarks/bench_speculative.py --streams 32 --json spec.json
+    python benchmarks/bench_speculative.py --quantization none --speculative draft --draft-quantization w4a8
 
 Prompt by prompt the engines take turns in an order rotated by one per prompt (interleaved: each
 pair of figures is seconds apart, as in bench_backends.py --interleave). Greedy decoding: the
@@ -70,6 +72,8 @@ def ruvllm_engine(model: Any, speculative: str | None, args: argparse.Namespace,
         num_blocks=streams * (2048 // 16),
         speculative=speculative,
         num_speculative_tokens=args.k,
+        draft_model=args.draft_model if speculative == "draft" else None,
+        draft_quantization=args.draft_quantization if speculative == "draft" else None,
     )
     engine = LLMEngine(model, config)
     engine.precompile()  # nothing compiles while timed
@@ -156,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="jax")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--speculative", default="ngram", choices=["ngram", "draft"])
+    p.add_argument("--draft-model", default="same", help="--speculative draft: the draft model, or same")
+    p.add_argument("--draft-quantization", default="w4a8", help="--speculative draft: the draft's quantization")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (a smoke run)")
     p.add_argument("--streams", type=int, default=32, help="streams of the aggregate figure")
@@ -175,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(str(path), backend=args.backend, options=LoadOptions(quantization=args.quantization))
     threads = args.threads or len(os.sched_getaffinity(0))
     plain = Figures("ruvllm")
-    spec = Figures(f"ruvllm + ngram k={args.k}")
+    spec = Figures(f"ruvllm + {args.speculative} k={args.k}")
     peer = Figures("llama.cpp")
-    engines = {"plain": ruvllm_engine(model, None, args, 1), "spec": ruvllm_engine(model, "ngram", args, 1)}
+    engines = {"plain": ruvllm_engine(model, None, args, 1), "spec": ruvllm_engine(model, args.speculative, args, 1)}
     llama = None if args.no_llama_cpp or path.suffix != ".gguf" else llama_cpp_single(path, threads)
     mismatches = 0
     for which in SETS:
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             (after.spec_accepted_tokens - before.spec_accepted_tokens) / drafted if drafted else None
         )
         if not args.no_aggregate:
-            for fig, speculative in ((plain, None), (spec, "ngram")):
+            for fig, speculative in ((plain, None), (spec, args.speculative)):
                 engine = ruvllm_engine(model, speculative, args, args.streams)
                 ruvllm_aggregate(engine, prompts, args.streams, args.max_tokens)  # warm-up
                 fig.aggregate_tok_s[which] = ruvllm_aggregate(engine, prompts, args.streams, args.max_tokens)
