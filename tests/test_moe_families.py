@@ -31,6 +31,8 @@ pytest.importorskip("transformers")
 ATOL = 2e-5
 BLOCK = 4
 BACKENDS = ("candle-compat", "jax")
+#: The jax backend with its layers unrolled, as it runs on CUDA (``unroll_layers``, auto there).
+STEP_BACKENDS = (*BACKENDS, "jax-unrolled")
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -40,11 +42,13 @@ def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
 
 def _load(path: Path, backend: str, **options):
     ckpt = open_checkpoint(path)
-    model = load_plugins().choose_backend(backend).load(ckpt, LoadOptions(**options))
+    if backend == "jax-unrolled":
+        options["extra"] = {"unroll_layers": True}
+    model = load_plugins().choose_backend(backend.removesuffix("-unrolled")).load(ckpt, LoadOptions(**options))
     return ckpt, model, model.kv_cache(48, BLOCK, {})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
 def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backend) -> None:
     family, path = family_dir
     ckpt, model, cache = _load(path, backend)
@@ -87,6 +91,8 @@ def test_ragged_chunked_prefix_cached_steps_match_transformers(family_dir, backe
         if 19 <= pos - 2 < len(c):
             step.append(("c", pos - 2, pos - 1))
         run(step)
+    if backend.startswith("jax"):  # the steps ran as asked: scanned layers, or unrolled
+        assert {plan.unroll_layers for plan in model.compiled_steps.stats.plans} == {backend == "jax-unrolled"}
 
 
 def _hf_router(
