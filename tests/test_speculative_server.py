@@ -32,5 +32,6 @@ def test_served_with_speculation(smollm2_model):  # noqa: F811
         accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens_total")
         assert drafted > 0 and 0 < accepted <= drafted
         assert _counter(metrics, "ruvllm_spec_decode_num_draft_tokens_total") == drafted
+        assert _counter(metrics, "ruvllm_spec_decode_acceptance_rate") == accepted / drafted
         health = httpx.get(srv.url("/health"), timeout=30).json()
         assert health["spec_acceptance_rate"] == round(accepted / drafted, 4)

@@ -125,6 +125,12 @@ class _StateCollector(Collector):
             yield CounterMetricFamily(
                 f"{prefix}spec_decode_num_drafts", "Verification chunks run", value=stats.spec_verifications
             )
+        if stats.spec_acceptance_rate is not None:  # what a router reads of the load without a rate()
+            yield GaugeMetricFamily(
+                "ruvllm_spec_decode_acceptance_rate",
+                "Draft tokens kept / draft tokens verified",
+                value=stats.spec_acceptance_rate,
+            )
 
 
 class ServerMetrics:
