@@ -132,3 +132,47 @@ def test_batch_invariant_bit_for_bit_on_the_cpu(tmp_path, quantization):
         [chunk([nxt if k == 0 else 5], len(s), t) for k, (s, t) in enumerate(zip(seqs, tables, strict=True))], cache
     )
     np.testing.assert_array_equal(many.logits[0], one)
+
+
+def test_a_verification_chunk_gives_the_token_at_a_time_logits(tiny):
+    """Speculative decoding's verification chunks (``SequenceChunk.verify``): their logits are the bits
+    each position gets decoded alone, so drafts never change greedy output; the cache rewrites
+    positions (``kv_rewrites_positions``), so refused drafts are written over."""
+    import numpy as np
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+
+    model = _load(tiny)
+    ids, table = np.arange(3, 18, dtype=np.int32), np.arange(4, dtype=np.int32)
+
+    def prefilled():
+        cache = model.kv_cache(8, 4, {})
+        model.forward(ForwardBatch([SequenceChunk(ids[:10], 0, table)], 4), cache)
+        return cache
+
+    cache = prefilled()
+    assert model.kv_rewrites_positions(cache)
+    chunk = SequenceChunk(ids[10:15], 10, table, all_logits=True, verify=True)
+    verified = model.forward(ForwardBatch([chunk], 4), cache).all_logits[0]
+    cache = prefilled()
+    one_by_one = [model.forward(ForwardBatch([SequenceChunk(ids[i : i + 1], i, table)], 4), cache).logits[0]
+                  for i in range(10, 15)]  # fmt: skip
+    np.testing.assert_array_equal(verified, np.stack(one_by_one))
+
+
+def test_speculative_greedy_output_is_unchanged(smollm2_path):
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.runtime import load_model
+    from ruvllm.sampling import SamplingParams
+
+    llm = load_model(str(smollm2_path), backend="mlx", options=LoadOptions(quantization="auto"))
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the")
+
+    def run(speculative):
+        engine = LLMEngine(llm, EngineConfig(speculative=speculative, num_blocks=64, max_model_len=256))
+        [out] = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=16, temperature=0.0))])
+        return [t for o in out for d in o.deltas for t in d.token_ids], engine.stats()
+
+    plain, _ = run(None)
+    drafted, stats = run("ngram")
+    assert drafted == plain and stats.spec_draft_tokens > 0

@@ -268,6 +268,11 @@ class MLXModel:
         with mx.stream(self.device):
             return make_kv_cache(self.config, num_blocks, block_size, options, self.options.dtype)
 
+    def kv_rewrites_positions(self, cache: Any) -> bool:
+        """The cache stores each position as written, so a speculative draft's refused positions are
+        simply written again (``ruvllm.backend.RewritesKVPositions``)."""
+        return isinstance(cache, MLXPagedKVCache)
+
     def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
         dtype = options.get("dtype", "auto")
         dtype = self.options.dtype if dtype == "auto" else dtype
