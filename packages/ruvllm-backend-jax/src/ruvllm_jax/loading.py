@@ -118,6 +118,8 @@ class WeightLoader:
         return _float(self.ckpt.tensor(name), self.spec.dtype)
 
     def load(self) -> Weights:
+        if self.spec.num_experts and (self.quantization != "none" or self.keep_gguf_blocks):
+            self._refuse_experts()
         if self.quantization == "w8a8":
             return self._load_w8a8()
         return self._load()
@@ -159,14 +161,15 @@ class WeightLoader:
 
     def _experts(self, t: LayerTensor, layer: int) -> np.ndarray:
         """One layer's experts of ``t``, float ``[experts, out, in]``: the grouped product reads them
-        unquantized (quantized expert kernels are not implemented, so a quantized form is refused)."""
-        if self.quantization != "none" or self.keep_gguf_blocks:
-            form = "keep_gguf_blocks" if self.quantization == "none" else f"quantization {self.quantization}"
-            raise BackendError(
-                f"jax backend: the experts of a mixture of experts ({t.name(layer, 0)} ...) load only in "
-                f"float (quantization none); {form} has no expert kernels"
-            )
+        unquantized (quantized expert kernels are not implemented: :meth:`load` refuses those forms)."""
         return np.stack([self.vector(name) for name in t.names(layer, self.spec)])
+
+    def _refuse_experts(self) -> None:
+        form = "keep_gguf_blocks" if self.quantization == "none" else f"quantization {self.quantization}"
+        raise BackendError(
+            "jax backend: the experts of a mixture of experts (model.layers.{n}.mlp.experts.{e}.*) load only "
+            f"in float (quantization none); {form} has no expert kernels"
+        )
 
     def _load(self) -> Weights:
         spec = self.spec
