@@ -82,10 +82,8 @@ class StructuredOutput:
         try:
             if self.kind == "json_object":
                 return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-            if self.kind == "json_schema" and self.strict:
-                return grammar_from("lark", strict_json_lark(json.loads(self.value)))
             if self.kind == "json_schema":
-                return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+                return grammar_from("lark", json_lark(json.loads(self.value), strict=self.strict))
             if self.kind == "grammar":
                 return grammar_from("grammar", self.value)
             return grammar_from(self.kind, self.value)
@@ -93,58 +91,184 @@ class StructuredOutput:
             raise RequestError(f"{self.param}: {_one_line(str(exc))}", param=self.param) from None
 
 
-#: JSON whitespace between tokens: free, as models like to pretty-print, but at most 32 characters per
-#: gap, so whitespace alone cannot run a greedy decode to max_tokens. A schema's ``x-guidance``
-#: options override it.
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
-
-
 #: Strict mode's numbers: at most 16 digits before and after the point and a 3-digit exponent, so a
 #: small model cannot run a number to max_tokens (a float64 holds about 16 significant digits anyway).
 STRICT_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?/"
 STRICT_INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
-#: Strict mode's whitespace between tokens: spaces or tabs, or one line break and an indent (at most 16
+#: JSON whitespace between tokens: spaces or tabs, or one line break and an indent (at most 16
 #: characters either way). Compact and pretty-printed JSON both fit; a sampled run of blank lines or
-#: tabs does not, so one gap costs a token or two, not up to 32 (the SDK's ``parse`` raises when
-#: ``max_tokens`` cuts the object).
+#: tabs does not, so one gap costs a token or two (at 32 free characters a gap, greedy SmolLM2 filled
+#: every gap with line breaks and ran to max_tokens; the SDK's ``parse`` raises when ``max_tokens``
+#: cuts the object). The same in strict mode and out of it.
 STRICT_WHITESPACE = r"[\x20\x09]{1,16}|\x0D?\x0A[\x20\x09]{0,16}"
+#: llguidance's JSON options: the whitespace above. A schema's ``x-guidance`` options override them.
+JSON_OPTIONS = {"whitespace_pattern": STRICT_WHITESPACE}
 
 #: Keywords that only annotate a schema; they do not change what it matches.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
+#: A number's or integer's keywords that :func:`bounded_number_regex` writes itself.
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+#: Digits a number may take each side of the point (more than a float64 tells apart), unless its bounds
+#: need more before it.
+MAX_DIGITS = 16
 
 
 def strict_json_lark(schema: Any) -> str:
     """A Lark grammar (llguidance's dialect) for ``schema`` in OpenAI's strict form.
 
     Objects with ``additionalProperties: false`` write their required properties first, in the
-    schema's order, then the optional ones in order, each optional; unbounded numbers and integers
-    take at most 16 digits each side of the point. Whatever else (strings, enums, bounded numbers,
-    open objects) is an embedded ``%json`` sub-grammar, so llguidance keeps its own semantics there.
-    Whitespace between tokens is bounded more tightly than outside strict mode (:data:`STRICT_WHITESPACE`,
-    or the schema's ``x-guidance``)."""
-    return _StrictLark(schema).grammar()
+    schema's order, then the optional ones in order, each optional; numbers and integers take at most
+    16 digits each side of the point (bounded ones: :func:`bounded_number_regex`). Whatever else
+    (strings, enums, open objects) is an embedded ``%json`` sub-grammar, so llguidance keeps its own
+    semantics there. Whitespace between tokens: :data:`STRICT_WHITESPACE`, or the schema's
+    ``x-guidance``."""
+    return _JsonLark(schema, strict=True).grammar()
 
 
-class _StrictLark:
-    def __init__(self, schema: Any) -> None:
+def json_lark(schema: Any, strict: bool = False) -> str:
+    """A Lark grammar (llguidance's dialect) for ``schema``: :func:`strict_json_lark` when ``strict``,
+    else llguidance's own JSON (properties in the schema's order, whitespace per :data:`JSON_OPTIONS`)
+    except that numbers and integers take at most 16 digits each side of the point, bounded or not,
+    so a greedy decode cannot run a fraction to max_tokens."""
+    return _JsonLark(schema, strict=strict).grammar()
+
+
+def bounded_number_regex(schema: dict[str, Any]) -> str | None:
+    """A lexeme (llguidance's regex syntax, ``&`` intersecting) for the numbers ``schema`` allows
+    within its ``minimum``/``maximum`` (JSON Schema's exclusive forms too, numeric or draft 4's
+    booleans): no exponent, at most 16 fraction digits (none for ``integer``), at most 16 integer
+    digits unless a bound has more. ``None`` when the bounds are not numbers, have more than 16
+    fraction digits (for ``number``), or leave no such number: llguidance's own grammar decides then.
+    """
+    from decimal import Decimal, InvalidOperation
+
+    def bound(plain: str, exclusive: str, pick: Any) -> tuple[Decimal | None, bool] | None:
+        found: list[tuple[Decimal, bool]] = []
+        for key, excl in ((plain, schema.get(exclusive) is True), (exclusive, True)):
+            value = schema.get(key)
+            if value is None or isinstance(value, bool):
+                continue
+            if not isinstance(value, (int, float)):
+                return None
+            try:
+                found.append((Decimal(str(value)), excl))
+            except InvalidOperation:
+                return None
+        if not found:
+            return (None, False)
+        # The tighter bound wins; at a tie the exclusive one is the tighter.
+        return pick(found, key=lambda b: (b[0], b[1] if pick is max else not b[1]))
+
+    lower, upper = bound("minimum", "exclusiveMinimum", max), bound("maximum", "exclusiveMaximum", min)
+    if lower is None or upper is None or not all(d is None or d.is_finite() for d in (lower[0], upper[0])):
+        return None
+    (lo, lo_excl), (hi, hi_excl) = lower, upper
+    integer = schema.get("type") == "integer"
+    if not integer and any(d is not None and len(_digits(abs(d))[1]) > MAX_DIGITS for d in (lo, hi)):
+        return None
+    if lo is not None and hi is not None:
+        if integer:
+            first = lo.to_integral_value("ROUND_FLOOR") + 1 if lo_excl else lo.to_integral_value("ROUND_CEILING")
+            last = hi.to_integral_value("ROUND_CEILING") - 1 if hi_excl else hi.to_integral_value("ROUND_FLOOR")
+            if first > last:
+                return None
+        elif lo > hi or (lo == hi and (lo_excl or hi_excl)):
+            return None
+    width = max([MAX_DIGITS] + [len(_digits(abs(d))[0]) for d in (lo, hi) if d is not None])
+    cap = f"(0|[1-9][0-9]{{0,{width - 1}}})" + ("" if integer else rf"(\.[0-9]{{1,{MAX_DIGITS}}})?")
+    lexemes = []
+    if hi is None or hi > 0 or (hi == 0 and not hi_excl):  # from max(lo, 0) up, written without a sign
+        parts = [cap]
+        if lo is not None and (lo > 0 or (lo == 0 and lo_excl)):
+            parts.append(_at_least(lo, lo_excl))
+        if hi is not None:
+            parts.append(_at_most(hi, hi_excl))
+        lexemes.append(" & ".join(f"/{p}/" for p in parts))
+    if lo is None or lo < 0:  # the numbers below zero (and -0), a minus sign before their magnitude
+        parts = [cap]
+        if hi is not None and (hi < 0 or (hi == 0 and hi_excl)):  # an exclusive 0 leaves out -0 too
+            parts.append(_at_least(-hi, hi_excl))
+        if lo is not None:
+            parts.append(_at_most(-lo, lo_excl))
+        lexemes.append(" & ".join(f"/-({p})/" for p in parts))
+    return " | ".join(f"({x})" for x in lexemes)
+
+
+def _digits(value: Any) -> tuple[str, str]:
+    """A non-negative decimal's integer digits (no leading zeros, ``"0"`` for none) and fraction
+    digits (no trailing zeros)."""
+    whole, _, fraction = format(value, "f").partition(".")
+    return whole.lstrip("0") or "0", fraction.rstrip("0")
+
+
+def _repeat(n: int) -> str:
+    return f"[0-9]{{{n}}}" if n else ""
+
+
+def _at_least(bound: Any, exclusive: bool) -> str:
+    """Unsigned decimals (no leading zeros, no exponent) >= ``bound`` (> when ``exclusive``)."""
+    whole, frac = _digits(bound)
+    # A longer integer part, or as long and greater at its first differing digit.
+    above = [f"[1-9][0-9]{{{len(whole)},}}"]
+    above += [f"{whole[:i]}[{int(c) + 1}-9]{_repeat(len(whole) - i - 1)}" for i, c in enumerate(whole) if c != "9"]
+    # The same integer part: a fraction greater at its first differing digit, or the bound's own
+    # digits followed by any (by a non-zero digit somewhere, when exclusive).
+    fractions = [f"{frac[:i]}[{int(c) + 1}-9][0-9]*" for i, c in enumerate(frac) if c != "9"]
+    fractions.append(frac + ("[0-9]*[1-9][0-9]*" if exclusive else "[0-9]*" if frac else "[0-9]+"))
+    same = rf"{whole}\.({'|'.join(fractions)})"
+    if not frac and not exclusive:
+        same = rf"{whole}(\.({'|'.join(fractions)}))?"
+    return rf"({'|'.join(above)})(\.[0-9]+)?|{same}"
+
+
+def _at_most(bound: Any, exclusive: bool) -> str:
+    """Unsigned decimals (no leading zeros, no exponent) <= ``bound`` (< when ``exclusive``)."""
+    whole, frac = _digits(bound)
+    n = len(whole)
+    # A shorter integer part, or as long and smaller at its first differing digit.
+    below = ["0", f"[1-9][0-9]{{0,{n - 2}}}"] if n > 1 else []
+    for i, c in enumerate(whole):
+        first = 1 if i == 0 and n > 1 else 0
+        if int(c) - 1 >= first:
+            below.append(f"{whole[:i]}[{first}-{int(c) - 1}]{_repeat(n - i - 1)}")
+    # The same integer part: a fraction smaller at its first differing digit, or a prefix of the
+    # bound's digits followed by zeros (all of them only when not exclusive).
+    fractions = [f"{frac[:i]}[0-{int(c) - 1}][0-9]*" for i, c in enumerate(frac) if c != "0"]
+    fractions += [f"{frac[:k]}0*" for k in range(1, len(frac) + (0 if exclusive else 1))]
+    if not frac and not exclusive:
+        fractions.append("0+")
+    alternatives = [rf"({'|'.join(below)})(\.[0-9]+)?"] if below else []
+    point = rf"\.({'|'.join(fractions)})" if fractions else ""
+    if frac or not exclusive:  # the integer part alone is below (or at) the bound
+        alternatives.append(f"{whole}({point})?" if point else whole)
+    # (An exclusive integer bound has no fraction below it with the same integer part; the bound is
+    # never an exclusive 0 here, so something is always below it.)
+    return "|".join(alternatives)
+
+
+class _JsonLark:
+    def __init__(self, schema: Any, strict: bool) -> None:
         self.root = schema
+        self.strict = strict
         root = schema if isinstance(schema, dict) else {}
         self.defs: dict[str, Any] = {}
         for where in ("$defs", "definitions"):
             for name, sub in (root.get(where) or {}).items():
                 self.defs[f"#/{where}/{name}"] = sub
-        self.options = {**JSON_OPTIONS, "whitespace_pattern": STRICT_WHITESPACE, **(root.get("x-guidance") or {})}
+        self.options = {**JSON_OPTIONS, **(root.get("x-guidance") or {})}
         pattern = self.options.get("whitespace_pattern")
         if pattern is None and self.options.get("whitespace_flexible", True):
             pattern = r"[\x20\x0A\x0D\x09]+"
         self.ws = "WS? " if pattern else ""
         self.ws_rule = f"WS: /{pattern}/" if pattern else ""
         self.rules: list[str] = []
+        self.terminals: list[str] = []
         self.refs: dict[str, str] = {}
 
     def grammar(self) -> str:
         start = self.rule(self.root)
-        lines = [f"start: {start}", *self.rules, f"NUMBER: {STRICT_NUMBER}", f"INTEGER: {STRICT_INTEGER}"]
+        lines = [f"start: {start}", *self.rules, *self.terminals]
+        lines += [f"NUMBER: {STRICT_NUMBER}", f"INTEGER: {STRICT_INTEGER}"]
         if self.ws_rule:
             lines.append(self.ws_rule)
         return "\n".join(lines) + "\n"
@@ -192,6 +316,12 @@ class _StrictLark:
             return self._new("NUMBER")
         if kind == "integer" and keys == {"type"}:
             return self._new("INTEGER")
+        if kind in ("number", "integer") and keys - {"type"} <= _BOUNDS:
+            lexeme = bounded_number_regex(schema)
+            if lexeme is not None:
+                name = f"BOUNDED{len(self.terminals)}"
+                self.terminals.append(f"{name}: {lexeme}")
+                return self._new(name)
         if kind == "object" and keys <= {"type", "properties", "required", "additionalProperties"}:
             return self._object(schema)
         if (
@@ -211,21 +341,25 @@ class _StrictLark:
             k: f"{json.dumps(json.dumps(k, ensure_ascii=False), ensure_ascii=False)} {self._sep(':')}{self.rule(v)}"
             for k, v in props.items()
         }
-        must = [members[k] for k in props if k in required]
-        may = [members[k] for k in props if k not in required]
-        comma = self._sep(",")
-        if must:
-            body = comma.join(must) + "".join(f" ({comma}{m})?" for m in may)
-        elif may:
-            # The first optional member written carries no comma before it.
-            body = (
-                "("
-                + " | ".join(may[i] + "".join(f" ({comma}{m})?" for m in may[i + 1 :]) for i in range(len(may)))
-                + ")?"
-            )
-        else:
-            body = ""
+        # Strict mode writes the required members first; llguidance's own order is the schema's.
+        order = [k for k in props if k in required] + [k for k in props if k not in required]
+        body = self._members([(members[k], k in required) for k in (order if self.strict else props)])
         return self._new(f'"{{" {self.ws}{body} {self.ws}"}}"')
+
+    def _members(self, members: list[tuple[str, bool]]) -> str:
+        """``members`` in order, the optional ones optional, a comma between each two written."""
+        comma = self._sep(",")
+        later = ""  # the members from here on once one was written: each with its comma before it
+        first = ""  # the members from here on when none was written yet
+        for i in reversed(range(len(members))):
+            member, needed = members[i]
+            if needed:
+                first = f"{member} {later}"
+            else:
+                first = f"({member} {later} | {first})" if first else f"({member} {later})?"
+            if i:
+                later = self._new(f"{comma}{member} {later}" if needed else f"({comma}{member})? {later}")
+        return first
 
     def _array(self, schema: dict[str, Any]) -> str:
         item = self.rule(schema["items"])
