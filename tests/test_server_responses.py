@@ -370,9 +370,16 @@ def test_store_bounds_are_settings():
     assert (s.responses_store_max, s.responses_store_ttl) == (5, 60.0)
 
 
-def test_a_schema_rejected_mid_stream_is_an_error_event_naming_the_field(server):
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}},
+    ],
+    ids=["dangling-ref", "bad-pattern"],
+)
+def test_a_streamed_request_with_a_broken_schema_is_400_before_the_stream(server, schema):
     before = stored_count(server)
-    schema = {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}
     body = {
         "model": MODEL,
         "input": "hi",
@@ -381,10 +388,10 @@ def test_a_schema_rejected_mid_stream_is_an_error_event_naming_the_field(server)
         "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}},
     }
     with httpx.stream("POST", server.url("/v1/responses"), json=body, timeout=60) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-    events = [json.loads(line[6:]) for line in lines]
-    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
-    assert events[-1]["param"] == "text.format.schema" and events[-1]["sequence_number"] == 2
+        r.read()
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "text.format.schema", err
     assert stored_count(server) == before
 
 
