@@ -370,6 +370,43 @@ def test_store_bounds_are_settings():
     assert (s.responses_store_max, s.responses_store_ttl) == (5, 60.0)
 
 
+def test_store_bounds_are_serve_flags(monkeypatch, capsys):
+    """``ruvllm serve --responses-store-max N --responses-store-ttl S`` reach the settings; a bad value
+    is refused by name before the model loads."""
+    import ruvllm.log_setup
+    import ruvllm_server.state
+    from ruvllm.cli import build_parser
+    from ruvllm.plugins import load_plugins
+    from ruvllm_server.settings import ServerConfigError
+
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(settings):
+        seen.append(settings)
+        raise Loaded
+
+    monkeypatch.setattr(ruvllm_server.state, "load_model", load_model)
+    monkeypatch.setattr(ruvllm.log_setup, "configure_logging", lambda **kw: None)
+    monkeypatch.setenv("RUVLLM_LOG", "WARNING")
+    host = load_plugins()
+
+    def serve(*flags: str) -> None:
+        args = build_parser(host).parse_args(["serve", "smollm2", *flags])
+        args.func(args, host)
+
+    with pytest.raises(ServerConfigError, match="failed to load: Loaded"):
+        serve("--responses-store-max", "5", "--responses-store-ttl", "60")
+    assert (seen[0].responses_store_max, seen[0].responses_store_ttl) == (5, 60.0)
+    with pytest.raises(ServerConfigError, match="responses_store_ttl"):
+        serve("--responses-store-ttl", "0")
+    with pytest.raises(ServerConfigError, match="responses_store_max"):
+        serve("--responses-store-max", "-1")
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize(
     "schema",
     [

@@ -152,6 +152,20 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="split thinking into reasoning_content: think (Qwen3), deepseek_r1, or a plugin's (default: off)",
     )
     p.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=None,
+        help="responses kept for previous_response_id and GET /v1/responses/{id}, least recently used out "
+        "first; 0 keeps none (default 1000)",
+    )
+    p.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a stored response is kept (default 3600)",
+    )
+    p.add_argument(
         "--lora",
         action="append",
         default=None,
@@ -231,6 +245,8 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "draft_quantization": args.draft_quantization,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
+        "responses_store_max": args.responses_store_max,
+        "responses_store_ttl": args.responses_store_ttl,
         "plugin_options": args.plugin_option,
         "lora_modules": args.lora,
         "max_lora_rank": args.max_lora_rank,
