@@ -424,7 +424,7 @@ def test_engine_greedy_tokens_match_transformers_with_moe_steps_precompiled(fami
 def test_every_stored_tensor_is_read(family, tmp_path) -> None:
     """No tensor of the files is left unread (a bias or norm the schema missed would be dropped
     silently): the HF directory's canonical names are exactly the schema's, and every tensor of the
-    GGUF form maps to one."""
+    GGUF form maps to one; ModelConfig.num_parameters counts them all."""
     import gguf
 
     from ruvllm.checkpoint import gguf_to_hf_name
@@ -443,6 +443,7 @@ def test_every_stored_tensor_is_read(family, tmp_path) -> None:
         for layer in range(cfg.num_layers):
             want |= {n for t in LAYER_TENSORS if t.present(cfg) for n in t.names(layer, cfg)}
         assert set(ckpt.tensor_names()) == want, path.name
+        assert sum(ckpt.tensor(n).size for n in want) == cfg.num_parameters  # the count `ruvllm info` shows
     stored = [t.name for t in gguf.GGUFReader(str(files[1])).tensors]
     unread = [n for n in stored if gguf_to_hf_name(n, ckpt.family) is None and "_exps." not in n]
     assert unread == []
