@@ -40,6 +40,7 @@ TEST_DEPS = [
     "transformers>=4.46",
     "accelerate>=1.0",  # transformers needs it to load GGUF files
     "openai>=1.66",  # client.responses (create, stream, parse)
+    "openai-agents>=0.24",  # an agent with a function tool against the server (tests/test_server_agents.py)
     "httpx>=0.27",
     "ray[serve]>=2.50",  # the server's optional extra: replicas on Ray Serve (tests/test_ray_serve.py)
 ]

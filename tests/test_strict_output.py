@@ -20,7 +20,7 @@ from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
 from ruvllm.structured import GrammarCompiler, StructuredOutput
 from ruvllm.tokenizer import Tokenizer
 from ruvllm_server.generation.chat_tools import ToolSetup, split_calls
-from ruvllm_server.tools import calls_from_partial_required
+from ruvllm_server.tools import calls_from_partial_required, required_schema
 
 MODEL = "smollm2"
 
@@ -147,6 +147,31 @@ def test_a_required_array_cut_short_keeps_its_complete_calls():
     assert (call.name, call.arguments) == ("get_weather", "")
     content, calls, reason = split_calls(ToolSetup([], "required"), None, "call_x", "[", "length")
     assert (content, calls, reason) == ("[", [], "length")
+
+
+def test_required_calls_of_tools_with_their_own_defs_compile(compiler):
+    """Pydantic writes nested models as ``$defs`` in a tool's parameters; wrapped in the call array,
+    a ``$ref`` would miss them (it resolves against the root), and two tools may name a def alike."""
+
+    def tool(name: str, place: dict) -> dict:
+        params = {
+            "$defs": {"Place": place},
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}},
+            "required": ["place"],
+            "additionalProperties": False,
+        }
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    def closed(key: str, value: dict) -> dict:
+        return {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
+
+    tools = [tool("weather", closed("city", {"enum": ["Rome"]})), tool("zip", closed("code", {"type": "integer"}))]
+    schema = required_schema(tools, parallel=True)
+    spec = StructuredOutput.json_schema(schema, param="tools", strict=True)
+    assert _accepts(compiler, spec, '[{"name": "weather", "arguments": {"place": {"city": "Rome"}}}]')
+    assert _accepts(compiler, spec, '[{"name": "zip", "arguments": {"place": {"code": 12}}}]')
+    assert not _accepts(compiler, spec, '[{"name": "zip", "arguments": {"place": {"city": "Rome"}}}]')
 
 
 # --- through the server -------------------------------------------------------------------------

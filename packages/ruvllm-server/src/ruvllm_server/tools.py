@@ -252,22 +252,59 @@ def named_schema(tools: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any
     raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
 
 
+def _nested_parameters(tool: Mapping[str, Any], index: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters for a schema that nests them: a ``$ref`` resolves against the root, so the
+    parameters' own ``$defs`` / ``definitions`` (Pydantic writes them for nested models) move into
+    ``defs`` under names of their own (``t<index>.<name>``: two tools may both define ``Place``), and
+    their references follow."""
+    params = _parameters(tool)
+    moved = {
+        f"#/{where}/{name}": f"#/$defs/t{index}.{name}"
+        for where in ("$defs", "definitions")
+        if isinstance(params.get(where), dict)
+        for name in params[where]
+    }
+    if not moved:
+        return params
+
+    def follow(node: Any) -> Any:
+        if isinstance(node, list):
+            return [follow(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: follow(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            for old, new in moved.items():
+                if ref == old or ref.startswith(old + "/"):
+                    out["$ref"] = new + ref[len(old) :]
+        return out
+
+    for where in ("$defs", "definitions"):
+        for name, sub in (params.get(where) or {}).items():
+            defs[f"t{index}.{name}"] = follow(sub)
+    return follow({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+
+
 def required_schema(tools: Sequence[Mapping[str, Any]], parallel: bool) -> dict[str, Any]:
     """The output schema under ``tool_choice: required``: a JSON list of ``{"name", "arguments"}``
     objects, one shape per tool (one call unless ``parallel``)."""
+    defs: dict[str, Any] = {}
     shapes = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+            "properties": {"name": {"const": t["function"]["name"]}, "arguments": _nested_parameters(t, i, defs)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     items = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
     schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 
