@@ -41,6 +41,7 @@ TEST_DEPS = [
     "accelerate>=1.0",  # transformers needs it to load GGUF files
     "openai>=1.66",  # client.responses (create, stream, parse)
     "openai-agents>=0.24",  # an agent with a function tool against the server (tests/test_server_agents.py)
+    "lm-eval[api]>=0.4.13",  # local-completions against the server (tests/test_lm_eval.py)
     "httpx>=0.27",
     "ray[serve]>=2.50",  # the server's optional extra: replicas on Ray Serve (tests/test_ray_serve.py)
 ]
@@ -108,7 +109,15 @@ def test_parts() -> list[list[str]]:
 
 
 #: Test files (by prefix) that run in the second process.
-SERVED_TESTS = ("test_server_", "test_sona_", "test_strict_output", "test_ray_serve", "test_cli_", "test_reasoning")
+SERVED_TESTS = (
+    "test_server_",
+    "test_sona_",
+    "test_strict_output",
+    "test_ray_serve",
+    "test_cli_",
+    "test_reasoning",
+    "test_lm_eval",
+)
 
 
 @nox.session
