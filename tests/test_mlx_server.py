@@ -123,5 +123,20 @@ def test_serve_without_mlx_is_a_one_line_error(smollm2_path, tmp_path):
     )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "mlx" in line]
-    assert errors and "cannot run on this machine" in errors[-1], proc.stderr
+    assert errors and "cannot run on this machine: MLX is not installed" in errors[-1], proc.stderr
     assert "Uvicorn running" not in proc.stderr
+
+
+def test_the_device_flag_reaches_the_backend(smollm2_path):
+    """``--device`` (ServerSettings.device) becomes the backend's ``device`` option: mlx runs on the
+    CPU it names; a backend without the choice (jax) refuses it by name before anything loads."""
+    import mlx.core as mx
+
+    from ruvllm.errors import BackendError
+    from ruvllm_server.settings import ServerSettings
+    from ruvllm_server.state import load_model
+
+    loaded = load_model(ServerSettings(model=str(smollm2_path), backend="mlx", device="cpu", quantization="q8"))
+    assert loaded.model.device == mx.Device(mx.cpu)
+    with pytest.raises(BackendError, match=r"unknown option.*device"):
+        load_model(ServerSettings(model=str(smollm2_path), backend="jax", device="cpu"))

@@ -38,11 +38,14 @@ class MLXBackend(Backend):
         return metal_available()
 
     def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
         try:
             import mlx.core  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        except ImportError as exc:
+            return f"MLX is not installed (pip install 'mlx[cpu]' on Linux, 'mlx' on macOS): {exc}"
+        return None
 
     def describe(self, checkpoint: Checkpoint) -> list[tuple[str, str]]:
         from ruvllm_mlx.device import choose_device, device_label

@@ -423,6 +423,16 @@ OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (
 )
 
 
+@runtime_checkable
+class ExplainsUnavailable(Protocol):
+    """A backend that can say why it cannot run here (a library missing, no device). Without it, the
+    error names the backend only."""
+
+    def unavailable_reason(self) -> str | None:
+        """Why :meth:`Backend.available` is false on this machine, in one line, or None."""
+        ...
+
+
 class Backend(Protocol):
     """What ``register_backends`` registers. Subclass it to inherit the defaults of ``priority``,
     :meth:`available` and :meth:`describe`, or provide the same attributes on any object."""

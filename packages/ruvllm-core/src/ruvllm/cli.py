@@ -38,6 +38,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-dir", default=None, help="model cache (default: RUVLLM_CACHE_DIR or the user cache dir)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="the device the backend runs on (mlx: auto, gpu or cpu; a backend without the choice refuses it)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -69,6 +74,11 @@ def _sampling(args: argparse.Namespace):
     )
 
 
+def backend_extra(*, threads: int | None, device: str | None) -> dict[str, object]:
+    """The backend options the CLI's ``--threads`` and ``--device`` set (unset ones left out)."""
+    return {k: v for k, v in (("threads", threads), ("device", device)) if v is not None}
+
+
 def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
     from ruvllm.backend import LoadOptions
     from ruvllm.runtime import load_model
@@ -76,7 +86,7 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
     return load_model(
         args.model,
         backend=args.backend,
-        options=LoadOptions(dtype=args.dtype, extra={} if args.threads is None else {"threads": args.threads}),
+        options=LoadOptions(dtype=args.dtype, extra=backend_extra(threads=args.threads, device=args.device)),
         host=host,
         cache_dir=args.cache_dir,
         quantization=args.quantization,

@@ -12,7 +12,7 @@ import pluggy
 import structlog
 
 from ruvllm import hookspecs
-from ruvllm.backend import Backend
+from ruvllm.backend import Backend, ExplainsUnavailable
 from ruvllm.errors import BackendError
 
 log = structlog.get_logger("ruvllm.plugins")
@@ -77,7 +77,10 @@ class PluginHost:
                 known = ", ".join(sorted(self.backends)) or "none installed"
                 raise BackendError(f"unknown backend {name!r} (installed: {known})")
             if not info.available():
-                raise BackendError(f"backend {name!r} is installed but cannot run on this machine")
+                reason = info.unavailable_reason() if isinstance(info, ExplainsUnavailable) else None
+                raise BackendError(
+                    f"backend {name!r} is installed but cannot run on this machine" + (f": {reason}" if reason else "")
+                )
             return info
         usable = [b for b in self.backends.values() if b.available()]
         if not usable:

@@ -32,6 +32,11 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="compute dtype (default auto: bfloat16 on a GPU, float32 on a CPU)",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: the usable CPUs)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="the device the backend runs on (mlx: auto, gpu or cpu; a backend without the choice refuses it)",
+    )
     p.add_argument("--tensor-parallel", type=int, default=None, help="devices to shard the model over (default 1)")
     p.add_argument(
         "--coordinator",
@@ -216,6 +221,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "quantization": args.quantization,
         "dtype": args.dtype,
         "threads": args.threads,
+        "device": args.device,
         "tensor_parallel": args.tensor_parallel,
         "coordinator": args.coordinator,
         "num_processes": args.num_processes,

@@ -34,6 +34,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: CPU threads for the backend's kernels (default: the CPUs this process may use).
     threads: Positive | None = None
+    #: The device the backend runs on (backend extra ``device``; mlx: ``auto``, ``gpu`` or ``cpu``).
+    #: None: the backend's choice. A backend without the choice refuses it by name.
+    device: str | None = None
     #: Devices the model is sharded over (backend extra ``tensor_parallel``; jax: over every process's
     #: devices when ``num_processes`` > 1). 1: no sharding.
     tensor_parallel: Positive = 1

@@ -38,6 +38,8 @@ def load_model(settings: ServerSettings) -> LoadedModel:
     if not settings.model:
         raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
     extra: dict[str, object] = {} if settings.threads is None else {"threads": settings.threads}
+    if settings.device is not None:
+        extra["device"] = settings.device
     if settings.tensor_parallel > 1:
         extra["tensor_parallel"] = settings.tensor_parallel
     if (settings.coordinator is None) != (settings.num_processes == 1):
