@@ -30,6 +30,8 @@ import numpy as np
 from ruvllm.errors import RequestError
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from ruvllm.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -102,7 +104,7 @@ STRICT_INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
 #: cuts the object). The same in strict mode and out of it.
 STRICT_WHITESPACE = r"[\x20\x09]{1,16}|\x0D?\x0A[\x20\x09]{0,16}"
 #: llguidance's JSON options: the whitespace above. A schema's ``x-guidance`` options override them.
-JSON_OPTIONS = {"whitespace_pattern": STRICT_WHITESPACE}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": STRICT_WHITESPACE}
 
 #: Keywords that only annotate a schema; they do not change what it matches.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
