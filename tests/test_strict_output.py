@@ -1,8 +1,9 @@
 """Strict structured output and forced tool calls in a fixed form (issue 47).
 
 At the grammar: under ``strict`` an object's keys come in the schema's order (required ones first,
-optional ones after, each optional), an unbounded number takes at most 16 digits each side of the
-point and a gap between tokens at most one line break and an indent; outside strict mode the schema's key order is kept too (it used to be sorted). Through the
+optional ones after, each optional), a number takes at most 16 digits each side of the point and a
+gap between tokens at most one line break and an indent; outside strict mode the schema's key order
+is kept too (it used to be sorted), and the same numbers and gaps hold. Through the
 server with the openai SDK on SmolLM2: ``beta.chat.completions.parse`` with a plain Pydantic model
 returns the object within 120 tokens, keys in order; ``tool_choice: required`` returns ``tool_calls``
 (name before arguments) streamed and not; ``parallel_tool_calls: false`` gives one call; a required
