@@ -117,3 +117,23 @@ def test_bad_constraints_are_400_naming_the_parameter(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_streamed_request_with_a_broken_schema_is_400_before_the_stream(server, path):
+    """The constraint compiles before a stream's first chunk: a schema llguidance rejects is a 400 in
+    OpenAI's shape naming the field, not an error chunk inside a 200 stream."""
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}
+    body = {"model": MODEL, "max_tokens": 4, "stream": True}
+    if path == "/v1/chat/completions":
+        body |= {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}},
+        }
+    else:
+        body |= {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}}}
+    with httpx.stream("POST", server.url(path), json=body, timeout=60) as r:
+        r.read()
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"].startswith("response_format"), err

@@ -87,6 +87,7 @@ async def chat_completions(
     job = ChatJob(_state(request), data, _user(request))
     run = job.prepare()
     if data.stream:
+        await run.compile_constraint()  # a bad schema is a 400, not an error chunk in the stream
         return Stream(_track_stream(request, job.stream(run)), media_type="text/event-stream", headers=SSE_HEADERS)
     result = await cancel_on_disconnect(request.receive, lambda: job.complete(run))
     return result if result is not None else Response(b"", status_code=499)
@@ -99,6 +100,7 @@ async def completions(
     job = CompletionJob(_state(request), data, _user(request))
     run = job.prepare()
     if data.stream:
+        await run.compile_constraint()  # a bad schema is a 400, not an error chunk in the stream
         return Stream(_track_stream(request, job.stream(run)), media_type="text/event-stream", headers=SSE_HEADERS)
     result = await cancel_on_disconnect(request.receive, lambda: job.complete(run))
     return result if result is not None else Response(b"", status_code=499)

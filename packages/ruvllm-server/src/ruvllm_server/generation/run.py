@@ -42,6 +42,19 @@ class Run:
     finished: set[int] = field(default_factory=set)
     last: dict[int, RequestOutput] = field(default_factory=dict)
 
+    async def compile_constraint(self) -> None:
+        """Compile the run's structured-output constraint (a schema, a grammar, a forced call's
+        arguments) now, as the engine would when the request is added. A stream's status line and
+        first chunk go out before that, so a constraint llguidance rejects would reach a streaming
+        client as an error chunk; compiled here it is a 400 naming the field. The compiler caches by
+        text, so the engine does not compile it again."""
+        specs = {r.sampling.structured for r in self.requests if r.sampling.structured is not None}
+        engine = self.state.engine
+        for spec in specs:
+            if engine is not None:
+                # Off the event loop: the first grammar of a tokenizer takes about a second.
+                await asyncio.to_thread(engine.engine.grammar_compiler().grammar, spec)
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(index of the engine request, output)`` as they arrive. Leaving early (client gone,
         error, cancellation) aborts what has not finished."""

@@ -3,7 +3,6 @@ is translated to a chat request once, run by the chat path, and its answer trans
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -13,7 +12,7 @@ from litestar.response import Stream
 
 from ruvllm.errors import RequestError
 from ruvllm_server.errors import APIError, bad_request
-from ruvllm_server.generation import ChatJob, Run, cancel_on_disconnect
+from ruvllm_server.generation import ChatJob, cancel_on_disconnect
 from ruvllm_server.generation.sse import SSE_HEADERS
 from ruvllm_server.request_context import request_user, track_stream
 from ruvllm_server.responses.events import ResponseEvents, response_events
@@ -45,17 +44,6 @@ def response_store(request: Request) -> ResponseStore:
             settings.responses_store_max, settings.responses_store_ttl
         )
     return store
-
-
-async def _compile_constraint(state: ServerState, run: Run) -> None:
-    """Compile the run's structured-output constraint (a ``text.format`` schema, a forced call's
-    arguments) now, as the engine would when the request is added: a stream's status line and first
-    events go out before that, so a schema llguidance rejects would be an error event; here it is a
-    400. The compiler caches by text, so the engine does not compile it again."""
-    spec = run.requests[0].sampling.structured
-    if spec is not None and state.engine is not None:
-        # Off the event loop: the first grammar of a tokenizer takes about a second.
-        await asyncio.to_thread(state.engine.engine.grammar_compiler().grammar, spec)
 
 
 def _not_found(response_id: str) -> APIError:
@@ -96,7 +84,7 @@ async def create_response(
     try:
         run = job.prepare()
         if data.stream:
-            await _compile_constraint(state, run)
+            await run.compile_constraint()
     except (APIError, RequestError) as exc:
         raise renamed(exc) from None
     shell = ResponseShell(data, state.model_name)
