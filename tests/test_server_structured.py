@@ -124,14 +124,12 @@ def test_a_streamed_request_with_a_broken_schema_is_400_before_the_stream(server
     """The constraint compiles before a stream's first chunk: a schema llguidance rejects is a 400 in
     OpenAI's shape naming the field, not an error chunk inside a 200 stream."""
     broken = {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}
-    body = {"model": MODEL, "max_tokens": 4, "stream": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}}
+    body = {"model": MODEL, "max_tokens": 4, "stream": True, "response_format": fmt}
     if path == "/v1/chat/completions":
-        body |= {
-            "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}},
-        }
+        body["messages"] = [{"role": "user", "content": "hi"}]
     else:
-        body |= {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}}}
+        body["prompt"] = "hi"
     with httpx.stream("POST", server.url(path), json=body, timeout=60) as r:
         r.read()
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
