@@ -76,7 +76,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ruvllm.errors import ModelFormatError, UnsupportedArchitectureError
 from ruvllm.model_config import ROPE_TYPES, ModelConfig, Rope
@@ -230,7 +230,6 @@ FAMILIES: tuple[Family, ...] = (
         always_norm_topk=True,
         hf_moe_module="block_sparse_moe",
         hf_expert_names={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
-        **_LLAMA,
     ),
     # gpt-oss from HF directories in float (its MXFP4 HF checkpoints carry a quantization_config,
     # refused) and from GGUF files (llama.cpp's converter: MXFP4 experts, even layers sliding).
@@ -299,17 +298,24 @@ def hf_expert_views(fam: Family, name: str, num_experts: int) -> dict[str, Calla
         return {}
     layer, which, bias = m.group(1), m.group(2), bool(m.group(3))
     kind = "bias" if bias else "weight"
+
+    def cut(e: int, start: int | None) -> Callable[[Any], Any]:
+        """Expert ``e`` of the stored tensor; ``start``: its gate (0) or up (1) columns."""
+
+        def view(t: Any) -> Any:
+            part = t[e] if start is None else t[e][..., start::2]
+            return part if bias else part.T  # matrices are stored [in, out]
+
+        return view
+
     views: dict[str, Callable[[Any], Any]] = {}
     for e in range(num_experts):
         prefix = f"model.layers.{layer}.mlp.experts.{e}"
         if which == "down_proj":
-            views[f"{prefix}.down_proj.{kind}"] = (lambda t, e=e: t[e]) if bias else (lambda t, e=e: t[e].T)
-            continue
-        for proj, start in (("gate_proj", 0), ("up_proj", 1)):
-            if bias:
-                views[f"{prefix}.{proj}.bias"] = lambda t, e=e, s=start: t[e, s::2]
-            else:
-                views[f"{prefix}.{proj}.weight"] = lambda t, e=e, s=start: t[e][:, s::2].T
+            views[f"{prefix}.down_proj.{kind}"] = cut(e, None)
+        else:
+            views[f"{prefix}.gate_proj.{kind}"] = cut(e, 0)
+            views[f"{prefix}.up_proj.{kind}"] = cut(e, 1)
     return views
 
 
@@ -352,7 +358,7 @@ def is_norm(canonical: str) -> bool:
 # -- HF config.json -------------------------------------------------------------------------------------
 
 
-def _refuse(where: str, field_name: str, value: Any, why: str = "is not implemented") -> None:
+def _refuse(where: str, field_name: str, value: Any, why: str = "is not implemented") -> NoReturn:
     raise ModelFormatError(f"{where}: config field {field_name}={value!r} {why}; ruvllm refuses to approximate it")
 
 
@@ -494,7 +500,7 @@ def _hf_experts(c: Mapping[str, Any], fam: Family, where: str) -> dict[str, Any]
         missing = count_key if n is None else "num_experts_per_tok"
         _refuse(where, missing, None, f"must be given for {fam.name}")
 
-    def refuse(key: str, value: Any, why: str) -> None:
+    def refuse(key: str, value: Any, why: str) -> NoReturn:
         _refuse(where, key, value, why)
 
     width = c.get(fam.hf_expert_size)

@@ -410,7 +410,8 @@ class SafetensorsCheckpoint(Checkpoint):
     def _canonical(self) -> dict[str, tuple[str, _Part | Callable[[np.ndarray], np.ndarray] | None]]:
         """Canonical name -> (stored name, row range when it is part of a fused tensor, or how to cut
         one expert out of a fused expert tensor)."""
-        fam, out = self.family, {}
+        fam = self.family
+        out: dict[str, tuple[str, _Part | Callable[[np.ndarray], np.ndarray] | None]] = {}
         for name in self._where:
             views = architectures.hf_expert_views(fam, name, self.config.num_experts)
             if views:

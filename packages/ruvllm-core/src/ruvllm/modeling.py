@@ -678,7 +678,7 @@ def decoder_layer(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v).reshape(t, nh * hd)
     (o,) = project(a, PROJECTION_GROUPS[1])
-    if shape.o_proj_bias:
+    if lw.o_bias is not None:  # present exactly when the model has one (o_proj_bias)
         o = o + lw.o_bias.astype(o.dtype)
     o = adapt(o, a, "o_proj")
     if shape.output_norms:
