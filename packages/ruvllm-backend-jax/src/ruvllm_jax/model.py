@@ -15,7 +15,8 @@ A mixture of experts multiplies the step's (token, expert) pairs, sorted into on
 by :func:`ruvllm.modeling.moe_mlp`, with ``lax.ragged_dot_general`` over the stacked experts
 ``[experts, out, in]``: one grouped product per matrix whatever the batch. (XLA on CUDA and TPU
 lowers it to a grouped matrix product; XLA:CPU in this jax expands it to every expert times every
-row, masked: exact, but the native CPU path is where reading only the chosen experts belongs.)
+row, masked, so on CPU a step with fewer rows than experts, a decode step, gathers each row's
+expert instead and reads only the chosen ones.)
 
 Per-sequence LoRA adapters (:class:`LoraPlan`): every adapter of a step owns a slot. Per projection
 in use, slot ``s`` brings ``A_s [layers, r, in]`` and ``B_s [layers, out, r]`` (scale folded into
@@ -498,14 +499,25 @@ _EXPERT_DOT = lax.RaggedDotDimensionNumbers(
 )
 
 
-def project_experts(lw: LayerWeights):
-    """``project_experts`` of :func:`ruvllm.modeling.decoder_layer` for one layer's float experts."""
+def project_experts(lw: LayerWeights, gather_rows: int = 0):
+    """``project_experts`` of :func:`ruvllm.modeling.decoder_layer` for one layer's float experts:
+    ``lax.ragged_dot_general``, or for steps of at most ``gather_rows`` (token, expert) rows each row
+    times its own expert, gathered. (XLA:CPU expands the ragged product to every expert times every
+    row, so a decode step would read all the experts; gathered, it reads the chosen ones.)"""
 
     def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+        rows = x.shape[0]
+        gather = rows <= gather_rows  # static: the step's shape
+        if gather:
+            experts = jnp.arange(sizes.shape[0], dtype=jnp.int32)
+            expert_of_row = jnp.repeat(experts, sizes, total_repeat_length=rows)
         out = []
         for p in group:
             w = getattr(lw, EXPERT_FIELDS[p])
-            y = lax.ragged_dot_general(x, w.astype(x.dtype), sizes.astype(jnp.int32), _EXPERT_DOT)
+            if gather:
+                y = jnp.einsum("ri,roi->ro", x, w[expert_of_row].astype(x.dtype))
+            else:
+                y = lax.ragged_dot_general(x, w.astype(x.dtype), sizes.astype(jnp.int32), _EXPERT_DOT)
             out.append(y)
         return out
 
@@ -628,6 +640,8 @@ def forward_step(
     cos, sin = rope_tables(inp.positions, spec)
     projector = _Projector.of(weights.layers, plan, inp)
     adapters = _Adapters.of(plan, lora, inp)
+    # On CPU a step with fewer (token, expert) rows than experts reads only its chosen experts.
+    gather_rows = spec.num_experts if jax.default_backend() == "cpu" else 0
     pools = _Pools.of(cache, spec, inp, plan)
 
     def layer_step(carry, xs):
@@ -650,7 +664,7 @@ def forward_step(
             project=project,
             attend=attend,
             adapt=adapt,
-            project_experts=project_experts(lw) if spec.num_experts else None,
+            project_experts=project_experts(lw, gather_rows) if spec.num_experts else None,
         )
         return (x, kv, kvl, layer + 1), None
 
