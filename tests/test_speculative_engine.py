@@ -157,3 +157,46 @@ def test_structured_output_keeps_its_grammar(llm):
     got = _run(engine, [prompt], sampling)[0][0]
     assert got == plain and engine.stats().spec_accepted_tokens > 0
     assert re.fullmatch(regex, llm.tokenizer.decode(got))
+
+
+def _fifty_prompts(llm) -> list[list[int]]:
+    """The benchmark's 30 prompts (chat template), these tests' 4, and 16 plain continuations."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
+    chats = [
+        json.loads(x)["messages"] for f in sorted(root.glob("speculative_*.jsonl")) for x in f.read_text().splitlines()
+    ]
+    texts = [llm.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in chats] + PROMPTS
+    texts += [
+        f"Item {i}: the {w} is on the table. Item {i + 1}: the" for i, w in enumerate(["cup", "pen", "book", "key"] * 4)
+    ]
+    return [llm.tokenizer.encode(t) for t in texts[:50]]
+
+
+@pytest.mark.slow  # 50 prompts x 128 tokens, five engines: minutes
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_equality_fifty_prompts(llm, proposer):
+    """The issue's check: 50 prompts x 128 tokens, alone and 16 at a time, identical to the
+    non-speculative output (itself the same alone and batched: tests/test_batch_invariance_default)."""
+    prompts = _fifty_prompts(llm)
+    assert len(prompts) == 50
+    sampling = SamplingParams(max_tokens=128, temperature=0.0)
+    want = _run(_engine(llm, None, max_model_len=2048, num_blocks=2048), prompts, sampling)
+    extra = {"draft_model": "same"} if proposer == "draft" else {}
+    for concurrent in (1, 16):
+        engine = LLMEngine(
+            llm,
+            EngineConfig(
+                max_num_seqs=concurrent,
+                max_model_len=2048,
+                num_blocks=2048,
+                speculative=proposer,
+                speculative_step_tokens=128,
+                **extra,
+            ),
+            draft_model=llm if proposer == "draft" else None,
+        )
+        assert _run(engine, prompts, sampling) == want, (proposer, concurrent)
+        assert engine.stats().spec_accepted_tokens > 0
