@@ -1,6 +1,7 @@
 """Speculative decoding as a propose/verify pair.
 
-A proposer (:mod:`~ruvllm.speculative.ngram`) offers up to ``k`` tokens that may follow a sequence;
+A proposer (:mod:`~ruvllm.speculative.ngram`: prompt lookup; :mod:`~ruvllm.speculative.draft`: a second
+model) offers up to ``k`` tokens that may follow a sequence;
 the engine runs them with the sequence's next position as one chunk of ``k + 1`` positions and the
 verifier (:mod:`~ruvllm.speculative.verify`) keeps the longest prefix the target model would have
 produced, plus one token of its own. The proposer knows nothing of the target; the verifier knows
