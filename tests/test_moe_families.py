@@ -447,3 +447,9 @@ def test_every_stored_tensor_is_read(family, tmp_path) -> None:
     stored = [t.name for t in gguf.GGUFReader(str(files[1])).tensors]
     unread = [n for n in stored if gguf_to_hf_name(n, ckpt.family) is None and "_exps." not in n]
     assert unread == []
+
+
+def test_jax_refuses_pallas_attention_for_attention_sinks_at_load(tmp_path) -> None:
+    path = write_moe_checkpoint(tmp_path, "gpt_oss")
+    with pytest.raises(BackendError, match=r"attention='pallas_interpret' has no attention sinks \(gpt_oss\)"):
+        _load(path, "jax", extra={"attention": "pallas_interpret"})

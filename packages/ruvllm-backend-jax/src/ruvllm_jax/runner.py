@@ -168,6 +168,11 @@ class JaxModel:
         options, attention = settings.options, settings.attention
         compilation_cache = enable_compilation_cache()
         spec = ModelSpec.from_config(checkpoint.config, options.dtype)
+        if spec.attention_sinks and attention != "reference":  # at load, not when a step is traced
+            raise BackendError(
+                f"jax backend: attention={attention!r} has no attention sinks ({checkpoint.config.architecture}); "
+                "use attention='reference'"
+            )
         mesh = make_mesh(settings.tensor_parallel)
         t0 = time.perf_counter()
         host = WeightLoader(checkpoint, spec, options.quantization, settings.keep_gguf_blocks).load()
