@@ -250,6 +250,9 @@ FAMILIES: tuple[Family, ...] = (
         moe_biases=True,
         hf_fused_experts=True,
         hf_renames={"mlp.router": "mlp.gate"},
+        # Harmony's turn ends (an answer; a tool call), as generation_config lists them and llama.cpp
+        # treats them; a GGUF's EOS names only <|return|>. (<|end|> closes a message, not the turn.)
+        end_of_turn_texts=("<|return|>", "<|call|>"),
     ),
     Family(
         "gemma3",
