@@ -4,7 +4,8 @@
 A :class:`ReasoningParser` names the tags around the thinking. ``think`` (Qwen3, QwQ):
 ``<think> ... </think>`` then the answer; ``deepseek_r1``: the chat template already opened
 ``<think>`` in the prompt, so the output starts inside it and everything before ``</think>`` is
-thinking. Parsers are
+thinking; ``gpt_oss``: OpenAI's harmony format, where the ``analysis`` channel is the thinking and
+the ``final`` channel the answer (its markup is special tokens, kept in the text for it). Parsers are
 found by name in :func:`reasoning_parsers`: the built-in ones plus those plugins register through
 the ``register_reasoning_parsers`` hook (:mod:`ruvllm_server.hookspecs`). (This module was
 ``ruvllm.reasoning``; that name forwards here for one more release, with a DeprecationWarning.)
@@ -16,6 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from ruvllm_server.hookspecs import server_hooks
+from ruvllm_server.tools import (
+    HARMONY_BODY_END,
+    HARMONY_CHANNEL,
+    HARMONY_ENDS,
+    HARMONY_MESSAGE,
+    HARMONY_START,
+    harmony_header,
+)
 
 if TYPE_CHECKING:
     from ruvllm.plugins import PluginHost
@@ -35,6 +44,8 @@ class ReasoningParser:
     end: ClassVar[str] = ""
     #: The output may begin inside the thinking (the template opened it in the prompt).
     starts_inside: ClassVar[bool] = True
+    #: The tags are special tokens: the output must be decoded with ``skip_special_tokens=False``.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._buf = ""
@@ -110,7 +121,92 @@ class DeepSeekR1Parser(ThinkParser):
     starts_inside = True
 
 
-BUILTIN_REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (ThinkParser, DeepSeekR1Parser)}
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss (OpenAI's harmony format, :mod:`ruvllm_server.tools` describes it): the ``analysis``
+    channel's messages are the reasoning; the ``final`` channel's and commentary preambles' bodies
+    are the content, without their markup; a message to a recipient (a tool call) stays in the
+    content as written, whole, for the ``gpt_oss`` tool parser. Output that does not open with a
+    harmony header is all content. The text must keep special tokens (``skip_special_tokens=False``)."""
+
+    name = "gpt_oss"
+    start = HARMONY_CHANNEL + "analysis" + HARMONY_MESSAGE
+    keeps_special_tokens = True
+    end = HARMONY_ENDS[0]
+    #: What may open the output: the first message's header (the prompt wrote ``<|start|>assistant``).
+    _OPENERS = (HARMONY_CHANNEL, HARMONY_START, " to=", "to=")
+    _TOKENS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, *HARMONY_ENDS)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "open"  # open, plain, header, body, between
+        self._kind = ""  # the body's: reasoning, content or call
+        self._saw_reasoning = False
+
+    def split(self, text: str) -> ReasoningSplit:
+        # One reader for both, so a stream's pieces add up to the split of the whole.
+        reader = type(self)()
+        reasoning, content = reader.feed(text, final=True)
+        return ReasoningSplit(reasoning if reader._saw_reasoning else None, content)
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        self._buf += piece
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._buf:
+            buf = self._buf
+            if self._state == "plain":
+                content.append(buf)
+                self._buf = ""
+            elif self._state in ("open", "between"):
+                opens = self._OPENERS if self._state == "open" else (HARMONY_START, HARMONY_CHANNEL)
+                if buf.startswith(opens):
+                    self._state = "header"
+                elif not final and any(o.startswith(buf) for o in opens):
+                    break  # may still become a header
+                elif self._state == "open":
+                    self._state = "plain"
+                else:  # stray text between messages: content up to the next header
+                    self._state, self._kind = "body", "content"
+            elif self._state == "header":
+                at = buf.find(HARMONY_MESSAGE)
+                if at < 0:
+                    if final:  # a header cut short says nothing
+                        self._buf = ""
+                    break
+                header = buf[:at]
+                channel, recipient = harmony_header(header)
+                if recipient is not None:
+                    self._kind = "call"
+                    if not header.startswith(HARMONY_START) and not header.startswith(HARMONY_CHANNEL):
+                        header = HARMONY_START + "assistant" + header  # the role part the prompt wrote
+                    content.append(header + HARMONY_MESSAGE)
+                elif channel == "analysis":
+                    self._kind = "reasoning"
+                    self._saw_reasoning = True
+                else:
+                    self._kind = "content"
+                self._buf = buf[at + len(HARMONY_MESSAGE) :]
+                self._state = "body"
+            else:  # body
+                out = reasoning if self._kind == "reasoning" else content
+                end = HARMONY_BODY_END.search(buf)
+                if end is None:
+                    keep = 0 if final else max(_partial_suffix(buf, t) for t in self._TOKENS)
+                    out.append(buf[: len(buf) - keep])
+                    self._buf = buf[len(buf) - keep :]
+                    break
+                out.append(buf[: end.start()])
+                closed = end.group() in HARMONY_ENDS
+                if closed and self._kind == "call":
+                    content.append(end.group())
+                self._buf = buf[end.end() :] if closed else buf[end.start() :]
+                self._state = "between"
+        return "".join(reasoning), "".join(content)
+
+
+BUILTIN_REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (ThinkParser, DeepSeekR1Parser, GptOssReasoningParser)
+}
 
 
 def reasoning_parsers(host: PluginHost | None = None) -> dict[str, type[ReasoningParser]]:

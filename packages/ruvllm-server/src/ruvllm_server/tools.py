@@ -5,8 +5,9 @@
 function's ``parameters``. Under ``auto`` the model writes what it likes and a :class:`ToolParser`
 extracts calls in the format its chat template taught it (``hermes``: ``<tool_call>{...}</tool_call>``
 as Qwen2.5/Qwen3 and Hermes templates do; ``llama3_json``: Llama 3.x's JSON with ``parameters``;
-``mistral``: ``[TOOL_CALLS][...]``; ``json``: a bare JSON object or list, the format
-:func:`tool_system_prompt` asks for from models whose template knows no tools).
+``mistral``: ``[TOOL_CALLS][...]``; ``gpt_oss``: harmony messages to ``functions.NAME``; ``json``: a
+bare JSON object or list, the format :func:`tool_system_prompt` asks for from models whose template
+knows no tools).
 
 Parsers are found by name in :func:`tool_parsers`: the built-in ones plus those plugins add through
 the ``register_tool_parsers`` hook (:mod:`ruvllm_server.hookspecs`), so a third party adds a format
@@ -54,6 +55,8 @@ class ToolParser(ABC):
     markers: ClassVar[tuple[str, ...]] = ()
     #: Markers count only at the very start of the output (after whitespace).
     markers_at_start: ClassVar[bool] = False
+    #: The markers are special tokens: the output must be decoded with ``skip_special_tokens=False``.
+    keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
@@ -190,8 +193,86 @@ class MistralParser(ToolParser):
         return ParsedOutput(content or None, [c for c in calls if c is not None])
 
 
+# -- gpt-oss's harmony format ---------------------------------------------------------------------
+# An assistant turn is a run of messages, each ``<|start|>assistant`` (omitted on the first: the
+# prompt ends with it), a header naming the channel (``<|channel|>analysis``: thinking; ``final``: the
+# answer; ``commentary``: preambles and tool calls) and, for a call, the recipient
+# (``to=functions.NAME``, in the channel part or the role part), then ``<|message|>`` and the body,
+# closed by ``<|end|>``, ``<|return|>`` (the turn's end) or ``<|call|>`` (a call's end). These are
+# special tokens: the text keeps them only when decoded with ``skip_special_tokens=False``.
+
+HARMONY_START = "<|start|>"
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_MESSAGE = "<|message|>"
+#: Tokens that close a message's body.
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+#: Text that closes a body: one of :data:`HARMONY_ENDS`, or the next header begun without one.
+HARMONY_BODY_END = re.compile(r"<\|(?:end|return|call|start|channel)\|>")
+#: The start of a message addressed to a recipient (a tool call): its ``<|start|>`` or
+#: ``<|channel|>``, or (``_AT_START``) the output's start when the role part carries the recipient
+#: (``to=functions.NAME<|channel|>commentary json<|message|>``: the prompt wrote ``<|start|>assistant``).
+_HEAD = r"(?:(?!<\|(?:message|start|end|return|call)\|>).)*?(?<![^\s>|])to="
+_HARMONY_CALL_HEAD = re.compile(rf"(?:<\|start\|>|<\|channel\|>){_HEAD}", re.S)
+_HARMONY_CALL_HEAD_AT_START = re.compile(rf"(?:<\|start\|>|<\|channel\|>|^\s*(?=to=)){_HEAD}", re.S)
+
+
+def harmony_header(header: str) -> tuple[str | None, str | None]:
+    """(channel, recipient) of a harmony message header (the text before ``<|message|>``)."""
+    channel = re.search(r"<\|channel\|>\s*([^\s<]+)", header)
+    recipient = re.search(r"(?<![^\s>|])to=([^\s<]+)", header)
+    return (channel.group(1) if channel else None), (recipient.group(1) if recipient else None)
+
+
+class GptOssParser(ToolParser):
+    """gpt-oss (harmony): a call is a message to ``functions.NAME``, its body the JSON arguments
+    (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``). The
+    content is the text before the first call, as the ``gpt_oss`` reasoning parser leaves it (the
+    answer's text, unwrapped) or raw harmony text without that parser."""
+
+    name = "gpt_oss"
+    markers = (HARMONY_START, HARMONY_CHANNEL)
+    keeps_special_tokens = True
+
+    def parse(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedOutput:
+        names = _tool_names(tools)
+        calls, first = [], None
+        for head in _HARMONY_CALL_HEAD_AT_START.finditer(text):
+            at = text.find(HARMONY_MESSAGE, head.end())
+            recipient = re.match(r"[^\s<]+", text[head.end() :])
+            if at < 0 or recipient is None or not recipient.group().startswith("functions."):
+                return ParsedOutput(text, [])  # cut short, or a built-in tool (browser, python): not ours
+            body_start = at + len(HARMONY_MESSAGE)
+            end = HARMONY_BODY_END.search(text, body_start)
+            values, whole = _json_values(text[body_start : end.start() if end else len(text)])
+            call = None
+            if len(values) == 1 and whole:
+                call = _call_from({"name": recipient.group()[len("functions.") :], "arguments": values[0]}, names)
+            if call is None:
+                return ParsedOutput(text, [])
+            calls.append(call)
+            first = head.start() if first is None else first
+        if first is None:
+            return ParsedOutput(text, [])
+        return ParsedOutput(text[:first].strip() or None, calls)
+
+    def call_start(self, text: str) -> int | None:
+        # Not the role-part form: a stream's pending text starts anywhere, and the gpt_oss reasoning
+        # parser writes that form's <|start|>assistant back in front of it.
+        head = _HARMONY_CALL_HEAD.search(text)
+        return head.start() if head else None
+
+    def may_start(self, text: str) -> int:
+        # A header not closed by <|message|> may still name a recipient: hold it whole.
+        after = text.rfind(HARMONY_MESSAGE)
+        after = 0 if after < 0 else after + len(HARMONY_MESSAGE)
+        opens = [i for i in (text.find(HARMONY_START, after), text.find(HARMONY_CHANNEL, after)) if i >= 0]
+        if opens:
+            return len(text) - min(opens)
+        return super().may_start(text)
+
+
 BUILTIN_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, JsonParser, Llama3JsonParser, MistralParser)
+    p.name: p for p in (HermesParser, JsonParser, Llama3JsonParser, MistralParser, GptOssParser)
 }
 
 
@@ -213,6 +294,8 @@ def tool_parsers(host: PluginHost | None = None) -> dict[str, type[ToolParser]]:
 def parser_for_template(template: str | None) -> str:
     """The parser a chat template's tool format calls for (``json`` when it has none)."""
     t = template or ""
+    if HARMONY_CHANNEL in t:
+        return "gpt_oss"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:

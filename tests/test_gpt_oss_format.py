@@ -1,0 +1,186 @@
+"""gpt-oss's chat format (OpenAI's harmony): the ``gpt_oss`` reasoning parser takes the ``analysis``
+channel as reasoning and unwraps the ``final`` channel; the ``gpt_oss`` tool parser reads messages to
+``functions.NAME`` as calls. Whole and streamed alike, however the text is cut, and through both as
+the chat endpoint chains them. Also: harmony's turn ends stop generation from a GGUF file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ruvllm.plugins import load_plugins
+from ruvllm_server.generation.chat_tools import ChoiceTools, ToolSetup, split_calls, tool_deltas
+from ruvllm_server.reasoning import BUILTIN_REASONING_PARSERS, GptOssReasoningParser, reasoning_parsers
+from ruvllm_server.tools import BUILTIN_PARSERS, GptOssParser, parser_for_template, tool_parsers
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+]
+
+THINK = "<|channel|>analysis<|message|>The user asks for 2+2. Simple.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4."
+CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris", "unit": "C"}'
+)
+
+#: (output text, reasoning, content after the reasoning parser)
+REASONING_CASES = [
+    (THINK + FINAL, "The user asks for 2+2. Simple.", "2 + 2 = 4."),
+    (THINK + FINAL + "<|return|>", "The user asks for 2+2. Simple.", "2 + 2 = 4."),
+    ("<|channel|>final<|message|>Just the answer.", None, "Just the answer."),
+    # A preamble on the commentary channel is for the user; a call stays whole for the tool parser.
+    (THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL,
+     "The user asks for 2+2. Simple.", "Checking." + CALL),
+    # The recipient in the role part: the prompt's <|start|>assistant is written back in front of it.
+    (' to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>', None,
+     '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>'),
+    ("<|channel|>analysis<|message|>cut short by max_tokens", "cut short by max_tokens", ""),
+    ("<|channel|>analysis<|message|>thinking<|end|><|start|>assistant<|channel|>fin", "thinking", ""),
+    ("Plain text from a model not speaking harmony.", None, "Plain text from a model not speaking harmony."),
+    ("<|chan", None, "<|chan"),
+    ("", None, ""),
+]  # fmt: skip
+
+
+def _cuts(text: str) -> list[list[str]]:
+    """``text`` in two pieces at every character boundary, and in pieces of a few fixed lengths."""
+    out = [[text[:i], text[i:]] for i in range(1, len(text))]
+    out += [[text[i : i + step] for i in range(0, len(text), step)] for step in (1, 2, 3, 7)]
+    return [pieces for pieces in out if pieces]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), REASONING_CASES)
+def test_reasoning_split_and_every_streamed_cut_agree(text, reasoning, content) -> None:
+    split = GptOssReasoningParser().split(text)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    for pieces in _cuts(text):
+        p = GptOssReasoningParser()
+        r, c = "", ""
+        for k, piece in enumerate(pieces):
+            dr, dc = p.feed(piece, final=k == len(pieces) - 1)
+            r, c = r + dr, c + dc
+        assert (r, c) == (reasoning or "", content), pieces
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (CALL, None, [("get_weather", {"city": "Paris", "unit": "C"})]),
+        # Raw harmony (no reasoning parser in front): the text before the call is the content.
+        (THINK + CALL + "<|call|>", THINK, [("get_weather", {"city": "Paris", "unit": "C"})]),
+        ("Checking.\n" + CALL, "Checking.", [("get_weather", {"city": "Paris", "unit": "C"})]),
+        ('<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1}<|call|>'
+         '<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2}',
+         None, [("add", {"a": 1}), ("add", {"a": 2})]),
+        (' to=functions.add<|channel|>commentary json<|message|>{"a": 3}', None, [("add", {"a": 3})]),
+        # Not a well-formed call of one of the tools: the text is the answer.
+        ('<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1', "same", []),
+        ('<|channel|>commentary to=functions.unknown_fn <|constrain|>json<|message|>{}', "same", []),
+        ('<|channel|>analysis to=browser.search<|message|>{"query": "x"}', "same", []),
+        ("<|channel|>commentary to=functions.add", "same", []),
+        ("2 + 2 = 4.", "same", []),
+        ("auto=functions.add<|message|>{}", "same", []),
+    ],
+)  # fmt: skip
+def test_tool_parser(text, content, calls) -> None:
+    out = GptOssParser().parse(text, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == calls
+    assert out.content == (text if content == "same" else content)
+
+
+def test_stream_hold_back_waits_for_a_header_to_name_its_recipient() -> None:
+    p = GptOssParser()
+    assert p.may_start("Checking.<|sta") == len("<|sta")
+    assert p.may_start("Checking.<|start|>assistant<|channel|>commen") == len("<|start|>assistant<|channel|>commen")
+    assert p.may_start("<|channel|>final<|message|>4") == 0
+    assert p.call_start("Checking." + CALL) == len("Checking.")
+    assert p.call_start(THINK + FINAL) is None
+
+
+def _chat(text: str, cut: list[str] | None) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    """(reasoning, content, calls, finish reason) of ``text`` as the chat endpoint makes them with both
+    parsers: whole (``cut`` None) or streamed in ``cut``'s pieces."""
+    setup, tools = ToolSetup(TOOLS, "auto"), GptOssParser()
+    if cut is None:
+        split = GptOssReasoningParser().split(text)
+        content, calls, reason = split_calls(setup, tools, "call_0", split.content, "stop")
+        return split.reasoning or "", content or "", [(c.name, c.arguments) for c in calls], reason
+    rp, st = GptOssReasoningParser(), ChoiceTools()
+    reasoning, chunks = "", []
+    for k, piece in enumerate(cut):
+        finish = "stop" if k == len(cut) - 1 else None
+        r, c = rp.feed(piece, final=finish is not None)
+        reasoning += r
+        chunks += tool_deltas(setup, tools, "call_0", 0, st, c, finish)
+    got: dict[int, list[str]] = {}
+    for ch in chunks:
+        for d in ch.delta.tool_calls or []:
+            slot = got.setdefault(d.index, ["", ""])
+            slot[0] += d.function.name or ""
+            slot[1] += d.function.arguments or ""
+    content = "".join(ch.delta.content or "" for ch in chunks)
+    [reason] = [ch.finish_reason for ch in chunks if ch.finish_reason]
+    return reasoning, content, [(n, a) for _, (n, a) in sorted(got.items())], reason
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        THINK + FINAL,
+        THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL,
+        THINK + CALL + "<|call|>",
+        ' to=functions.add<|channel|>commentary json<|message|>{"a": 1}',
+        '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": ',
+        "plain answer",
+    ],
+)
+def test_streamed_chat_adds_up_to_the_whole(text) -> None:
+    reasoning, content, calls, reason = _chat(text, None)
+    for cut in _cuts(text):
+        r, c, k, why = _chat(text, cut)
+        # Content beside a call may differ in surrounding whitespace only, as for the other parsers.
+        same = (c.strip(), content.strip()) if calls else (c, content)
+        assert (r, same[0], k, why) == (reasoning, same[1], calls, reason)
+
+
+def test_the_chain_gives_reasoning_content_and_the_call() -> None:
+    text = THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL
+    reasoning, content, calls, reason = _chat(text, None)
+    assert reasoning == "The user asks for 2+2. Simple." and content == "Checking."
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris", "unit": "C"})]
+    assert reason == "tool_calls"
+
+
+def test_registered_by_name_and_chosen_by_a_harmony_template() -> None:
+    host = load_plugins()
+    assert reasoning_parsers(host)["gpt_oss"] is BUILTIN_REASONING_PARSERS["gpt_oss"] is GptOssReasoningParser
+    assert tool_parsers(host)["gpt_oss"] is BUILTIN_PARSERS["gpt_oss"] is GptOssParser
+    assert parser_for_template("{{- '<|start|>assistant<|channel|>final<|message|>' }}") == "gpt_oss"
+    # Harmony's markup is special tokens: the server must decode with skip_special_tokens=False.
+    assert GptOssReasoningParser.keeps_special_tokens and GptOssParser.keeps_special_tokens
+    assert not BUILTIN_REASONING_PARSERS["think"].keeps_special_tokens
+    assert not BUILTIN_PARSERS["hermes"].keeps_special_tokens
+
+
+def test_a_gguf_turn_ends_at_return_or_call_not_at_end(tmp_path, monkeypatch) -> None:
+    """llama.cpp's converter names <|return|> as EOS; <|call|> ends a turn too, <|end|> only a message."""
+    pytest.importorskip("transformers")
+    import gguf
+    from _moe_checkpoints import write_gpt_oss_gguf, write_moe_checkpoint
+
+    from ruvllm.checkpoint import open_checkpoint
+
+    specials = {5: "<|return|>", 6: "<|call|>", 7: "<|end|>"}
+    add_tokens = gguf.GGUFWriter.add_token_list
+
+    def with_harmony_tokens(self, tokens):
+        add_tokens(self, [specials.get(i, t) for i, t in enumerate(tokens)])
+        self.add_eos_token_id(5)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_list", with_harmony_tokens)
+    hf_dir = write_moe_checkpoint(tmp_path / "hf", "gpt_oss")
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "model.gguf")
+    assert open_checkpoint(path).config.eos_token_ids == (5, 6)
