@@ -183,4 +183,78 @@ def test_a_gguf_turn_ends_at_return_or_call_not_at_end(tmp_path, monkeypatch) ->
     monkeypatch.setattr(gguf.GGUFWriter, "add_token_list", with_harmony_tokens)
     hf_dir = write_moe_checkpoint(tmp_path / "hf", "gpt_oss")
     path = write_gpt_oss_gguf(hf_dir, tmp_path / "model.gguf")
-    assert open_checkpoint(path).config.eos_token_ids == (5, 6)
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.eos_token_ids == (5, 6)
+    # The file carries no template: the family's harmony one, whose format picks the gpt_oss parser.
+    assert ckpt.chat_template == _family_template()
+    assert parser_for_template(ckpt.chat_template) == "gpt_oss"
+
+
+def _family_template() -> str:
+    from ruvllm.architectures import FAMILIES
+
+    text = next(f for f in FAMILIES if f.name == "gpt_oss").chat_template_text()
+    assert text is not None
+    return text
+
+
+def _render(messages: list[dict], **kw) -> str:
+    import re
+
+    import tokenizers
+
+    from ruvllm.tokenizer import Tokenizer
+
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({"x": 0}, unk_token="x"))
+    tok = Tokenizer(inner, bos_token_id=None, eos_token_ids=[], chat_template=_family_template())
+    return re.sub(r"Current date: \d{4}-\d\d-\d\d", "Current date: DATE", tok.apply_chat_template(messages, True, **kw))
+
+
+SYSTEM = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\nCurrent date: DATE\n\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+)
+
+
+def test_the_family_template_writes_harmony() -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    assert _render(hi) == SYSTEM + "<|end|><|start|>user<|message|>hi<|end|><|start|>assistant"
+    assert _render(hi, reasoning_effort="high").count("Reasoning: high\n") == 1
+
+
+def test_the_family_template_writes_tools_calls_and_results() -> None:
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "Gets the weather.", "parameters": {
+            "type": "object", "required": ["city"], "properties": {
+                "city": {"type": "string", "description": "The city."},
+                "unit": {"type": "string", "enum": ["C", "F"], "default": "C"},
+                "days": {"type": "array", "items": {"type": "integer"}}}}}},
+        {"type": "function", "function": {"name": "now"}},
+    ]  # fmt: skip
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"t": 20}'},
+        {"role": "assistant", "content": "20 C."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    want = (
+        SYSTEM + "\nCalls to these tools must go to the commentary channel: 'functions'.<|end|>"
+        "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\n"
+        "namespace functions {\n\n// Gets the weather.\ntype get_weather = (_: {\n// The city.\ncity: string,\n"
+        'unit?: "C" | "F", // default: "C"\ndays?: number[],\n}) => any;\n\ntype now = () => any;\n\n'
+        "} // namespace functions<|end|>"
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"t": 20}<|end|>'
+        "<|start|>assistant<|channel|>final<|message|>20 C.<|end|>"
+        "<|start|>user<|message|>Thanks<|end|><|start|>assistant"
+    )
+    assert _render(messages, tools=tools) == want
+    # The call as the template writes it back is one the tool parser reads.
+    written = want[want.index("<|start|>assistant to=") : want.index("<|start|>functions.")]
+    parsed = GptOssParser().parse(written, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]

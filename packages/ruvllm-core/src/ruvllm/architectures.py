@@ -253,6 +253,8 @@ FAMILIES: tuple[Family, ...] = (
         # Harmony's turn ends (an answer; a tool call), as generation_config lists them and llama.cpp
         # treats them; a GGUF's EOS names only <|return|>. (<|end|> closes a message, not the turn.)
         end_of_turn_texts=("<|return|>", "<|call|>"),
+        # Harmony written from its published format, for a GGUF converted without OpenAI's template.
+        default_chat_template="gpt_oss.jinja",
     ),
     Family(
         "gemma3",
