@@ -258,3 +258,39 @@ def test_the_family_template_writes_tools_calls_and_results() -> None:
     written = want[want.index("<|start|>assistant to=") : want.index("<|start|>functions.")]
     parsed = GptOssParser().parse(written, TOOLS)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def _harmony_tokenizer():
+    """A byte-level tokenizer (no merges) with harmony's markup as special tokens, as gpt-oss's has."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from ruvllm.tokenizer import Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    inner = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    markup = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+    inner.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in markup])
+    return Tokenizer(inner, bos_token_id=None, eos_token_ids=[])
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_token_by_token_decoding_keeps_the_markup_only_without_skipping_special_tokens(skip_special_tokens) -> None:
+    """What the engine's detokenizer hands the parsers, one token at a time: the chain reads the call
+    when special tokens are kept; skipped, the markup is gone and no call or reasoning is found."""
+    from ruvllm.tokenizer import IncrementalDetokenizer
+
+    tok = _harmony_tokenizer()
+    text = THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) < len(text)  # the markup is one token each
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    got = _chat(text, [p for p in pieces if p] or [""])
+    if skip_special_tokens:
+        assert got[0] == "" and got[2] == []
+    else:
+        assert got == _chat(text, None)
+        assert got[2] and got[1] == "Checking."
