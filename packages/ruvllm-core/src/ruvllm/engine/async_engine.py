@@ -2,7 +2,8 @@
 
 Only the step thread touches the :class:`LLMEngine`. Callers send it commands (add, abort, stop)
 through a queue and are answered through futures; each request's outputs come back through its own
-``asyncio.Queue`` on the caller's event loop. Commands are handled between steps, so an abort frees
+:class:`_OutputStream`, which wakes the caller's event loop only while the caller waits, and hands it
+everything that arrived in one go. Commands are handled between steps, so an abort frees
 the request's blocks at the latest when the step in flight ends, and before ``abort`` returns.
 """
 
@@ -13,6 +14,7 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,49 @@ class EngineDeadError(RuvllmError):
     """The engine was shut down; it takes no more requests."""
 
 
+class _OutputStream:
+    """One request's outputs from the step thread to its caller's event loop.
+
+    The step thread appends; the loop is woken (``call_soon_threadsafe``: a pipe write and a loop
+    turn) only when the caller waits, so a caller that is behind takes every output that arrived in
+    one wakeup, with no per-output ``asyncio.Queue`` bookkeeping. Appends and attribute reads are
+    atomic under the GIL; the caller publishes its waiter before it looks at ``items`` again, so an
+    output appended in between is either seen or wakes it."""
+
+    __slots__ = ("items", "loop", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque[RequestOutput | BaseException] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Step thread. Raises RuntimeError if the caller's loop is closed."""
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.loop.call_soon_threadsafe(_wake, waiter)
+        elif self.loop.is_closed():  # as call_soon_threadsafe would say: nobody will read these
+            raise RuntimeError("the caller's event loop is closed")
+
+    async def wait(self) -> None:
+        """Caller's loop: return once ``items`` is not empty."""
+        while not self.items:
+            waiter = self.loop.create_future()
+            self.waiter = waiter
+            try:
+                if self.items:  # appended before the waiter was published
+                    return
+                await waiter
+            finally:
+                self.waiter = None
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class AsyncEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None):
         self.engine = LLMEngine(model, config, tokenizer=tokenizer)
@@ -43,7 +88,7 @@ class AsyncEngine:
         self._closed = False
         self._start_lock = threading.Lock()
         # Touched by the step thread only.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _OutputStream] = {}
         self._stopping: bool | None = None  # None: running; else: drain before stopping?
         self._stats = self.engine.stats()
 
@@ -62,13 +107,15 @@ class AsyncEngine:
         """Yield ``request``'s output deltas until it finishes. Leaving the loop early (break,
         cancellation) aborts the request and frees its blocks."""
         self.start()
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        await self._call("add", request, loop, outputs)
+        outputs = _OutputStream(asyncio.get_running_loop())
+        await self._call("add", request, outputs)
+        items = outputs.items
         done = False
         try:
             while True:
-                item = await outputs.get()
+                if not items:
+                    await outputs.wait()
+                item = items.popleft()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -167,11 +214,11 @@ class AsyncEngine:
 
     def _command(self, kind: str, args: tuple[Any, ...]) -> Any:
         if kind == "add":
-            request, loop, outputs = args
+            request, outputs = args
             if self._stopping is not None:
                 raise EngineDeadError("the engine is shutting down")
             self.engine.add_request(request)
-            self._streams[request.request_id] = (loop, outputs)
+            self._streams[request.request_id] = outputs
             return None
         if kind == "abort":
             (rid,) = args
@@ -193,9 +240,8 @@ class AsyncEngine:
         target = self._streams.pop(rid, None) if last else self._streams.get(rid)
         if target is None:
             return
-        loop, outputs = target
         try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            target.put(item)
         except RuntimeError:  # the caller's event loop is closed: nobody listens any more
             self._streams.pop(rid, None)
             self.engine.abort(rid)
