@@ -21,7 +21,7 @@ from ruvllm_server.generation.chat_tools import (
 from ruvllm_server.generation.logprobs import chat_logprobs
 from ruvllm_server.generation.requests import build_sampling, check_model, encode_chat, engine_request, message_dicts
 from ruvllm_server.generation.run import ChoiceAccumulator, Run
-from ruvllm_server.generation.sse import SSE_DONE, error_event, sse
+from ruvllm_server.generation.sse import SSE_DONE, TextEvent, error_event, sse
 from ruvllm_server.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -112,6 +112,17 @@ class ChatJob:
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, choices, usage=usage))
 
+    def _content_event(self, index: int) -> TextEvent:
+        """The chunk of choice ``index`` that carries only content (most tokens' chunk)."""
+        return TextEvent(
+            lambda text: ChatCompletionChunk(
+                self.id,
+                self.created,
+                self.state.model_name,
+                [ChatChunkChoice(index, ChatDelta(content=text), None, None)],
+            )
+        )
+
     async def stream(self, run: Run) -> AsyncIterator[bytes]:
         n = run.requests[0].sampling.n
         want_logprobs = bool(self.req.logprobs)
@@ -119,13 +130,23 @@ class ChatJob:
         setup, parser, call_id = self.tools, self.parser, self.named_call_id
         tool_state = {i: ChoiceTools() for i in range(n)} if setup is not None else None
         thinking: dict[int, Any] | None = {} if self.state.reasoning_parser is not None else None
+        content_events: dict[int, TextEvent] = {}
         try:
             yield self._chunk(
                 [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
             )
             async for _, out in run.outputs():
+                deltas = out.deltas
+                if len(deltas) == 1 and thinking is None and tool_state is None:
+                    d = deltas[0]
+                    if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                        event = content_events.get(d.index)
+                        if event is None:
+                            event = content_events[d.index] = self._content_event(d.index)
+                        yield event(d.text)
+                        continue
                 choices = []
-                for d in out.deltas:
+                for d in deltas:
                     piece = d.text
                     if thinking is not None:
                         rp = thinking.get(d.index)

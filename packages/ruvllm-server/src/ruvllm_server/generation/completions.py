@@ -14,7 +14,7 @@ from ruvllm_server.errors import bad_request
 from ruvllm_server.generation.logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs_vllm
 from ruvllm_server.generation.requests import build_sampling, check_model, completion_prompts, engine_request
 from ruvllm_server.generation.run import ChoiceAccumulator, Run
-from ruvllm_server.generation.sse import SSE_DONE, error_event, sse
+from ruvllm_server.generation.sse import SSE_DONE, TextEvent, error_event, sse
 from ruvllm_server.schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 
 if TYPE_CHECKING:
@@ -115,18 +115,38 @@ class CompletionJob:
             choices.append(CompletionChoice(i, echo + "".join(a.text), lp, a.finish_reason, plp))
         return Completion(self.id, self.created, self.state.model_name, choices, usage=run.usage())
 
+    def _text_event(self, index: int) -> TextEvent:
+        """The chunk of choice ``index`` that carries only text (most tokens' chunk)."""
+        return TextEvent(
+            lambda text: Completion(
+                self.id, self.created, self.state.model_name, [CompletionChoice(index, text, None, None)]
+            )
+        )
+
     async def stream(self, run: Run) -> AsyncIterator[bytes]:
         n = run.requests[0].sampling.n
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         offsets: dict[int, int] = {}
+        want_logprobs = self.req.logprobs is not None
+        text_events: dict[int, TextEvent] = {}
         try:
             if self.req.echo:
                 echoes = [CompletionChoice(i, self._echo(i // n), None, None) for i in range(len(run.requests) * n)]
                 yield sse(Completion(self.id, self.created, self.state.model_name, echoes))
             async for p, out in run.outputs():
+                deltas = out.deltas
+                if len(deltas) == 1:
+                    d = deltas[0]
+                    if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                        i = self._index(run, p, d.index)
+                        event = text_events.get(i)
+                        if event is None:
+                            event = text_events[i] = self._text_event(i)
+                        yield event(d.text)
+                        continue
                 choices = []
-                for d in out.deltas:
-                    if not d.text and not d.finish_reason and not (self.req.logprobs is not None and d.logprobs):
+                for d in deltas:
+                    if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
                         continue
                     i = self._index(run, p, d.index)
                     lp = None

@@ -3,6 +3,7 @@ event (once the status line is sent, a failure can only go into the stream)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -26,6 +27,26 @@ SSE_HEADERS = {
 
 def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+#: Stands for the text while a :class:`TextEvent` is built (no other part of the event holds it).
+_SLOT = "\x00"
+_SLOT_JSON = msgspec.json.encode(_SLOT)
+
+
+class TextEvent:
+    """The event that carries only a piece of text, the one sent for nearly every token, as bytes
+    around the text: the event is encoded once with a stand-in text and split there, so a token
+    costs one string encode and a join, not a tree of Structs (the bytes are the same)."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, event: Callable[[str], Any]):
+        """``event(text)``: the event (a Struct) that carries ``text``."""
+        self.head, self.tail = sse(event(_SLOT)).split(_SLOT_JSON)
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + msgspec.json.encode(text) + self.tail
 
 
 def error_event(exc: Exception) -> bytes:
