@@ -329,11 +329,17 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # Each id is checked once, when pushed, so the windows go straight to the inner tokenizer
+        # (a subclass that decodes its own way keeps its decode).
+        plain = isinstance(tokenizer, Tokenizer) and type(tokenizer).decode is Tokenizer.decode
+        self._inner_decode = tokenizer._inner.decode if plain else None
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: the step before the last emitted one
         self._read_offset = 0  # ids up to here have been emitted
 
     def push(self, token_id: int) -> str:
+        if self._inner_decode is not None:
+            (token_id,) = self._tokenizer._checked_ids((token_id,))  # an invalid id raises before it is kept
         self._ids.append(token_id)
         try:
             return self._emit(final=False)
@@ -345,9 +351,13 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
-        text = decode(self._ids[self._prefix_offset :], self._skip_special)
+        if self._inner_decode is not None:
+            decode, skip = self._inner_decode, self._skip_special
+            prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+            text = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
+        else:
+            prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+            text = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip_special)
         if len(text) <= len(prefix):
             return ""  # nothing new yet
         if not final and (text.endswith("\ufffd") or self._ids[-1] in self._tokenizer.byte_fallback_ids):
