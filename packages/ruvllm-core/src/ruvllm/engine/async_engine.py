@@ -43,7 +43,8 @@ class _OutputStream:
     turn) only when the caller waits, so a caller that is behind takes every output that arrived in
     one wakeup, with no per-output ``asyncio.Queue`` bookkeeping. Appends and attribute reads are
     atomic under the GIL; the caller publishes its waiter before it looks at ``items`` again, so an
-    output appended in between is either seen or wakes it."""
+    output appended in between is either seen or wakes it. A step's outputs for callers on one loop
+    wake them all with one ``call_soon_threadsafe`` (:class:`_Wakeups`)."""
 
     __slots__ = ("items", "loop", "waiter")
 
@@ -52,14 +53,18 @@ class _OutputStream:
         self.items: deque[RequestOutput | BaseException] = deque()
         self.waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Step thread. Raises RuntimeError if the caller's loop is closed."""
+    def put(self, rid: str, item: RequestOutput | BaseException, wakeups: _Wakeups | None = None) -> None:
+        """Step thread: add ``item``; wake the caller now, or with ``wakeups`` when they are sent.
+        Raises RuntimeError if the caller's loop is closed."""
         self.items.append(item)
         waiter = self.waiter
-        if waiter is not None:
-            self.loop.call_soon_threadsafe(_wake, waiter)
-        elif self.loop.is_closed():  # as call_soon_threadsafe would say: nobody will read these
+        if waiter is not None and wakeups is None:
+            self.loop.call_soon_threadsafe(_wake, [waiter])
+            return
+        if self.loop.is_closed():  # as call_soon_threadsafe would say: nobody will read these
             raise RuntimeError("the caller's event loop is closed")
+        if waiter is not None and wakeups is not None:
+            wakeups.add(self.loop, rid, waiter)
 
     async def wait(self) -> None:
         """Caller's loop: return once ``items`` is not empty."""
@@ -74,9 +79,36 @@ class _OutputStream:
                 self.waiter = None
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+class _Wakeups:
+    """The callers a step's outputs wake, by event loop: one ``call_soon_threadsafe`` a loop."""
+
+    __slots__ = ("by_loop",)
+
+    def __init__(self) -> None:
+        self.by_loop: dict[asyncio.AbstractEventLoop, tuple[list[str], list[asyncio.Future[None]]]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, rid: str, waiter: asyncio.Future[None]) -> None:
+        entry = self.by_loop.get(loop)
+        if entry is None:
+            entry = self.by_loop[loop] = ([], [])
+        entry[0].append(rid)
+        entry[1].append(waiter)
+
+    def send(self) -> list[str]:
+        """Wake them; returns the requests whose loop closed meanwhile (nobody reads them)."""
+        lost = []
+        for loop, (rids, waiters) in self.by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake, waiters)
+            except RuntimeError:
+                lost += rids
+        return lost
+
+
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 class AsyncEngine:
@@ -178,10 +210,14 @@ class AsyncEngine:
                     continue
                 # Stats first: a caller woken by its final output must not read older figures.
                 self._stats = self.engine.stats()
+                wakeups = _Wakeups()
                 for failure in self.engine.take_failures():  # requests that failed alone
-                    self._deliver(failure.request_id, failure, True)
+                    self._deliver(failure.request_id, failure, True, wakeups)
                 for out in outputs:
-                    self._deliver(out.request_id, out, out.finished)
+                    self._deliver(out.request_id, out, out.finished, wakeups)
+                for rid in wakeups.send():
+                    self._streams.pop(rid, None)
+                    self.engine.abort(rid)
                 if self.engine.broken is not None:
                     self._fail_all(EngineDeadError(f"the engine stopped: {self.engine.broken}"))
                     break
@@ -236,12 +272,14 @@ class AsyncEngine:
             return None
         raise ValueError(f"unknown engine command {kind!r}")
 
-    def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
+    def _deliver(
+        self, rid: str, item: RequestOutput | BaseException, last: bool, wakeups: _Wakeups | None = None
+    ) -> None:
         target = self._streams.pop(rid, None) if last else self._streams.get(rid)
         if target is None:
             return
         try:
-            target.put(item)
+            target.put(rid, item, wakeups)
         except RuntimeError:  # the caller's event loop is closed: nobody listens any more
             self._streams.pop(rid, None)
             self.engine.abort(rid)
