@@ -213,3 +213,27 @@ def test_greedy_equality_fifty_prompts(smollm2_path, backend, proposer):
         )
         assert _run(engine, prompts, sampling) == want, (proposer, concurrent)
         assert engine.stats().spec_accepted_tokens > 0
+
+
+class _ScaledOutput:
+    """A LoRA-like adapter (candle-compat takes any ``delta``): o_proj's output moved by a tenth of
+    its input, position by position, so the adapted model answers differently from the base one."""
+
+    def delta(self, layer, proj, x):
+        return 0.1 * x if proj == "o_proj" else None
+
+
+def test_lora_requests_keep_their_adapter(smollm2_path):
+    llm = _loaded("candle-compat", str(smollm2_path))  # (jax takes PEFT factors, not a delta callback)
+    prompt = _prompts(llm, 3)[2]
+    sampling = SamplingParams(max_tokens=24, temperature=0.0)
+
+    def run(speculative):
+        engine = _engine(llm, speculative)
+        out = engine.generate([GenerationRequest(prompt, sampling, adapter=_ScaledOutput())])[0]
+        return [t for o in out for d in o.deltas for t in d.token_ids], engine.stats()
+
+    plain, _ = run(None)
+    spec, stats = run("ngram")
+    assert spec == plain and stats.spec_draft_tokens > 0
+    assert plain != _run(_engine(llm, None), [prompt], sampling)[0][0]  # the adapter changed the answer
