@@ -35,6 +35,7 @@ TEST_DEPS = [
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
     "jsonschema>=4.20",
+    "scipy>=1.11",  # chi-square of speculative sampling against the target's distribution
     "peft>=0.13",  # the reference for LoRA adapters
     "torch==2.13.0",  # the CPU build; HF transformers runs on it as the reference
     "transformers>=4.46",
