@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _server_fixtures import smollm2_model  # noqa: F401  (fixture)
 
 from ruvllm.plugins import load_plugins
 from ruvllm_server.generation.chat_tools import ChoiceTools, ToolSetup, split_calls, tool_deltas
@@ -294,3 +295,20 @@ def test_token_by_token_decoding_keeps_the_markup_only_without_skipping_special_
     else:
         assert got == _chat(text, None)
         assert got[2] and got[1] == "Checking."
+
+
+def test_the_chat_endpoint_keeps_special_tokens_for_the_gpt_oss_parsers(smollm2_model):  # noqa: F811
+    """Harmony's markers are special tokens: a chat request served with the gpt_oss reasoning parser
+    decodes with them kept (else the parsers would see none of them); without it they are skipped."""
+    import msgspec
+    from _server_fixtures import live_server
+
+    from ruvllm_server.generation.chat import ChatJob
+    from ruvllm_server.schemas import ChatCompletionRequest
+
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    req = msgspec.convert(body, ChatCompletionRequest)
+    for parser, kept in (("gpt_oss", True), (None, False)):
+        with live_server(smollm2_model, reasoning_parser=parser) as srv:
+            run = ChatJob(srv.app.state["ruvllm"], req, None).prepare()
+            assert run.requests[0].sampling.skip_special_tokens is not kept

@@ -78,6 +78,12 @@ class ChatJob:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             structured=structured,
         )
+        # Harmony's markup (the gpt_oss parsers) is special tokens: keep them in the text for the parsers.
+        rp, tp = self.state.reasoning_parser, self.parser
+        if (rp is not None and rp.keeps_special_tokens) or (
+            setup is not None and setup.mode == "auto" and tp is not None and tp.keeps_special_tokens
+        ):
+            params.skip_special_tokens = False
         request = engine_request(prompt, params, self.id, req.user, self.api_key_id, adapter, req.speculative)
         return Run(self.state, [request])
 
