@@ -27,6 +27,10 @@ METRICS = {
     "decode_tok_s_per_seq",
     "decode_tok_s_aggregate",
     "peak_rss_bytes",
+    # The same decode through the engine: its step, and the step's forward and engine's own work.
+    "engine_decode_step_ms",
+    "engine_forward_ms",
+    "engine_own_ms",
 }
 
 
@@ -79,6 +83,17 @@ def test_json_raw_iterations_match_the_summary(candle_json: dict[str, Any]) -> N
         assert m["decode_tok_s_aggregate"][stat] == pytest.approx(batch * m["decode_tok_s_per_seq"][stat], rel=1e-9)
     prefill = statistics.median(batch * r["settings"]["prompt_length"] / it["prefill_s"] for it in its)
     assert m["prefill_tok_s"]["median"] == pytest.approx(prefill, rel=1e-9)
+    # Through the engine: one step per generated token after the first, and a step's time splits into
+    # the forward and the engine's own work (measured inside the step, so at most the step's time).
+    engine = r["engine_iterations"]
+    assert len(engine) == len(its)
+    for e in engine:
+        assert len(e["decode_step_s"]) == gen
+        assert e["forward_s_per_step"] > 0 and e["own_s_per_step"] > 0
+        assert e["forward_s_per_step"] + e["own_s_per_step"] <= statistics.fmean(e["decode_step_s"]) * 1.001
+    assert m["engine_own_ms"]["median"] == pytest.approx(
+        statistics.median(e["own_s_per_step"] * 1e3 for e in engine), rel=1e-9
+    )
 
 
 def test_csv_has_one_row_per_metric(smollm2_path: Path) -> None:
@@ -120,6 +135,9 @@ def test_table_on_the_jax_backend(smollm2_path: Path) -> None:
         "decode per sequence",
         "decode aggregate",
         "peak RSS (process)",
+        "engine decode step (mean)",
+        "engine step: the forward",
+        "engine step: the engine's own",
     }
     for label, (median, low, high) in rows.items():
         assert 0 < low <= median <= high, label

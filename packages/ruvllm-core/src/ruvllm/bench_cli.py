@@ -121,6 +121,17 @@ class IterationTiming:
     peak_rss_bytes: int | None
 
 
+@dataclass
+class EngineTiming:
+    """One iteration's decode steps run through the engine (the same prompts, greedy): each step's
+    seconds, and per step the model's forward and the engine's own work around it (scheduling, step
+    inputs, sampling, detokenizing, drafting)."""
+
+    decode_step_s: list[float]
+    forward_s_per_step: float
+    own_s_per_step: float
+
+
 @dataclass(frozen=True)
 class MetricSummary:
     key: str
@@ -146,6 +157,8 @@ class BenchmarkReport:
     dtype: str = "float32"
     #: Speculative runs: draft tokens kept / verified over the timed iterations.
     spec_acceptance_rate: float | None = None
+    #: The timed iterations' decode run through the engine (beside the raw forward's ``timings``).
+    engine: list[EngineTiming] = field(default_factory=list)
 
     def metrics(self) -> list[MetricSummary]:
         s = self.settings
@@ -165,6 +178,15 @@ class BenchmarkReport:
             if len(values) < len(maybe):
                 continue  # no getrusage on this platform
             out.append(MetricSummary(key, label, unit, statistics.median(values), min(values), max(values)))
+        through_engine: list[tuple[str, str, Callable[[EngineTiming], float]]] = [
+            ("engine_decode_step_ms", "engine decode step (mean)", lambda e: statistics.fmean(e.decode_step_s)),
+            ("engine_forward_ms", "engine step: the forward", lambda e: e.forward_s_per_step),
+            ("engine_own_ms", "engine step: the engine's own", lambda e: e.own_s_per_step),
+        ]
+        for key, label, engine_value in through_engine:
+            if self.engine:
+                ms = [engine_value(e) * 1e3 for e in self.engine]
+                out.append(MetricSummary(key, label, "ms", statistics.median(ms), min(ms), max(ms)))
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +208,7 @@ class BenchmarkReport:
             },
             "spec_acceptance_rate": self.spec_acceptance_rate,
             "iterations": [asdict(t) for t in self.timings],
+            "engine_iterations": [asdict(e) for e in self.engine],
             "ruvllm_version": __version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         }
@@ -291,20 +314,14 @@ def run_benchmark(
             peak_rss_bytes=_peak_rss_bytes(),
         )
 
-    report = BenchmarkReport(
-        model=model.name,
-        path=str(model.checkpoint.path),
-        backend=model.backend.name,
-        quantization=model.options.quantization,
-        dtype=model.options.dtype,
-        settings=settings,
-        weight_bytes=_optional_int(model.model.weight_bytes if isinstance(model.model, ReportsWeightBytes) else None),
-        kv_cache_bytes=_optional_int(getattr(cache, "nbytes", None)),
-    )
+    report = _report(model, settings, _optional_int(getattr(cache, "nbytes", None)))
     for r in range(rounds):
         timing = one_iteration(r)
         if r >= settings.warmup:
             report.timings.append(timing)
+    if progress is not None:
+        progress.update(rounds * steps_per_round, "the same through the engine", force=True)
+    _engine_iterations(model, settings, report)
     if progress is not None:
         progress.update(rounds * steps_per_round, "done", force=True)
     return report
@@ -316,14 +333,15 @@ def _run_engine_benchmark(
     """:func:`run_benchmark` through the engine, for speculative decoding: each iteration generates
     ``gen_length + 1`` greedy tokens per sequence; the prefill time is up to every first token, the
     decode time the steps after it (fewer than ``gen_length`` when drafts are kept)."""
-    from ruvllm.engine import GenerationRequest, LLMEngine
-    from ruvllm.sampling import SamplingParams
+    report = _report(model, settings, None)
+    report.timings = _engine_iterations(model, settings, report, progress)
+    if progress is not None:
+        progress.update((settings.warmup + settings.iterations) * (1 + settings.gen_length), "done", force=True)
+    return report
 
-    engine = LLMEngine(model, settings.engine_config())
-    prompts = [p.tolist() for p in benchmark_prompts(model, settings)]
-    sampling = SamplingParams(max_tokens=settings.gen_length + 1, temperature=0.0, ignore_eos=True)
-    rounds = settings.warmup + settings.iterations
-    report = BenchmarkReport(
+
+def _report(model: LoadedModel, settings: BenchmarkSettings, kv_cache_bytes: int | None) -> BenchmarkReport:
+    return BenchmarkReport(
         model=model.name,
         path=str(model.checkpoint.path),
         backend=model.backend.name,
@@ -331,8 +349,26 @@ def _run_engine_benchmark(
         dtype=model.options.dtype,
         settings=settings,
         weight_bytes=_optional_int(model.model.weight_bytes if isinstance(model.model, ReportsWeightBytes) else None),
-        kv_cache_bytes=_optional_int(getattr(engine.cache, "nbytes", None)),
+        kv_cache_bytes=kv_cache_bytes,
     )
+
+
+def _engine_iterations(
+    model: LoadedModel, settings: BenchmarkSettings, report: BenchmarkReport, progress: ProgressBar | None = None
+) -> list[IterationTiming]:
+    """The benchmark's prompts through :class:`~ruvllm.engine.LLMEngine` (greedy, ``gen_length + 1``
+    tokens each, EOS ignored): fills ``report.engine`` (and the acceptance rate of a speculative run)
+    and returns the timed iterations' timings as the engine saw them."""
+    from ruvllm.engine import GenerationRequest, LLMEngine
+    from ruvllm.sampling import SamplingParams
+
+    engine = LLMEngine(model, settings.engine_config())
+    if report.kv_cache_bytes is None:
+        report.kv_cache_bytes = _optional_int(getattr(engine.cache, "nbytes", None))
+    prompts = [p.tolist() for p in benchmark_prompts(model, settings)]
+    sampling = SamplingParams(max_tokens=settings.gen_length + 1, temperature=0.0, ignore_eos=True)
+    rounds = settings.warmup + settings.iterations
+    timings: list[IterationTiming] = []
     drafted = accepted = 0
     for r in range(rounds):
         if progress is not None:
@@ -345,22 +381,26 @@ def _run_engine_benchmark(
         while len(started) < len(prompts):
             started |= {o.request_id for o in engine.step() if any(d.token_ids for d in o.deltas)}
         t_first = time.perf_counter()
+        first = engine.stats()
         step_times = []
         while engine.has_unfinished():
             s0 = time.perf_counter()
             engine.step()
             step_times.append(time.perf_counter() - s0)
-        if r >= settings.warmup:
-            after = engine.stats()
-            drafted += after.spec_draft_tokens - before.spec_draft_tokens
-            accepted += after.spec_accepted_tokens - before.spec_accepted_tokens
-            report.timings.append(
-                IterationTiming(t_first - t0, t_first - t0, sum(step_times), step_times, _peak_rss_bytes())
-            )
-    report.spec_acceptance_rate = accepted / drafted if drafted else None
-    if progress is not None:
-        progress.update(rounds * (1 + settings.gen_length), "done", force=True)
-    return report
+        if r < settings.warmup:
+            continue
+        after = engine.stats()
+        drafted += after.spec_draft_tokens - before.spec_draft_tokens
+        accepted += after.spec_accepted_tokens - before.spec_accepted_tokens
+        steps = max(1, after.steps - first.steps)
+        forward = (after.forward_seconds - first.forward_seconds) / steps
+        report.engine.append(
+            EngineTiming(step_times, forward, (after.step_seconds - first.step_seconds) / steps - forward)
+        )
+        timings.append(IterationTiming(t_first - t0, t_first - t0, sum(step_times), step_times, _peak_rss_bytes()))
+    if settings.speculative is not None:
+        report.spec_acceptance_rate = accepted / drafted if drafted else None
+    return timings
 
 
 def _optional_int(value: object) -> int | None:

@@ -126,6 +126,9 @@ class LLMEngine:
         )
         #: Speculative decoding's counters (drafted and accepted tokens).
         self.speculation = SpeculationStats()
+        #: Steps that ran the model and their seconds (EngineStats.steps / step_seconds).
+        self._steps = 0
+        self._step_seconds = 0.0
         #: The draft model's proposer (``speculative="draft"``).
         self.drafter: DraftProposer | None = None
         if config.speculative is not None:
@@ -298,6 +301,9 @@ class LLMEngine:
             spec_draft_tokens=self.speculation.drafted,
             spec_accepted_tokens=self.speculation.accepted,
             spec_verifications=self.speculation.verifications,
+            steps=self._steps,
+            step_seconds=self._step_seconds,
+            forward_seconds=self.executor.forward_seconds,
         )
 
     def precompile(self, progress: Callable[[int, int, str, float], None] | None = None) -> list[tuple[str, float]]:
@@ -392,6 +398,15 @@ class LLMEngine:
         return [collected[rid] for rid in added]
 
     def _step(self) -> list[RequestOutput]:
+        started, forward = time.perf_counter(), self.executor.forward_seconds
+        try:
+            return self._run_step()
+        finally:
+            if self.executor.forward_seconds != forward:  # a step that ran the model
+                self._steps += 1
+                self._step_seconds += time.perf_counter() - started
+
+    def _run_step(self) -> list[RequestOutput]:
         budget = None
         if self.step_budget is not None:
             decoding = sum(1 for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1)

@@ -9,6 +9,7 @@ nothing running in between count against the engine; three in a row mark it brok
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,8 @@ class StepExecutor:
         #: Set when the forward keeps failing for one request after another: the engine is unusable.
         self.broken: str | None = None
         self._failed_steps = 0
+        #: Seconds spent in the model's forward, all steps together.
+        self.forward_seconds = 0.0
 
     def sampling_rows(self, sched: SchedulerOutput) -> DeviceSampling | None:
         """The step's device-sampling rows, when this engine samples on the device and no chunk
@@ -127,7 +130,11 @@ class StepExecutor:
                 batch = forward_batch(part, self.block_manager, mixes, self._all_logits, self.router.wants)
                 if sampling is not None:
                     batch.sampling = sampling if len(indices) == len(chunks) else sampling.rows(indices)
-                result = self.model.forward(batch, self.cache)
+                started = time.perf_counter()
+                try:
+                    result = self.model.forward(batch, self.cache)
+                finally:
+                    self.forward_seconds += time.perf_counter() - started
                 copied = True
                 if sampling is not None and result.sampled is None:
                     raise BackendError("the backend returned no device-sampled tokens for a step that asked")

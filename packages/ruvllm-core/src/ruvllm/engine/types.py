@@ -102,6 +102,17 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    #: Steps that ran a forward, the seconds they took in all, and the seconds of those spent in the
+    #: model's forward (the backend's step). The difference is the engine's own work: scheduling,
+    #: step inputs, sampling, detokenizing, drafting.
+    steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+    @property
+    def engine_seconds(self) -> float:
+        """The steps' time outside the model's forward."""
+        return self.step_seconds - self.forward_seconds
 
     @property
     def spec_acceptance_rate(self) -> float | None:
