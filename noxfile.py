@@ -96,20 +96,25 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("pytest", *session.posargs, env=env)
         return
-    # Two processes: what a process has loaded (models, compiled steps, allocator arenas) is not all
+    # Several processes: what a process has loaded (models, compiled steps, allocator arenas) is not all
     # given back to the system, and the whole suite in one process grew past CI's 24 GiB.
     for part in test_parts():
         session.run("pytest", *part, "-q", "-rs", "--durations=25", env=env)
 
 
 def test_parts() -> list[list[str]]:
-    """The suite's files in two parts: the served stack (server, SONA, Ray) and the rest."""
+    """The suite's files in three parts: the third wave's backends, families and speculation (each
+    loads models of its own), the served stack (server, SONA, Ray), and the rest."""
     files = sorted(str(p) for p in Path("tests").glob("test_*.py"))
-    served = [f for f in files if Path(f).name.startswith(SERVED_TESTS)]
-    return [[f for f in files if f not in served], served]
+    third = [f for f in files if Path(f).name.startswith(THIRD_WAVE_TESTS)]
+    served = [f for f in files if Path(f).name.startswith(SERVED_TESTS) and f not in third]
+    return [[f for f in files if f not in served and f not in third], third, served]
 
 
-#: Test files (by prefix) that run in the second process.
+#: Test files (by prefix) that run in a process of their own: the mlx backend, mixtures of experts and
+#: speculative decoding (a draft model is a second model in memory).
+THIRD_WAVE_TESTS = ("test_mlx_", "test_moe_", "test_speculative_", "test_gpt_oss")
+#: Test files (by prefix) that run in the last process.
 SERVED_TESTS = (
     "test_server_",
     "test_sona_",
