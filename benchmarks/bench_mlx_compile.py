@@ -1,13 +1,9 @@
-"""Does ``mx.compile`` pay in the mlx backend's step? The step as it runs (eager: one lazy graph per
-step, evaluated once) against the same step with the layer's elementwise chains compiled: RMSNorm
-(square, mean, rsqrt, two products: one fused call), RoPE (slices, four products, two sums, a concat)
-and the gated activation (``silu(gate) * up``), each ``mx.compile``'d with ``shapeless=False``, so MLX
-traces once per input shape and caches it (a step's shapes: rows x hidden, rows x heads x head_dim).
-
-The compiled variant lives here, not in the backend: it is routed into
-:func:`ruvllm.modeling.decoder_layer` by swapping that module's ``rms_norm`` / ``apply_rope`` /
-``gated_activation`` for dispatchers that send MLX arrays to the compiled forms, for the duration of
-a timed call only (the backend kept the eager step: docs/mlx-backend.md has the figures and why).
+"""Does ``mx.compile`` pay in the mlx backend's step? The step with the layer's elementwise chains
+compiled, as the backend runs it (``ruvllm_mlx.model`` registers ``mx.compile`` with MLX's
+primitives, and :func:`ruvllm.modeling.decoder_layer` runs RMSNorm, RoPE and ``silu(gate) * up``
+each as one compiled call; ``shapeless=False``: MLX traces once per input shape and caches it),
+against the same step with them run operation by operation (registered without ``compile`` for the
+duration of a timed call).
 
 Workloads, SmolLM2 from its GGUF file with the file's blocks (``quantization="auto"``): decode at
 batch 1 and 16 (each row one token after 128 cached positions) and a 32-token prefill chunk. The two
@@ -24,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import platform
 import statistics
 import time
@@ -43,53 +38,15 @@ CONTEXT = 128  # cached positions before each decode row
 PREFILL = 32  # tokens of the prefill chunk (MLX's CPU product makes 128 cost ~15 s a call here)
 
 
-@functools.cache
-def _compiled_rms_norm(eps: float) -> Callable[[mx.array, mx.array], mx.array]:
-    return mx.compile(lambda x, w: _EAGER["rms_norm"](x, w, eps))
-
-
-@functools.cache
-def _compiled_rope() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
-    return mx.compile(lambda x, c, s: _EAGER["apply_rope"](x, c, s))
-
-
-@functools.cache
-def _compiled_activation(shape: Any) -> Callable[[mx.array, mx.array], mx.array]:
-    return mx.compile(lambda g, u: _EAGER["gated_activation"](g, u, shape))
-
-
-_EAGER = {name: getattr(modeling, name) for name in ("rms_norm", "apply_rope", "gated_activation")}
-
-
-def _rms_norm(x: Any, w: Any, eps: float) -> Any:
-    if isinstance(x, mx.array):
-        return _compiled_rms_norm(float(eps))(x, w)
-    return _EAGER["rms_norm"](x, w, eps)
-
-
-def _apply_rope(x: Any, cos: Any, sin: Any) -> Any:
-    if isinstance(x, mx.array):
-        return _compiled_rope()(x, cos, sin)
-    return _EAGER["apply_rope"](x, cos, sin)
-
-
-def _gated_activation(gate: Any, up: Any, shape: Any) -> Any:
-    if isinstance(gate, mx.array):
-        return _compiled_activation(shape)(gate, up)
-    return _EAGER["gated_activation"](gate, up, shape)
-
-
 @contextlib.contextmanager
-def compiled_elementwise() -> Iterator[None]:
-    """decoder_layer's elementwise chains through their ``mx.compile``'d forms while inside."""
-    swapped = {"rms_norm": _rms_norm, "apply_rope": _apply_rope, "gated_activation": _gated_activation}
-    for name, fn in swapped.items():
-        setattr(modeling, name, fn)
+def eager() -> Iterator[None]:
+    """The layer's elementwise chains run operation by operation while inside (MLX's primitives
+    registered without ``compile``)."""
+    modeling.register_primitives(mx, sigmoid=mx.sigmoid, rsqrt=mx.rsqrt)
     try:
         yield
     finally:
-        for name, fn in _EAGER.items():
-            setattr(modeling, name, fn)
+        modeling.register_primitives(mx, sigmoid=mx.sigmoid, rsqrt=mx.rsqrt, compile=mx.compile)
 
 
 def workloads(vocab: int, per_seq: int) -> dict[str, ForwardBatch]:
@@ -116,13 +73,13 @@ def elementwise_alone(cfg: Any, rows: int, compiled: bool) -> Callable[[], None]
     cos, sin = mx.random.normal((rows, cfg.head_dim // 2)), mx.random.normal((rows, cfg.head_dim // 2))
     gate, up = mx.random.normal((rows, cfg.intermediate_size)), mx.random.normal((rows, cfg.intermediate_size))
     mx.eval(x, w, q, k, cos, sin, gate, up)
-    norm, rope, act = (_rms_norm, _apply_rope, _gated_activation) if compiled else _EAGER.values()
-    eps = cfg.rms_norm_eps
+    with contextlib.nullcontext() if compiled else eager():
+        norm, rope, act = modeling._elementwise(mx, cfg.rms_norm_eps, cfg)
 
     def step() -> None:
         outs = []
         for _ in range(cfg.num_layers):
-            outs += [norm(x, w, eps), norm(x, w, eps), rope(q, cos, sin), rope(k, cos, sin), act(gate, up, cfg)]
+            outs += [norm(x, w), norm(x, w), rope(q, cos, sin), rope(k, cos, sin), act(gate, up)]
         mx.eval(outs)
 
     return step
@@ -159,8 +116,8 @@ def main() -> None:
     cache = model.allocate_cache(per_seq * 16 + 1, BLOCK)
     batches = workloads(model.config.vocab_size, per_seq)
     variants: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-        "eager": contextlib.nullcontext,
-        "compiled": compiled_elementwise,
+        "eager": eager,
+        "compiled": contextlib.nullcontext,
     }
 
     def run(variant: str, batch: ForwardBatch) -> np.ndarray:

@@ -46,8 +46,11 @@ from ruvllm_mlx.lora import AdapterFactors, is_mix, on_device
 
 log = structlog.get_logger("ruvllm_mlx")
 
-# MLX's own elementwise forms for the layer's formulas (ruvllm.modeling's generic ones go through tanh).
-register_primitives(mx, sigmoid=mx.sigmoid, rsqrt=mx.rsqrt)
+# MLX's own elementwise forms for the layer's formulas (ruvllm.modeling's generic ones go through tanh),
+# and mx.compile for the layer's elementwise chains: MLX runs operation by operation, and fusing them
+# took 3% (the file's blocks) to 7% (float) off a one-row decode step on the CPU build, the same bits
+# (benchmarks/bench_mlx_compile.py, docs/mlx-backend.md).
+register_primitives(mx, sigmoid=mx.sigmoid, rsqrt=mx.rsqrt, compile=mx.compile)
 
 #: ``LoadOptions.quantization`` values: ``auto`` keeps a GGUF file's blocks (float weights otherwise),
 #: ``gguf`` insists on them, ``q8`` / ``q4`` round float weights at load (MLX's affine form, group 32).

@@ -350,6 +350,9 @@ class Primitives:
     sigmoid: Callable[[Any], Any]
     rsqrt: Callable[[Any], Any]
     mean_square: Callable[[Any], Any] | None = None  # mean of x*x over the last axis, kept; None: xp.mean
+    #: A tracing compiler (MLX's ``mx.compile``) :func:`decoder_layer` runs its elementwise chains
+    #: through (RMSNorm, RoPE, the gated activation: each one fused call); None: run as written.
+    compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
 
 def _np_sigmoid(g: Any) -> Any:
@@ -371,11 +374,13 @@ def register_primitives(
     sigmoid: Callable[[Any], Any],
     rsqrt: Callable[[Any], Any],
     mean_square: Callable[[Any], Any] | None = None,
+    compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> None:
     """Use ``sigmoid``, ``rsqrt`` and ``mean_square`` (the mean of ``x * x`` over the last axis, kept;
     default the library's mean of the squares) for arrays of the array module ``xp`` (e.g.
-    ``jax.numpy``)."""
-    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, mean_square)
+    ``jax.numpy``), and ``compile`` for :func:`decoder_layer`'s elementwise chains (a library that
+    runs operation by operation, as MLX does, gains by fusing them)."""
+    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, mean_square, compile)
 
 
 def primitives(xp: Any) -> Primitives:
@@ -649,6 +654,29 @@ def _no_adapt(y: Any, _x: Any, _proj: str) -> Any:
     return y
 
 
+#: (array module, eps, id(shape)) -> (shape, its compiled norm, rope, activation); the shape is kept
+#: so that its id is not reused while the entry lives.
+_COMPILED_CHAINS: dict[tuple[str, float, int], tuple[Any, ...]] = {}
+
+
+def _elementwise(xp: Any, eps: float, shape: LayerShape) -> tuple[Callable[..., Any], ...]:
+    """:func:`decoder_layer`'s RMSNorm ``(x, w)``, RoPE ``(x, cos, sin)`` and gated activation
+    ``(gate, up)``, through the array library's registered compiler where it has one."""
+    compile_ = primitives(xp).compile
+    if compile_ is None:
+        return (lambda x, w: rms_norm(x, w, eps)), apply_rope, (lambda g, u: gated_activation(g, u, shape))
+    key = (xp.__name__, eps, id(shape))
+    chains = _COMPILED_CHAINS.get(key)
+    if chains is None or chains[0] is not shape:
+        chains = _COMPILED_CHAINS[key] = (
+            shape,
+            compile_(lambda x, w: rms_norm(x, w, eps)),
+            compile_(apply_rope),
+            compile_(lambda g, u: gated_activation(g, u, shape)),
+        )
+    return chains[1:]
+
+
 def decoder_layer(
     x: Any,
     lw: LayerWeights,
@@ -667,36 +695,37 @@ def decoder_layer(
     each added to the residual stream. Returns the new residual stream and the layer's activations."""
     t = x.shape[0]
     nh, nkv, hd, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps
-    h = rms_norm(x, lw.input_norm, eps)
+    norm, rope, activation = _elementwise(namespace(x), eps, shape)
+    h = norm(x, lw.input_norm)
     q, k, v = project(h, PROJECTION_GROUPS[0])
     if shape.attention_bias:
         q, k, v = q + lw.q_bias.astype(q.dtype), k + lw.k_bias.astype(k.dtype), v + lw.v_bias.astype(v.dtype)
     q, k, v = adapt(q, h, "q_proj"), adapt(k, h, "k_proj"), adapt(v, h, "v_proj")
     q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
     if shape.qk_norm:  # per head, before RoPE
-        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     a = attend(q, k, v).reshape(t, nh * hd)
     (o,) = project(a, PROJECTION_GROUPS[1])
     if lw.o_bias is not None:  # present exactly when the model has one (o_proj_bias)
         o = o + lw.o_bias.astype(o.dtype)
     o = adapt(o, a, "o_proj")
     if shape.output_norms:
-        o = rms_norm(o, lw.attn_output_norm, eps)
+        o = norm(o, lw.attn_output_norm)
     mid = x + o
-    h2 = rms_norm(mid, lw.post_attention_norm, eps)
+    h2 = norm(mid, lw.post_attention_norm)
     if shape.num_experts:
         if project_experts is None:
             raise ValueError("a mixture-of-experts layer needs project_experts")
         down, _, _ = moe_mlp(h2, lw, shape, project=project, project_experts=project_experts)
         if shape.output_norms:
-            down = rms_norm(down, lw.mlp_output_norm, eps)
+            down = norm(down, lw.mlp_output_norm)
         return mid + down, LayerActivations(h, q, k, v, a, mid, h2, None, None, None)
     gate, up = project(h2, PROJECTION_GROUPS[2])
     gate, up = adapt(gate, h2, "gate_proj"), adapt(up, h2, "up_proj")
-    act = gated_activation(gate, up, shape)
+    act = activation(gate, up)
     (down,) = project(act, PROJECTION_GROUPS[3])
     down = adapt(down, act, "down_proj")
     if shape.output_norms:
-        down = rms_norm(down, lw.mlp_output_norm, eps)
+        down = norm(down, lw.mlp_output_norm)
     return mid + down, LayerActivations(h, q, k, v, a, mid, h2, gate, up, act)
