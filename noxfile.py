@@ -103,16 +103,17 @@ def tests(session: nox.Session) -> None:
 
 
 def test_parts() -> list[list[str]]:
-    """The suite's files in three parts: the third wave's backends, families and speculation (each
-    loads models of its own), the served stack (server, SONA, Ray), and the rest."""
+    """The suite's files in parts, one pytest process each: the rest; each file of the third wave's
+    backends, families and speculation (each loads models of its own: together in one process they
+    grew past CI's 24 GiB); the served stack (server, SONA, Ray)."""
     files = sorted(str(p) for p in Path("tests").glob("test_*.py"))
     third = [f for f in files if Path(f).name.startswith(THIRD_WAVE_TESTS)]
     served = [f for f in files if Path(f).name.startswith(SERVED_TESTS) and f not in third]
-    return [[f for f in files if f not in served and f not in third], third, served]
+    return [[f for f in files if f not in served and f not in third], *([f] for f in third), served]
 
 
-#: Test files (by prefix) that run in a process of their own: the mlx backend, mixtures of experts and
-#: speculative decoding (a draft model is a second model in memory).
+#: Test files (by prefix) that run each in a process of its own: the mlx backend, mixtures of experts
+#: and speculative decoding (a draft model is a second model in memory).
 THIRD_WAVE_TESTS = ("test_mlx_", "test_moe_", "test_speculative_", "test_gpt_oss")
 #: Test files (by prefix) that run in the last process.
 SERVED_TESTS = (
