@@ -207,7 +207,7 @@ def _factors(spec: Any, proj: str = "q_proj", rank: int = 2, a_in: int | None = 
     "make, message",
     [
         (lambda s: object(), "applies adapters through lora_params"),
-        (lambda s: Params([1, 2]), "not a dict"),
+        (lambda s: Params([1, 2]), "not a mapping"),
         (lambda s: Params({(2, "q_proj"): _factors(s)}), r"layer 2 is outside the model's layers 0\.\.1"),
         (lambda s: Params({(0, "x_proj"): _factors(s)}), "unknown projection 'x_proj'"),
         (lambda s: Params({(0, "q_proj"): _factors(s, a_in=65)}), r"expected A \(r, 64\) and B \(64, r\)"),

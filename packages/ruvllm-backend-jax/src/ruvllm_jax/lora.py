@@ -10,16 +10,15 @@ reference to each adapter it keeps, so a recycled ``id()`` can never match a sta
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any
 
 import jax
 import numpy as np
 
+from ruvllm.adapters import checked_lora_factors
 from ruvllm.errors import BackendError
 from ruvllm_jax.model import PROJECTIONS, LoraFactors, LoraPlan, ModelSpec, bucket
 
@@ -143,41 +142,12 @@ class AdapterCache:
         params = getattr(adapter, "lora_params", None)
         if not callable(params):
             raise BackendError(f"the jax backend applies adapters through lora_params(); {_describe(adapter)} has none")
-        entries = params()
-        if not isinstance(entries, dict):
-            raise BackendError(f"{_describe(adapter)}.lora_params() returned {type(entries).__name__}, not a dict")
-        spec, name = self.spec, _describe(adapter)
+        spec = self.spec
         checked: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
-        for key, value in entries.items():
-            if not (isinstance(key, tuple) and len(key) == 2):
-                raise BackendError(f"adapter {name}: key {key!r} is not (layer, projection)")
-            layer, proj = key
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise BackendError(f"adapter {name}: layer {layer!r} is not an integer")
-            if not 0 <= layer < spec.num_layers:
-                raise BackendError(
-                    f"adapter {name}: layer {layer} is outside the model's layers 0..{spec.num_layers - 1}"
-                )
-            if proj not in PROJECTIONS:
-                raise BackendError(f"adapter {name}: unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})")
-            try:
-                a, b, scale = value
-            except (TypeError, ValueError):
-                raise BackendError(f"adapter {name}: layer {layer} {proj} is not (A, B, scale)") from None
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            out, inp = spec.projection_shape(proj)
-            if a.ndim != 2 or b.ndim != 2 or a.shape[1] != inp or b.shape[0] != out or a.shape[0] != b.shape[1]:
-                raise BackendError(
-                    f"adapter {name}: layer {layer} {proj} has A {a.shape} and B {b.shape}, "
-                    f"expected A (r, {inp}) and B ({out}, r)"
-                )
-            if not isinstance(scale, Real) or not math.isfinite(scale):
-                raise BackendError(f"adapter {name}: layer {layer} {proj} has scale {scale!r}, not a finite number")
-            if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                raise BackendError(f"adapter {name}: layer {layer} {proj} has non-finite factors")
-            if a.shape[0]:  # rank 0 adds nothing
-                # Scale folded into B in float32, as the NumPy backend's delta does.
-                checked.setdefault(proj, []).append((int(layer), a, b * np.float32(scale)))
+        for layer, proj, a, b in checked_lora_factors(
+            params(), _describe(adapter), spec.num_layers, spec.projection_shape
+        ):
+            checked.setdefault(proj, []).append((layer, a, b))
         if not checked:
             return DeviceAdapter(adapter, version, 0, {})
         rank = bucket(max(a.shape[0] for items in checked.values() for _, a, _ in items))

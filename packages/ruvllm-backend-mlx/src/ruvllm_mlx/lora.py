@@ -13,18 +13,16 @@ with neither (only ``delta``) is applied through ``delta`` on the host.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from ruvllm.adapters import checked_lora_factors
 from ruvllm.errors import BackendError
-from ruvllm.modeling import PROJECTIONS
 
 #: Adapters whose factors are kept when ``LoadOptions.max_adapters`` does not say.
 DEFAULT_CAPACITY = 32
@@ -82,44 +80,13 @@ class AdapterFactors:
 
     def _upload(self, adapter: Any) -> Factors:
         name = _describe(adapter)
-        entries = adapter.lora_params()
-        if not hasattr(entries, "items"):
-            raise BackendError(f"{name}.lora_params() returned {type(entries).__name__}, not a mapping")
         factors: Factors = {}
-        for key, value in entries.items():
-            if not (isinstance(key, tuple) and len(key) == 2):
-                raise BackendError(f"adapter {name}: key {key!r} is not (layer, projection)")
-            layer, proj = key
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise BackendError(f"adapter {name}: layer {layer!r} is not an integer")
-            if not 0 <= layer < self.num_layers:
-                raise BackendError(
-                    f"adapter {name}: layer {layer} is outside the model's layers 0..{self.num_layers - 1}"
-                )
-            if proj not in PROJECTIONS:
-                raise BackendError(f"adapter {name}: unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})")
-            try:
-                a, b, scale = value
-            except (TypeError, ValueError):
-                raise BackendError(f"adapter {name}: layer {layer} {proj} is not (A, B, scale)") from None
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            out, inp = self.shape(proj)
-            if a.ndim != 2 or b.ndim != 2 or a.shape[1] != inp or b.shape[0] != out or a.shape[0] != b.shape[1]:
-                raise BackendError(
-                    f"adapter {name}: layer {layer} {proj} has A {a.shape} and B {b.shape}, "
-                    f"expected A (r, {inp}) and B ({out}, r)"
-                )
-            if not isinstance(scale, Real) or not math.isfinite(scale):
-                raise BackendError(f"adapter {name}: layer {layer} {proj} has scale {scale!r}, not a finite number")
-            if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                raise BackendError(f"adapter {name}: layer {layer} {proj} has non-finite factors")
-            if a.shape[0]:  # rank 0 adds nothing
-                # [in, r] and [r, out]: the products are x @ A^T @ (scale B)^T as two plain matmuls.
-                scaled = b * np.float32(scale)
-                factors[(int(layer), proj)] = (
-                    mx.array(np.ascontiguousarray(a.T), dtype=self.dtype),
-                    mx.array(np.ascontiguousarray(scaled.T), dtype=self.dtype),
-                )
+        for layer, proj, a, scaled in checked_lora_factors(adapter.lora_params(), name, self.num_layers, self.shape):
+            # [in, r] and [r, out]: the products are x @ A^T @ (scale B)^T as two plain matmuls.
+            factors[(layer, proj)] = (
+                mx.array(np.ascontiguousarray(a.T), dtype=self.dtype),
+                mx.array(np.ascontiguousarray(scaled.T), dtype=self.dtype),
+            )
         return factors
 
     def update(self, adapter: Any, layer: int, proj: str, x: mx.array) -> mx.array | None:

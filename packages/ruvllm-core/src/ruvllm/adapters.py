@@ -13,9 +13,11 @@ shapes do not fit the base model is a one-line error naming it.
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -427,3 +429,47 @@ def load_xlora_adapter(
         layers.append((w, b))
     xl.classifier = tuple(layers)
     return xl
+
+
+def checked_lora_factors(
+    entries: Any, name: str, num_layers: int, shape_of: Callable[[str], tuple[int, int]]
+) -> list[tuple[int, str, np.ndarray, np.ndarray]]:
+    """An adapter's ``lora_params()`` (``{(layer, projection): (A, B, scale)}``) checked against a
+    model of ``num_layers`` layers whose projection ``p`` is ``shape_of(p)`` = ``(out, in)``:
+    ``(layer, projection, A [r, in], scale * B [out, r])`` in float32, rank-0 entries left out. Any
+    entry that does not fit is a :class:`~ruvllm.errors.BackendError` naming the adapter ``name``,
+    the layer and the projection. Backends that apply adapters from their factors share this."""
+    from ruvllm.errors import BackendError
+
+    if not isinstance(entries, Mapping):
+        raise BackendError(f"{name}.lora_params() returned {type(entries).__name__}, not a mapping")
+    out_entries: list[tuple[int, str, np.ndarray, np.ndarray]] = []
+    for key, value in entries.items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise BackendError(f"adapter {name}: key {key!r} is not (layer, projection)")
+        layer, proj = key
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise BackendError(f"adapter {name}: layer {layer!r} is not an integer")
+        if not 0 <= layer < num_layers:
+            raise BackendError(f"adapter {name}: layer {layer} is outside the model's layers 0..{num_layers - 1}")
+        if proj not in PROJECTIONS:
+            raise BackendError(f"adapter {name}: unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})")
+        try:
+            a, b, scale = value
+        except (TypeError, ValueError):
+            raise BackendError(f"adapter {name}: layer {layer} {proj} is not (A, B, scale)") from None
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        out, inp = shape_of(proj)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != inp or b.shape[0] != out or a.shape[0] != b.shape[1]:
+            raise BackendError(
+                f"adapter {name}: layer {layer} {proj} has A {a.shape} and B {b.shape}, "
+                f"expected A (r, {inp}) and B ({out}, r)"
+            )
+        if not isinstance(scale, Real) or not math.isfinite(scale):
+            raise BackendError(f"adapter {name}: layer {layer} {proj} has scale {scale!r}, not a finite number")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise BackendError(f"adapter {name}: layer {layer} {proj} has non-finite factors")
+        if a.shape[0]:  # rank 0 adds nothing
+            # Scale folded into B in float32, as the NumPy backend's delta does.
+            out_entries.append((int(layer), proj, a, b * np.float32(scale)))
+    return out_entries
