@@ -27,6 +27,7 @@ from ruvllm.backend import (
     LoadOptions,
     SequenceChunk,
     StepLimits,
+    chunk_block_table,
     kv_block_bytes,
 )
 from ruvllm.checkpoint import Checkpoint
@@ -254,22 +255,7 @@ class CandleCompatModel:
         plans, row = [], 0
         for idx, chunk in enumerate(batch.chunks):
             n, start, end = len(chunk.token_ids), chunk.start_pos, chunk.end_pos
-            if local and chunk.local_block_table is None:
-                raise RequestError(f"chunk {idx} has no local_block_table for the hybrid cache's windowed layers")
-            table = np.asarray(chunk.local_block_table if local else chunk.block_table, dtype=np.int64)
-            if n == 0:
-                raise RequestError(f"chunk {idx} has no tokens")
-            if start < 0:
-                raise RequestError(f"chunk {idx} has negative start_pos {start}")
-            if end > cfg.max_position_embeddings:
-                raise RequestError(
-                    f"chunk {idx} reaches position {end}, beyond the model's context of {cfg.max_position_embeddings}"
-                )
-            if end > len(table) * bs:
-                raise RequestError(
-                    f"chunk {idx} reaches position {end} but its block table holds {len(table)} blocks "
-                    f"of {bs} ({len(table) * bs} slots)"
-                )
+            table = chunk_block_table(idx, chunk, local=local, block_size=bs, max_positions=cfg.max_position_embeddings)
             used = table[: -(-end // bs)]
             if used.min() < 0 or used.max() >= pool:
                 raise RequestError(f"chunk {idx} names a block outside 0..{pool - 1}")

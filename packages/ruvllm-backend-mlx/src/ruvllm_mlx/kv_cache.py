@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ruvllm.backend import NO_BLOCK, ForwardBatch
+from ruvllm.backend import NO_BLOCK, ForwardBatch, chunk_block_table
 from ruvllm.errors import BackendError, RequestError
 from ruvllm.model_config import ModelConfig
 
@@ -128,22 +128,7 @@ def plan_step(
     plans, writes, row = [], [], 0
     for idx, chunk in enumerate(batch.chunks):
         n, start, end = len(chunk.token_ids), chunk.start_pos, chunk.end_pos
-        if local and chunk.local_block_table is None:
-            raise RequestError(f"chunk {idx} has no local_block_table for the hybrid cache's windowed layers")
-        table = np.asarray(chunk.local_block_table if local else chunk.block_table, dtype=np.int64)
-        if n == 0:
-            raise RequestError(f"chunk {idx} has no tokens")
-        if start < 0:
-            raise RequestError(f"chunk {idx} has negative start_pos {start}")
-        if end > config.max_position_embeddings:
-            raise RequestError(
-                f"chunk {idx} reaches position {end}, beyond the model's context of {config.max_position_embeddings}"
-            )
-        if end > len(table) * bs:
-            raise RequestError(
-                f"chunk {idx} reaches position {end} but its block table holds {len(table)} blocks "
-                f"of {bs} ({len(table) * bs} slots)"
-            )
+        table = chunk_block_table(idx, chunk, local=local, block_size=bs, max_positions=config.max_position_embeddings)
         used = table[: -(-end // bs)]
         # Windowed pools: blocks that fell out of the window (NO_BLOCK) are gathered as block 0 and
         # masked by the window; the new positions' blocks must be real.

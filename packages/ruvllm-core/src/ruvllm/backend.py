@@ -458,3 +458,30 @@ class Backend(Protocol):
         :class:`ruvllm.errors.RuvllmError`) naming what you cannot do: an architecture, a dtype, a
         quantization, an option in ``options.extra``."""
         ...
+
+
+def chunk_block_table(
+    idx: int, chunk: SequenceChunk, *, local: bool, block_size: int, max_positions: int
+) -> np.ndarray:
+    """The block table ``chunk`` (the step's chunk ``idx``) addresses its pool with, int64: its
+    ``local_block_table`` for a hybrid cache's windowed pool (``local``), else its ``block_table``.
+    A chunk without tokens, starting before 0, reaching past ``max_positions`` or past its table is
+    a :class:`~ruvllm.errors.RequestError` naming it; block ids are the backend's to check."""
+    from ruvllm.errors import RequestError
+
+    n, start, end = len(chunk.token_ids), chunk.start_pos, chunk.end_pos
+    if local and chunk.local_block_table is None:
+        raise RequestError(f"chunk {idx} has no local_block_table for the hybrid cache's windowed layers")
+    table = np.asarray(chunk.local_block_table if local else chunk.block_table, dtype=np.int64)
+    if n == 0:
+        raise RequestError(f"chunk {idx} has no tokens")
+    if start < 0:
+        raise RequestError(f"chunk {idx} has negative start_pos {start}")
+    if end > max_positions:
+        raise RequestError(f"chunk {idx} reaches position {end}, beyond the model's context of {max_positions}")
+    if end > len(table) * block_size:
+        raise RequestError(
+            f"chunk {idx} reaches position {end} but its block table holds {len(table)} blocks "
+            f"of {block_size} ({len(table) * block_size} slots)"
+        )
+    return table
