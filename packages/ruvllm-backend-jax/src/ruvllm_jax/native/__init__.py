@@ -41,6 +41,7 @@ W8A8_TARGET = "ruvllm_w8a8"
 WXA8_TARGET = "ruvllm_wxa8"
 WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
+EXPERTS_TARGET = "ruvllm_experts"
 DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"
@@ -149,6 +150,7 @@ def _load() -> None:
         (WXA8_TARGET, lib.RuvllmWxA8),
         (WXA8_PANEL_TARGET, lib.RuvllmWxA8Panel),
         (KXA8_PANEL_TARGET, lib.RuvllmKxA8Panel),
+        (EXPERTS_TARGET, lib.RuvllmExperts),
         (DECODE_TARGET, lib.RuvllmPagedDecode),
         (PREFILL_TARGET, lib.RuvllmPagedPrefill),
         (LORA_TARGET, lib.RuvllmLora),
@@ -315,6 +317,34 @@ def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ..
         operands += [q, a.astype(jnp.float16), b, sc, mn]  # int8, or the kernel refuses them
     call = jax.ffi.ffi_call(KXA8_PANEL_TARGET, results)
     return list(call(x.astype(jnp.float32), _layer_operand(layer), *operands))
+
+
+def _kxa8_operands(weights: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
+    """The 5-tuple operands of ``weights`` as :func:`kxa8_group` takes them (3-tuples: plain matrices)."""
+    operands: list[jax.Array] = []
+    for w in weights:
+        if len(w) == 3:
+            w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int8))
+        q, a, b, sc, mn = w
+        b = _no_offset() if b is None else b.astype(jnp.float16)  # None: a symmetric plain matrix
+        operands += [q, a.astype(jnp.float16), b, sc, mn]  # int8, or the kernel refuses them
+    return operands
+
+
+def experts_group(
+    x: jax.Array, layer: jax.Array, sizes: jax.Array, weights: list[tuple[jax.Array, ...]]
+) -> list[jax.Array]:
+    """A mixture of experts' grouped products: ``x`` ``[rows, K]`` holds the (token, expert) rows sorted
+    by expert, ``sizes`` ``[E]`` int32 how many rows each expert has (rows past their sum come out 0),
+    and each weight (a tuple as :func:`kxa8_group`'s) is stacked ``[L, E, N, ...]`` in the panel
+    layout. Row ``r`` of expert ``e``'s group is multiplied by layer ``layer``'s matrix ``e`` only, so
+    a step reads the blocks of the experts it chose. ``x`` is quantized once for all the weights."""
+    _lib()
+    rows = x.shape[0]
+    results = [jax.ShapeDtypeStruct((rows, w[0].shape[-2]), jnp.float32) for w in weights]
+    call = jax.ffi.ffi_call(EXPERTS_TARGET, results)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return list(call(x.astype(jnp.float32), layer, jnp.asarray(sizes, jnp.int32), *_kxa8_operands(weights)))
 
 
 def paged_decode(

@@ -209,6 +209,127 @@ ffi::Error KxA8PanelImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
+// ruvllm_experts: the grouped products of a mixture of experts. x [R, K] holds a step's (token, expert)
+// rows sorted by expert and sizes [E] how many rows each expert has (rows past their sum are padding
+// and get zeros). Each weight is a 5-tuple as ruvllm_kxa8_panel's (k-quant, or plain with sc and mn
+// empty), its matrices stacked [L, E, N, ...]; the layer operand is [l]. Expert e's rows are multiplied
+// by matrix l * E + e only: a step reads the panels of the experts it routed rows to, whatever E is.
+// x is quantized once for all the weights, per row as the dense products do, so a row's result does
+// not depend on the other rows of the step.
+ffi::Error ExpertsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const std::string who = "ruvllm_experts";
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
+  const int64_t R = xd[0], K = xd[1];
+  if (K % 32 != 0) return ffi::Error::InvalidArgument(who + ": input features must be a multiple of 32");
+  const int64_t G = K / 32;
+  const int64_t E = static_cast<int64_t>(sizes.element_count());
+  if (E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
+  const int64_t l = layer.typed_data()[0];
+  const int32_t* sz = sizes.typed_data();
+  std::vector<int64_t> first(E + 1, 0);  // expert e's rows are first[e] .. first[e + 1] - 1
+  for (int64_t e = 0; e < E; ++e) {
+    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
+    first[e + 1] = first[e] + sz[e];
+  }
+  if (first[E] > R) return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
+  if (weights.size() != 5 * outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument(who + ": expected (codes, a, b, sc, mn) 5-tuples, one per output");
+  // Per weight, its E matrices of layer l (reserved up front: items below point into them).
+  std::vector<GroupMatrix> mats;
+  std::vector<ruvllm::KMatrix> kmats;
+  mats.reserve(outs.size() * E);
+  kmats.reserve(outs.size() * E);
+  std::vector<std::pair<float*, int64_t>> ys;  // each output and its row length
+  std::vector<bool> is_k;                       // each output's weight is a k-quant
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto q = weights.get<ffi::AnyBuffer>(5 * i);
+    auto a = weights.get<ffi::AnyBuffer>(5 * i + 1);
+    auto b = weights.get<ffi::AnyBuffer>(5 * i + 2);
+    auto sc = weights.get<ffi::AnyBuffer>(5 * i + 3);
+    auto mn = weights.get<ffi::AnyBuffer>(5 * i + 4);
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!q.has_value() || !a.has_value() || !b.has_value() || !sc.has_value() || !mn.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(who + ": bad operand");
+    if (q->element_type() != ffi::DataType::U8 || a->element_type() != ffi::DataType::F16 ||
+        b->element_type() != ffi::DataType::F16 || sc->element_type() != ffi::DataType::S8 ||
+        mn->element_type() != ffi::DataType::S8 || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument(who + ": expected uint8 codes, float16 factors, int8 sc and mn");
+    CodeLayout c;
+    if (ffi::Error e = code_layout(*q, K, 0, who, c); e.failure()) return e;
+    const int64_t N = c.N, row_bytes = c.row_bytes, stacked = c.L;  // stacked: L * E matrices
+    if (stacked % E != 0 || l < 0 || l >= stacked / E)
+      return ffi::Error::InvalidArgument(who + ": the codes are not [layers, experts, ...] or the layer is out of range");
+    if (N % 16 != 0) return ffi::Error::InvalidArgument(who + ": the panel layout needs a multiple of 16 rows");
+    if (static_cast<int64_t>((*y)->element_count()) != R * N)
+      return ffi::Error::InvalidArgument(who + ": output shape mismatch");
+    float* yp = (*y)->typed_data<float>();
+    ys.emplace_back(yp, N);
+    const uint8_t* codes = q->typed_data<uint8_t>();
+    const uint16_t* ap = reinterpret_cast<const uint16_t*>(a->untyped_data());
+    const uint16_t* bp = reinterpret_cast<const uint16_t*>(b->untyped_data());
+    const bool kquant = sc->element_count() != 0;
+    is_k.push_back(kquant);
+    if (!kquant) {  // plain group matrices; b empty: symmetric
+      const bool symmetric = b->element_count() == 0;
+      if (static_cast<int64_t>(a->element_count()) != stacked * N * G ||
+          (!symmetric && static_cast<int64_t>(b->element_count()) != stacked * N * G))
+        return ffi::Error::InvalidArgument(who + ": one scale (and offset) per group of 32 expected");
+    } else {
+      if (K % 256 != 0) return ffi::Error::InvalidArgument(who + ": k-quants need a multiple of 256 inputs");
+      const int64_t SB = K / 256;
+      if (static_cast<int64_t>(a->element_count()) != stacked * N * SB ||
+          static_cast<int64_t>(b->element_count()) != stacked * N * SB ||
+          static_cast<int64_t>(sc->element_count()) != stacked * N * 2 * G ||
+          static_cast<int64_t>(mn->element_count()) != stacked * N * 2 * G)
+        return ffi::Error::InvalidArgument(who + ": k-quant factors have the wrong sizes");
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t m = l * E + e;  // the matrix index in the stack; only experts with rows are read
+      float* ye = yp + first[e] * N;
+      if (!kquant) {
+        const bool symmetric = b->element_count() == 0;
+        mats.push_back(GroupMatrix{codes + m * N * row_bytes, ap + m * N * G, symmetric ? nullptr : bp + m * N * G,
+                                   ye, N, c.bits, true});
+      } else {
+        const int64_t SB = K / 256;
+        kmats.push_back(ruvllm::KMatrix{codes + m * N * row_bytes, ap + m * N * SB, bp + m * N * SB,
+                                        sc->typed_data<int8_t>() + m * N * 2 * G,
+                                        mn->typed_data<int8_t>() + m * N * 2 * G, ye, N, c.bits});
+      }
+    }
+  }
+  const int64_t live = first[E];
+  for (const auto& [yp, N] : ys) zero_rows(yp, live, R, N);
+  if (live == 0) return ffi::Error::Success();
+  thread_local GroupActsBuf acts;
+  acts.quantize(x.typed_data(), live, K, false);
+  const ruvllm::GroupActs all = acts.view();
+  std::vector<ruvllm::ExpertPanels> items;
+  size_t gi = 0, ki = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const bool kquant = is_k[i];
+    for (int64_t e = 0; e < E; ++e) {
+      const GroupMatrix* g = kquant ? nullptr : &mats[gi++];
+      const ruvllm::KMatrix* k = kquant ? &kmats[ki++] : nullptr;
+      const int64_t r0 = first[e], rows = first[e + 1] - first[e];
+      if (rows == 0) continue;
+      ruvllm::GroupActs xe = all;  // the expert's rows: the same buffers from row r0 on
+      xe.q = all.q + r0 * K;
+      xe.dx = all.dx + r0 * all.Gp;
+      xe.sx = all.sx + r0 * all.Gp;
+      xe.isum = all.isum + r0 * all.Gp;
+      xe.isum16 = all.isum16 + r0 * 2 * all.Gp;
+      xe.sx16 = all.sx16 + r0 * 2 * all.Gp;
+      xe.M = rows;
+      items.push_back(ruvllm::ExpertPanels{xe, g, k, ys[i].second / 16});
+    }
+  }
+  ruvllm::run_expert_split(items, live, &xla_pool);
+  return ffi::Error::Success();
+}
+
 ffi::Error W8A8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                     ffi::Buffer<ffi::F32> in_scale, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
@@ -582,6 +703,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
 RUVLLM_GROUPED_HANDLER(RuvllmWxA8, WxA8Impl);
 RUVLLM_GROUPED_HANDLER(RuvllmWxA8Panel, WxA8PanelImpl);
 RUVLLM_GROUPED_HANDLER(RuvllmKxA8Panel, KxA8PanelImpl);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmExperts, ExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()

@@ -130,6 +130,34 @@ void run_group_split(const GroupActs& x, ffi::ThreadPool* xla_pool, const std::v
   pool.run(run_part, parts, split.helpers);
 }
 
+void run_expert_split(const std::vector<ExpertPanels>& items, int64_t rows, ffi::ThreadPool* xla_pool) {
+  const KernelTable* kt = kernels();
+  int64_t total = 0, work = 0;
+  for (const auto& it : items) {
+    total += it.panels;
+    work += it.panels * 16 * it.x.K * it.x.M;
+  }
+  if (total == 0) return;
+  const Split split = product_split(rows, work, xla_pool);
+  const int parts = static_cast<int>(std::min<int64_t>(split.parts, total));
+  // Part p takes panels [total p / parts, total (p + 1) / parts) of the sequence; a panel's arithmetic
+  // does not depend on which part runs it, so the split never changes a result.
+  auto run_part = [&](int part) {
+    const int64_t u0 = total * part / parts, u1 = total * (part + 1) / parts;
+    int64_t base = 0;
+    for (const auto& it : items) {
+      const int64_t a = std::max(u0, base) - base, b = std::min(u1, base + it.panels) - base;
+      if (a < b) {
+        if (it.k != nullptr) kt->kpanel_rows(it.x, *it.k, a, b);
+        else kt->panel_rows(it.x, *it.g, a, b);
+      }
+      base += it.panels;
+      if (base >= u1) break;
+    }
+  };
+  Pool::get().run(run_part, parts, split.helpers);
+}
+
 }  // namespace ruvllm
 
 // -- the thread count (called from ruvllm_jax.native) ------------------------------------------------

@@ -148,6 +148,20 @@ void run_split(const RowActs& x, ffi::ThreadPool* xla_pool, const std::vector<Ro
 void run_group_split(const GroupActs& x, ffi::ThreadPool* xla_pool, const std::vector<GroupMatrix>& mats,
                      const std::vector<KMatrix>& kmats = {});
 
+// One expert's share of a mixture of experts' grouped product (cpu_ffi.cc, ruvllm_experts): the
+// activations of the rows routed to it and one of its matrices (k-quant or plain panel layout).
+struct ExpertPanels {
+  GroupActs x;
+  const GroupMatrix* g = nullptr;  // one of g and k is set
+  const KMatrix* k = nullptr;
+  int64_t panels = 0;
+};
+
+// panel_rows / kpanel_rows over every expert's matrices: their panels laid end to end and split into
+// equal runs across the threads, so a step whose rows went to few experts still uses every thread
+// and reads only those experts' panels. `rows`: the call's activation rows (helpers or not).
+void run_expert_split(const std::vector<ExpertPanels>& items, int64_t rows, ffi::ThreadPool* xla_pool);
+
 }  // namespace ruvllm
 #pragma GCC visibility pop
 
