@@ -106,7 +106,7 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
     if value is None:
         return None
     if isinstance(value, QuantArray):
-        out_axis, in_axis = axes
+        *lead, out_axis, in_axis = axes  # lead: a mixture of experts' expert axis
         cols = value.shape[-1]
         in_mesh = _mesh_axis(in_axis, spec, mesh)
         # A group (a k-quant's super-block) must not straddle two shards.
@@ -119,9 +119,9 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
             out_mesh = _mesh_axis(out_axis, spec, mesh)
             if out_mesh is not None and (value.shape[-2] // mesh.shape[out_mesh]) % value.panel:
                 out_axis = None
-        mat = _spec_for((out_axis, in_axis), spec, mesh, stacked)
+        mat = _spec_for((*lead, out_axis, in_axis), spec, mesh, stacked)
         scale_in = in_axis if value.scale.shape[-1] > 1 else None
-        sc = _spec_for((out_axis, scale_in), spec, mesh, stacked)
+        sc = _spec_for((*lead, out_axis, scale_in), spec, mesh, stacked)
         put = lambda x, p: None if x is None else jax.device_put(x, NamedSharding(mesh, p))  # noqa: E731
         vec = _spec_for((in_axis,), spec, mesh, stacked)
         return dataclasses.replace(

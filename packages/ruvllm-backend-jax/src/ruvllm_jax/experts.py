@@ -1,0 +1,74 @@
+"""A mixture of experts' quantized experts: the native kernel that multiplies each group of (token,
+expert) rows by its own expert's blocks only, and the XLA form where the kernels are not used.
+
+The loader keeps ``w4a8`` experts stacked ``[layers, experts, out, in]`` in the native kernels' panel
+layout (:mod:`ruvllm_jax.loading`). In a native step they stay out of the scanned layer operands, as
+the dense matrices do: the kernel (``ruvllm_experts`` in ``native/cpu_ffi.cc``) takes the whole stack,
+the layer index and the group sizes of :func:`ruvllm.modeling.moe_mlp`, and reads the panels of the
+experts that got rows, so a decode step with top-8 of 128 experts reads 8 experts' blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ruvllm.modeling import EXPERT_FIELDS, LayerWeights
+from ruvllm_jax import native
+from ruvllm_jax.quant import PANEL, QuantArray, linear
+
+#: ``project_experts`` of :func:`ruvllm.modeling.decoder_layer`: ``(x, sizes, group) -> outputs``.
+ProjectExperts = Callable[[jax.Array, jax.Array, tuple[str, ...]], Sequence[jax.Array]]
+
+
+def native_expert_weight(w: object) -> bool:
+    """Whether the experts' kernel multiplies ``w``: ``w4a8`` experts in the panel layout, k-quant or
+    plain group (an asymmetric one, or a symmetric one whose zero point is the kernels' ``2^(bits-1)``)."""
+    if not isinstance(w, QuantArray) or w.act_bits != 8 or not w.wxa8 or w.panel != PANEL:
+        return False
+    if w.sub_group:
+        return True
+    return w.offset is not None or w.zero_point == 1 << (w.bits - 1)
+
+
+def native_experts(layers: LayerWeights) -> bool:
+    """Whether every expert matrix of ``layers`` is one the experts' kernel multiplies."""
+    return all(native_expert_weight(getattr(layers, f)) for f in EXPERT_FIELDS.values())
+
+
+def _operands(w: QuantArray) -> tuple[jax.Array, ...]:
+    if w.sub_group:
+        return (w.quant, w.scale, w.offset, w.sub_scale, w.sub_offset)
+    return (w.quant, w.scale, w.offset)
+
+
+def native_project_experts(stacked: LayerWeights, layer: jax.Array) -> ProjectExperts:
+    """The experts' products of layer ``layer`` through the native kernel, from the stacked experts
+    ``[layers, experts, ...]`` (read in place): each group's rows times its own expert's panels, ``x``
+    quantized once per group of projections that share it (gate and up)."""
+
+    def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+        mats = [getattr(stacked, EXPERT_FIELDS[p]) for p in group]
+        ys = native.experts_group(x, layer, sizes, [_operands(m) for m in mats])
+        return [y.astype(x.dtype) for y in ys]
+
+    return project
+
+
+def xla_quantized_experts(w: QuantArray, x: jax.Array, expert_of_row: jax.Array, gather: bool) -> jax.Array:
+    """Rows of ``x`` times their experts of one layer's quantized experts ``w`` ``[experts, out, in]``
+    in XLA, through :func:`~ruvllm_jax.quant.linear` (activations quantized as the native kernel
+    quantizes them, so both compute the same sums): with ``gather`` each row times its own expert,
+    gathered (a step of few rows reads only its experts); else every expert times every row, each row
+    keeping its own expert's (where the native kernel is not used: ``RUVLLM_JAX_NATIVE=0``, accelerators)."""
+
+    def one(xs: jax.Array, we: QuantArray) -> jax.Array:
+        return linear(xs, we)
+
+    if gather:
+        chosen = jax.tree_util.tree_map(lambda a: a[expert_of_row], w)
+        return jax.vmap(lambda xr, we: one(xr[None], we)[0])(x, chosen)
+    every = jax.vmap(one, in_axes=(None, 0))(x, w)  # [experts, rows, out]
+    return every[expert_of_row, jnp.arange(x.shape[0])]
