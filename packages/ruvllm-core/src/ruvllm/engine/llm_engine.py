@@ -4,7 +4,8 @@
 cache, the scheduler picks each step's chunks, the step executor (:mod:`~ruvllm.engine.step_executor`)
 runs them with failures isolated per request, the batch sampler picks the tokens and the output
 processor (:mod:`~ruvllm.engine.output_processor`) turns them into text and outputs. X-LoRA's shadow
-sequences are handled in :mod:`~ruvllm.engine.xlora`, adapter routers in :mod:`~ruvllm.engine.routing`.
+sequences are handled in :mod:`~ruvllm.engine.xlora`, adapter routers in :mod:`~ruvllm.engine.routing`,
+speculative decoding's drafts and their verification in :mod:`~ruvllm.engine.speculation`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import structlog
 
 from ruvllm.adapters import XLoraAdapter
-from ruvllm.backend import RewritesKVPositions, StepLimits
+from ruvllm.backend import StepLimits
 from ruvllm.block_manager import BlockManager, HybridBlockManager
 from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.engine.kv_plan import plan_kv_cache
@@ -27,6 +28,7 @@ from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.routing import AdapterRouter
 from ruvllm.engine.scheduler import ScheduledChunk, Scheduler
 from ruvllm.engine.sequence import RequestState, Sequence
+from ruvllm.engine.speculation import Speculation
 from ruvllm.engine.step_budget import StepBudget
 from ruvllm.engine.step_executor import DeviceRow, StepExecutor
 from ruvllm.engine.types import ChoiceDelta, EngineStats, GenerationRequest, RequestMetrics, RequestOutput
@@ -34,8 +36,8 @@ from ruvllm.engine.xlora import with_shadow
 from ruvllm.errors import BackendError, RequestError, RequestFailedError
 from ruvllm.inference import InferenceRequest
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
-from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, verify_draft
-from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
+from ruvllm.speculative import SpeculationStats
+from ruvllm.speculative.draft import DraftProposer
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -124,25 +126,26 @@ class LLMEngine:
             fail=self._fail,
             fail_all=self._fail_all,
         )
-        #: Speculative decoding's counters (drafted and accepted tokens).
-        self.speculation = SpeculationStats()
         #: Steps that ran the model and their seconds (EngineStats.steps / step_seconds).
         self._steps = 0
         self._step_seconds = 0.0
-        #: The draft model's proposer (``speculative="draft"``).
-        self.drafter: DraftProposer | None = None
+        #: Speculative decoding's drafting and verification (None: ``config.speculative`` is off).
+        self.speculator: Speculation | None = None
         if config.speculative is not None:
-            self._check_speculation()
-        if config.speculative == "draft":
-            draft = draft_model if draft_model is not None else self._load_draft()
-            check_same_tokenizer(draft, model)
-            # Catching up is one chunk per sequence, no longer than a step's (a precompiled shape).
-            self.drafter = DraftProposer(
-                draft,
-                num_blocks=self.num_blocks,
-                block_size=config.block_size,
-                max_chunk=config.max_num_batched_tokens,
+            self.speculator = Speculation(
+                model,
+                self.cache,
+                config,
+                self.scheduler,
+                self.outputs,
+                self.num_blocks,
+                self.max_model_len,
+                draft_model,
             )
+        #: Speculative decoding's counters (drafted and accepted tokens).
+        self.speculation: SpeculationStats = self.speculator.stats if self.speculator else SpeculationStats()
+        #: The draft model's proposer (``speculative="draft"``).
+        self.drafter: DraftProposer | None = self.speculator.drafter if self.speculator else None
 
     @property
     def broken(self) -> str | None:
@@ -190,33 +193,6 @@ class LLMEngine:
         state.seqs.append(self._new_sequence(state, 0))
         self._requests[rid] = state
         self.scheduler.add(state.seqs[0])
-
-    def _check_speculation(self) -> None:
-        """Refuse speculative decoding, by name, on a backend that cannot run it: the verification
-        needs every position's logits, and the refused positions' keys/values are dropped by writing
-        them again later, which the backend's cache must allow."""
-        name = self.model.backend.name
-        if not self.model.capabilities.all_logits:
-            raise EngineConfigError(
-                f"backend {name!r} does not return every position's logits; speculative decoding needs them"
-            )
-        bm = self.model.model
-        if not (isinstance(bm, RewritesKVPositions) and bm.kv_rewrites_positions(self.cache)):
-            raise EngineConfigError(
-                f"backend {name!r} cannot drop KV positions of this cache (kv_cache_options "
-                f"{self.config.kv_cache_options or {}}); speculative decoding needs a cache that can"
-            )
-
-    def _load_draft(self) -> LoadedModel:
-        """``config.draft_model`` on the target's backend (``same``: the target's checkpoint)."""
-        from ruvllm.backend import LoadOptions
-        from ruvllm.runtime import load_model
-
-        ref = self.config.draft_model or ""
-        if ref == "same":
-            ref = str(self.model.checkpoint.path)
-        options = LoadOptions(quantization=self.config.draft_quantization or "auto")
-        return load_model(ref, backend=self.model.backend.name, options=options, host=self.model.host)
 
     def _check(self, prompt: list[int], sampling: SamplingParams, adapter: Any = None) -> None:
         """Raise :class:`RequestError` for a prompt or sampling parameters this engine cannot run
@@ -322,17 +298,11 @@ class LLMEngine:
             # Speculation's verification chunks return every position's logits.
             all_logits=(self.config.precompile_all_logits or self.config.speculative is not None)
             and self.model.capabilities.all_logits,
-            draft_tokens=self._max_draft_tokens(),
+            draft_tokens=self.speculator.max_draft_tokens() if self.speculator else 0,
         )
         self.precompiled = self.model.precompile(self.cache, limits, progress)
-        if self.drafter is not None:  # the draft's steps: one token per sequence, and catching up
-            draft_limits = StepLimits(
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-            )
-            done = self.drafter.model.precompile(self.drafter.cache, draft_limits, progress)
-            self.precompiled += [(f"draft {name}", s) for name, s in done]
+        if self.speculator is not None:
+            self.precompiled += self.speculator.precompile_draft(progress)
         return self.precompiled
 
     # ---------------------------------------------------------------------------------- steps
@@ -411,8 +381,8 @@ class LLMEngine:
         if self.step_budget is not None:
             decoding = sum(1 for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1)
             budget = self.step_budget.prefill_budget(decoding)
-        if self.config.speculative is not None:
-            self._propose()
+        if self.speculator is not None:
+            self.speculator.propose()
         sched = self.scheduler.schedule(budget)
         for c in sched.chunks:
             c.seq.draft = []  # the chunk holds what runs
@@ -458,9 +428,9 @@ class LLMEngine:
             if not chunk.completes or self.router.route(chunk):
                 continue
             seq, st = chunk.seq, chunk.seq.state
-            if chunk.draft:
+            if chunk.draft and self.speculator is not None:
                 try:
-                    self._verify(chunk, np.asarray(logits))
+                    self.speculator.verify(chunk, np.asarray(logits))
                 except Exception as exc:  # tied to this request: it fails alone
                     self._fail(st.request.request_id, exc)
                     progressed.pop(st.request.request_id, None)
@@ -507,88 +477,6 @@ class LLMEngine:
                 continue
             progressed[rid] = st
         return list(progressed.values())
-
-    # ----------------------------------------------------------------------- speculation
-
-    def _propose(self) -> None:
-        """Draft tokens for the decoding sequences, oldest first, while the step's decoding positions
-        (``speculative_step_tokens``) last: a step of many sequences drafts less, then nothing."""
-        cfg = self.config
-        decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
-        room = cfg.speculative_step_tokens - len(decoding)
-        wanted: list[tuple[Sequence, int]] = []
-        for seq in sorted(decoding, key=self.scheduler.key):
-            seq.draft, seq.draft_q = [], None
-            if room <= 0 or not self._speculates(seq):
-                continue
-            spec = seq.speculation
-            if spec is None:
-                length = DraftLength(
-                    cfg.num_speculative_tokens,
-                    stop_below=cfg.speculative_min_acceptance,
-                    row_cost=cfg.speculative_position_cost,
-                )
-                spec = seq.speculation = (NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length)
-            index, length = spec
-            p = seq.state.sampling
-            # Kept tokens plus the bonus one stay within max_tokens and the context.
-            produced = len(seq.token_ids) - seq.num_prompt_tokens
-            left = min(p.max_tokens - produced, self.max_model_len - len(seq.token_ids))
-            k = min(length.want(), room, left - 1)
-            if k <= 0:
-                continue
-            if self.drafter is None:
-                index.sync(seq.token_ids)
-                seq.draft = index.propose(k)
-            wanted.append((seq, k))
-            room -= k if self.drafter is not None else len(seq.draft)
-        if self.drafter is not None and wanted:
-            live = {q.seq_id for q in self.scheduler.running}
-            reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in wanted]
-            drafts = self.drafter.propose(reqs, live)
-            for seq, _ in wanted:
-                seq.draft, seq.draft_q = drafts.get(seq.seq_id, ([], None))
-        for seq, _ in wanted:
-            constraint = seq.sampler.constraint
-            if seq.draft and constraint is not None and not constraint.allowed()[seq.draft[0]]:
-                seq.draft, seq.draft_q = [], None  # the grammar refuses it: cut at its first token
-
-    def _max_draft_tokens(self) -> int:
-        """The most draft tokens one step carries (see :meth:`_propose`)."""
-        cfg = self.config
-        if cfg.speculative is None:
-            return 0
-        return max(0, min(cfg.speculative_step_tokens - 1, cfg.max_num_seqs * cfg.num_speculative_tokens))
-
-    @staticmethod
-    def _speculates(seq: Sequence) -> bool:
-        """Whether ``seq`` may draft: not when its request opted out, nor for an X-LoRA request
-        (its scaling pass runs in a shadow sequence of its own)."""
-        st = seq.state
-        return st.request.speculative and seq.shadow_id is None and (st.forked or st.sampling.n == 1)
-
-    def _verify(self, chunk: ScheduledChunk, rows: np.ndarray) -> None:
-        """Keep the longest prefix of ``chunk``'s draft the target agrees with, plus its own next
-        token; the refused positions' blocks go back (:meth:`Scheduler.accept_draft`)."""
-        seq = chunk.seq
-        if rows.ndim != 2 or len(rows) != len(chunk.draft) + 1:
-            raise BackendError(f"the backend returned {rows.shape} logits for a draft of {len(chunk.draft)} tokens")
-        if not np.isfinite(rows).all():
-            raise FloatingPointError("the model produced non-finite logits for this sequence")
-        accepted = 0
-        q = seq.draft_q[: len(chunk.draft)] if seq.draft_q is not None else None
-        seq.draft_q = None
-        for sample, kept in verify_draft(seq.sampler, rows, chunk.draft, q):
-            self.outputs.append_token(seq, sample)
-            accepted += kept
-            if seq.finished:
-                break
-        self.scheduler.accept_draft(seq, accepted)
-        self.speculation.drafted += len(chunk.draft)
-        self.speculation.accepted += accepted
-        self.speculation.verifications += 1
-        if seq.speculation is not None:
-            seq.speculation[1].observe(len(chunk.draft), accepted)
 
     def _emit(self, progressed: list[RequestState], now: float) -> list[RequestOutput]:
         """The outputs of the requests that progressed in this step (at ``now``); finished ones leave."""

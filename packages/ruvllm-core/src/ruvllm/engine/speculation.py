@@ -1,0 +1,190 @@
+"""The engine side of speculative decoding: which sequences draft and how much, the draft model, and
+the verification of each draft chunk's logits.
+
+:class:`Speculation` is composed by :class:`~ruvllm.engine.llm_engine.LLMEngine` when
+``EngineConfig.speculative`` is set. Before a step is scheduled, :meth:`Speculation.propose` gives the
+decoding sequences their drafts (``Sequence.draft``), which the scheduler runs as one chunk of
+``k + 1`` positions; after the forward, :meth:`Speculation.verify` keeps the longest prefix the target
+agrees with plus its own token, and gives the refused positions' blocks back. The proposers and the
+verifier themselves live in :mod:`ruvllm.speculative`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ruvllm.backend import RewritesKVPositions, StepLimits
+from ruvllm.engine.config import EngineConfig, EngineConfigError
+from ruvllm.errors import BackendError
+from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, verify_draft
+from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
+
+if TYPE_CHECKING:
+    from ruvllm.engine.output_processor import OutputProcessor
+    from ruvllm.engine.scheduler import ScheduledChunk, Scheduler
+    from ruvllm.engine.sequence import Sequence
+    from ruvllm.runtime import LoadedModel
+
+
+class Speculation:
+    """Drafting and verification for an engine over ``model`` (its ``cache``, ``scheduler`` and
+    ``outputs``); the draft model's cache gets ``num_blocks`` blocks; ``draft_model``: the draft for
+    ``speculative="draft"`` (None: loaded from ``config.draft_model``). Refuses, by name, a backend or
+    cache that cannot run speculation."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        cache: Any,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        num_blocks: int,
+        max_model_len: int,
+        draft_model: LoadedModel | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.config = config
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.max_model_len = max_model_len
+        #: Drafted and accepted token counters.
+        self.stats = SpeculationStats()
+        self._check()
+        #: The draft model's proposer (``speculative="draft"``).
+        self.drafter: DraftProposer | None = None
+        if config.speculative == "draft":
+            draft = draft_model if draft_model is not None else self._load_draft()
+            check_same_tokenizer(draft, model)
+            # Catching up is one chunk per sequence, no longer than a step's (a precompiled shape).
+            self.drafter = DraftProposer(
+                draft,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                max_chunk=config.max_num_batched_tokens,
+            )
+
+    def _check(self) -> None:
+        """Refuse speculative decoding, by name, on a backend that cannot run it: the verification
+        needs every position's logits, and the refused positions' keys/values are dropped by writing
+        them again later, which the backend's cache must allow."""
+        name = self.model.backend.name
+        if not self.model.capabilities.all_logits:
+            raise EngineConfigError(
+                f"backend {name!r} does not return every position's logits; speculative decoding needs them"
+            )
+        bm = self.model.model
+        if not (isinstance(bm, RewritesKVPositions) and bm.kv_rewrites_positions(self.cache)):
+            raise EngineConfigError(
+                f"backend {name!r} cannot drop KV positions of this cache (kv_cache_options "
+                f"{self.config.kv_cache_options or {}}); speculative decoding needs a cache that can"
+            )
+
+    def _load_draft(self) -> LoadedModel:
+        """``config.draft_model`` on the target's backend (``same``: the target's checkpoint)."""
+        from ruvllm.backend import LoadOptions
+        from ruvllm.runtime import load_model
+
+        ref = self.config.draft_model or ""
+        if ref == "same":
+            ref = str(self.model.checkpoint.path)
+        options = LoadOptions(quantization=self.config.draft_quantization or "auto")
+        return load_model(ref, backend=self.model.backend.name, options=options, host=self.model.host)
+
+    def max_draft_tokens(self) -> int:
+        """The most draft tokens one step carries (see :meth:`propose`)."""
+        cfg = self.config
+        return max(0, min(cfg.speculative_step_tokens - 1, cfg.max_num_seqs * cfg.num_speculative_tokens))
+
+    def precompile_draft(
+        self, progress: Callable[[int, int, str, float], None] | None = None
+    ) -> list[tuple[str, float]]:
+        """Have the draft's backend compile its steps (one token per sequence, and catching up);
+        returns each shape with its seconds ([] without a draft model)."""
+        if self.drafter is None:
+            return []
+        cfg = self.config
+        limits = StepLimits(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        done = self.drafter.model.precompile(self.drafter.cache, limits, progress)
+        return [(f"draft {name}", s) for name, s in done]
+
+    @staticmethod
+    def speculates(seq: Sequence) -> bool:
+        """Whether ``seq`` may draft: not when its request opted out, nor for an X-LoRA request
+        (its scaling pass runs in a shadow sequence of its own)."""
+        st = seq.state
+        return st.request.speculative and seq.shadow_id is None and (st.forked or st.sampling.n == 1)
+
+    def propose(self) -> None:
+        """Draft tokens for the decoding sequences, oldest first, while the step's decoding positions
+        (``speculative_step_tokens``) last: a step of many sequences drafts less, then nothing."""
+        cfg = self.config
+        decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
+        room = cfg.speculative_step_tokens - len(decoding)
+        wanted: list[tuple[Sequence, int]] = []
+        for seq in sorted(decoding, key=self.scheduler.key):
+            seq.draft, seq.draft_q = [], None
+            if room <= 0 or not self.speculates(seq):
+                continue
+            spec = seq.speculation
+            if spec is None:
+                length = DraftLength(
+                    cfg.num_speculative_tokens,
+                    stop_below=cfg.speculative_min_acceptance,
+                    row_cost=cfg.speculative_position_cost,
+                )
+                spec = seq.speculation = (NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length)
+            index, length = spec
+            p = seq.state.sampling
+            # Kept tokens plus the bonus one stay within max_tokens and the context.
+            produced = len(seq.token_ids) - seq.num_prompt_tokens
+            left = min(p.max_tokens - produced, self.max_model_len - len(seq.token_ids))
+            k = min(length.want(), room, left - 1)
+            if k <= 0:
+                continue
+            if self.drafter is None:
+                index.sync(seq.token_ids)
+                seq.draft = index.propose(k)
+            wanted.append((seq, k))
+            room -= k if self.drafter is not None else len(seq.draft)
+        if self.drafter is not None and wanted:
+            live = {q.seq_id for q in self.scheduler.running}
+            reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in wanted]
+            drafts = self.drafter.propose(reqs, live)
+            for seq, _ in wanted:
+                seq.draft, seq.draft_q = drafts.get(seq.seq_id, ([], None))
+        for seq, _ in wanted:
+            constraint = seq.sampler.constraint
+            if seq.draft and constraint is not None and not constraint.allowed()[seq.draft[0]]:
+                seq.draft, seq.draft_q = [], None  # the grammar refuses it: cut at its first token
+
+    def verify(self, chunk: ScheduledChunk, rows: np.ndarray) -> None:
+        """Keep the longest prefix of ``chunk``'s draft the target agrees with, plus its own next
+        token; the refused positions' blocks go back (:meth:`Scheduler.accept_draft`)."""
+        seq = chunk.seq
+        if rows.ndim != 2 or len(rows) != len(chunk.draft) + 1:
+            raise BackendError(f"the backend returned {rows.shape} logits for a draft of {len(chunk.draft)} tokens")
+        if not np.isfinite(rows).all():
+            raise FloatingPointError("the model produced non-finite logits for this sequence")
+        accepted = 0
+        q = seq.draft_q[: len(chunk.draft)] if seq.draft_q is not None else None
+        seq.draft_q = None
+        for sample, kept in verify_draft(seq.sampler, rows, chunk.draft, q):
+            self.outputs.append_token(seq, sample)
+            accepted += kept
+            if seq.finished:
+                break
+        self.scheduler.accept_draft(seq, accepted)
+        self.stats.drafted += len(chunk.draft)
+        self.stats.accepted += accepted
+        self.stats.verifications += 1
+        if seq.speculation is not None:
+            seq.speculation[1].observe(len(chunk.draft), accepted)
