@@ -74,6 +74,8 @@ class WeightLoader:
         self.spec = spec
         self.quantization = quantization
         self.keep_gguf_blocks = keep_gguf_blocks and checkpoint.format == "gguf"
+        #: GGUF types already logged as not kept (:meth:`_not_kept`).
+        self._not_kept_types: set[str] = set()
 
     def _direct(self, name: str) -> QuantArray | None:
         wxa8 = self.quantization == "w4a8"
@@ -81,6 +83,7 @@ class WeightLoader:
             return None
         raw = self.ckpt.raw_tensor(name)
         if raw.ggml_type not in (WXA8_GGUF_TYPES if wxa8 else GGUF_DIRECT_TYPES) or len(raw.shape) != 2:
+            self._not_kept(raw.ggml_type, name)
             return None
         try:
             if wxa8:
@@ -88,6 +91,16 @@ class WeightLoader:
             return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
         except ModelFormatError as exc:
             raise ModelFormatError(f"{self.ckpt.path}: tensor {name}: {exc}") from None
+
+    def _not_kept(self, ggml_type: str, name: str) -> None:
+        """Log once per type the GGUF blocks this form does not hold (Q2_K / Q3_K everywhere, the
+        k-quants under keep_gguf_blocks): they are dequantized exactly, then held in float or rounded
+        to w4a8's groups, so what runs is not the file's quantization."""
+        if ggml_type in ("F32", "F16", "BF16") or ggml_type in self._not_kept_types:
+            return
+        self._not_kept_types.add(ggml_type)
+        form = "rounded to w4a8 groups from the exact values" if self.quantization == "w4a8" else self.spec.dtype
+        log.info("GGUF blocks not kept", ggml_type=ggml_type, first_tensor=name, loaded_as=form)
 
     def matrix(self, name: str):
         """One layer's matrix, row-major (:func:`_stack` lays the stacked ones out in panels)."""
