@@ -27,10 +27,15 @@ from ruvllm.model_config import ModelConfig
 if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
 
-#: GGUF tensor types ruvllm decodes (through the ``gguf`` library's reference dequantizers).
+#: GGUF tensor types ruvllm decodes (through the ``gguf`` library's reference dequantizers, which
+#: compute each weight as ggml's own does: Q2_K's ``d sc q - dmin m`` and Q3_K's ``d (sc - 32) q`` are
+#: one float32 rounding of the exact value, or none).
 SUPPORTED_GGML_TYPES = frozenset(
-    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
-)
+    {
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
+    }
+)  # fmt: skip
 #: MXFP4 blocks: one E8M0 scale byte, then 32 4-bit E2M1 codes; scale 0xFF is NaN (OCP MX spec).
 _MXFP4_BLOCK_BYTES = 17
 
