@@ -6,15 +6,18 @@ Exact types, every weight dequantizing to the file's value bit for bit:
 * Q4_1 / Q5_1: ``scale = d``, ``bias = m``;
 * Q4_0 / Q5_0 / Q8_0 (symmetric): the codes shifted to unsigned (Q8_0: ``q + 128``), ``bias`` then
   ``-8 d``, ``-16 d``, ``-128 d``;
-* Q4_K / Q5_K (sub-blocks of 32): ``scale = d * sc``, ``bias = -dmin * m`` per sub-block.
+* Q4_K / Q5_K (sub-blocks of 32): ``scale = d * sc``, ``bias = -dmin * m`` per sub-block;
+* Q3_K (sub-blocks of 16, ``w = d (s - 32) (q - 4)``): the products ``(s - 32) (q - 4)`` run from
+  -124 to 128, so they are 8-bit codes ``p + 124`` under one ``scale = d`` and ``bias = -124 d`` for
+  the whole super-block, whatever the sub-blocks' scales.
 
 Scales and biases are float32: ``d * sc`` (11 + 6 significant bits) and ``scale * code`` (+ 5) are
 exact there, so each weight is one rounding of the exact value, as the reference dequantizer's.
 
-Q6_K has sub-blocks of 16 (MLX's smallest group is 32): its weights go to the nearest MLX form, 8-bit
-codes per 32 rounded from the file's values (:data:`NEAREST_FORMS`; the error is measured in
-tests/test_mlx_gguf_blocks.py). Q2_K / Q3_K are refused by ruvllm's checkpoint reader before they
-reach here.
+Q6_K and Q2_K have sub-blocks of 16 with scales (and Q2_K's minimums) no group of 32 can hold, and
+their products with the codes do not fit 8 bits: their weights go to the nearest MLX form, codes per
+32 rounded from the file's values (:data:`NEAREST_FORMS`; the error is measured in
+tests/test_mlx_gguf_blocks.py and docs/mlx-backend.md).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from ruvllm.errors import ModelFormatError, UnsupportedQuantizationError
 #: MLX's group size for every GGUF form (its smallest: GGUF's blocks and sub-blocks are 32 wide).
 GROUP = 32
 #: Types held exactly, with their code width.
-EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
+EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q3_K": 8, "Q4_K": 4, "Q5_K": 5}
 #: Types with no exact MLX form: the form they are rounded to (bits per code, group 32).
-NEAREST_FORMS = {"Q6_K": 8}
+NEAREST_FORMS = {"Q2_K": 8, "Q6_K": 8}
 #: (values, bytes) per block.
 _BLOCK = {
     "Q8_0": (32, 34),
@@ -38,6 +41,8 @@ _BLOCK = {
     "Q4_1": (32, 20),
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
@@ -97,6 +102,15 @@ def _kquant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """The 12 scale bytes of a Q3_K block -> 16 six-bit scales ``s`` (int16, before ``- 32``): scale
+    ``j``'s low nibble is byte ``j % 8``'s (low for ``j < 8``), its top two bits bits ``2 (j // 4)``
+    of byte ``8 + j % 4``."""
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    pairs = (packed[..., None, 8:12] >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3  # [t, i]
+    return low.astype(np.int16) | (pairs.reshape(*packed.shape[:-1], 16).astype(np.int16) << 4)
+
+
 def decode_codes(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An exact type's blocks as unsigned codes uint8 ``[out, cols]`` and float32 ``scale``,
     ``bias`` ``[out, cols / 32]`` with ``w = scale * code + bias``."""
@@ -131,6 +145,18 @@ def decode_codes(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> tu
         scale = (d[..., None] * sc).reshape(out, groups)
         bias = (-(dmin[..., None] * mn)).reshape(out, groups)
         return codes.reshape(out, cols), scale, bias
+    if ggml_type == "Q3_K":
+        d = _f16(blocks, 108, ggml_type)
+        # Value 128 c + 32 t + k: bits 2 t of qs byte 32 c + k, and its third bit is bit 4 c + t of
+        # hmask byte k (set: no offset of -4).
+        low = (blocks[..., 32:96].reshape(out, -1, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+        high = _bits_of(blocks[..., 0:32, None], 8).swapaxes(-1, -2)
+        q = low.reshape(out, -1, 256).astype(np.int16) + (high.reshape(out, -1, 256).astype(np.int16) << 2) - 4
+        sc = _q3_k_scales(blocks[..., 96:108]) - 32
+        products = sc[..., None] * q.reshape(out, -1, 16, 16)  # -124 .. 128
+        codes = (products + 124).astype(np.uint8).reshape(out, cols)
+        scale = np.repeat(d, 256 // GROUP, axis=-1)
+        return codes, scale, -124.0 * scale
     raise UnsupportedQuantizationError(f"GGUF type {ggml_type} has no exact MLX form")
 
 

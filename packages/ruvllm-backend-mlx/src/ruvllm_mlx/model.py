@@ -448,7 +448,7 @@ class MLXModel:
 
 def _gguf_linear(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> Linear:
     """A projection from a GGUF file: its blocks kept exactly where MLX's form holds them, rounded to
-    the nearest form where it does not (Q6_K), float where the file stores floats."""
+    the nearest form where it does not (Q6_K, Q2_K), float where the file stores floats."""
     raw = checkpoint.raw_tensor(name)
     if tuple(raw.shape) != shape:
         raise ModelFormatError(f"tensor {name} has shape {tuple(raw.shape)}, the config implies {shape}")
