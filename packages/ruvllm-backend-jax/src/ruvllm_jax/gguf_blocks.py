@@ -2,7 +2,7 @@
 the layers of one weight in one storage form when the file's types differ by layer.
 
 ``from_gguf_blocks`` keeps Q8_0 / Q4_0 / Q4_1 for the weight-only paths; ``wxa8_from_gguf_blocks``
-turns those and Q5_0 / Q5_1 and the k-quants Q4_K / Q5_K / Q6_K into the ``w4a8`` form the native
+turns those and Q5_0 / Q5_1 and the k-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K into the ``w4a8`` form the native
 kernels multiply; ``kernel_form`` and ``common_format`` bring k-quants and mixed stacks to the one
 form the kernels read. Corrupt blocks (non-finite scales) and data of the wrong size are
 :class:`ModelFormatError` here; the loader adds the tensor's name.
@@ -20,7 +20,7 @@ from ruvllm_jax.quant import KQ_BLOCK, ROW_FIELDS, QuantArray, bit_plane, pack_c
 #: GGUF block types that map onto :class:`QuantArray` without re-quantizing.
 GGUF_DIRECT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
 #: GGUF's k-quants: super-blocks of 256 values with integer sub-scales.
-KQUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+KQUANT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 #: GGUF block types the ``w4a8`` form holds exactly (:func:`wxa8_from_gguf_blocks`); Q5_0 / Q5_1 are
 #: what llama.cpp's Q4_K_M / Q5_K_M fall back to for rows that are not whole super-blocks.
 WXA8_GGUF_TYPES = GGUF_DIRECT_TYPES | KQUANT_TYPES | {"Q5_0", "Q5_1"}
@@ -31,6 +31,8 @@ _GGUF_BLOCK = {
     "Q4_1": (32, 20),
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
+    "Q2_K": (KQ_BLOCK, 84),
+    "Q3_K": (KQ_BLOCK, 110),
     "Q4_K": (KQ_BLOCK, 144),
     "Q5_K": (KQ_BLOCK, 176),
     "Q6_K": (KQ_BLOCK, 210),
@@ -110,6 +112,30 @@ def _low_high(qs: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([runs & 0x0F, runs >> 4], axis=-2).reshape(*qs.shape[:-1], -1)
 
 
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 64 code bytes per super-block -> 256 two-bit values: value ``128 c + 32 t + k``
+    is bits ``2 t`` of byte ``32 c + k``."""
+    runs = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    return (runs & 0x03).reshape(*qs.shape[:-1], KQ_BLOCK)
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """The 12 scale bytes of Q3_K blocks -> 16 signed scales ``s - 32`` (int8) each: scale ``j``'s low
+    nibble is byte ``j % 8``'s (low for ``j < 8``), its top two bits bits ``2 (j // 4)`` of byte
+    ``8 + j % 4``."""
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    pairs = (packed[..., None, 8:12] >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 0x03
+    return ((low | (pairs.reshape(*packed.shape[:-1], 16) << 4)).astype(np.int16) - 32).astype(np.int8)
+
+
+def _sixteen_wide(codes: np.ndarray, d: np.ndarray, dm: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> QuantArray:
+    """Codes below 16 ``[out, cols]`` in the form :func:`kernel_form` gives every k-quant: 4-bit,
+    ``W = (d sc) code - (dm mn)``, float16 ``d``, ``dm`` per super-block, int8 ``sc``, ``mn`` per 16."""
+    out, cols = codes.shape
+    sub = dict(sub_scale=sc.reshape(out, cols // 16), sub_offset=mn.reshape(out, cols // 16), sub_group=16)
+    return QuantArray(pack_codes(codes, 4), d, dm, bits=4, group_size=32, act_bits=8, **sub)
+
+
 def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
     """GGUF blocks as a ``w4a8``-format :class:`QuantArray`, codes and scales bit for bit, so every
     weight dequantizes to the file's value:
@@ -123,7 +149,11 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
       bytes, low nibbles first): a permutation of nibbles;
     * Q5_K: the same scales, the 5-bit codes in the 5-bit form (per group of 32, as Q5_0's);
     * Q6_K: the 6-bit codes in the 6-bit form with zero point 32, ``d`` per super-block, the int8
-      ``sc`` per 16 (``W = d sc (code - 32)``), no offset.
+      ``sc`` per 16 (``W = d sc (code - 32)``), no offset;
+    * Q2_K / Q3_K (sub-blocks of 16), directly in the kernels' k-quant form, 4-bit codes: Q2_K's ``d``,
+      ``dmin`` and 4-bit ``sc``, ``m`` per 16 (``W = d sc q - dmin m``); Q3_K's 3-bit codes ``q`` with
+      ``d`` and ``4 d`` and its signed scale as both ``sc`` and ``mn`` (``W = d sc (q - 4)``), as
+      :func:`kernel_form` puts Q6_K.
 
     Rows that are not whole blocks, data of another size than ``shape`` implies and NaN or infinite
     float16 scales raise :class:`ModelFormatError` (the caller adds the tensor's name)."""
@@ -165,6 +195,24 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
             sub_scale=sc,
             sub_group=16,
         )
+    if ggml_type == "Q2_K":
+        d, dmin = _f16(blocks, 80, ggml_type), _f16(blocks, 82, ggml_type)
+        scales = blocks[..., 0:16]
+        codes = _two_bit_codes(blocks[..., 16:80]).reshape(out, cols)
+        return _sixteen_wide(codes, d, dmin, (scales & 0x0F).astype(np.int8), (scales >> 4).astype(np.int8))
+    if ggml_type == "Q3_K":
+        d = _f16(blocks, 108, ggml_type)
+        with np.errstate(over="ignore"):
+            d4 = (d.astype(np.float32) * 4).astype(np.float16)  # a power of two: exact unless it overflows
+        if not np.all(np.isfinite(d4)):
+            raise BackendError(
+                "a Q3_K super-block scale above 16383 has no exact w4a8 form (load with quantization none)"
+            )
+        # Value 32 b + k's third bit: bit b of hmask byte k (set: no offset of -4, so it is q's bit 2).
+        high = (blocks[..., 0:32].reshape(out, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01
+        codes = _two_bit_codes(blocks[..., 32:96]) | (high.reshape(out, nb, KQ_BLOCK) << 2)
+        sc = _q3_k_scales(blocks[..., 96:108])
+        return _sixteen_wide(codes.reshape(out, cols), d, d4, sc, sc)
     d, dmin = _f16(blocks, 0, ggml_type), _f16(blocks, 2, ggml_type)
     sc, mn = _kquant_scales(blocks[..., 4:16])
     sub = dict(sub_scale=sc.reshape(out, cols // 32), sub_offset=mn.reshape(out, cols // 32), sub_group=32)

@@ -93,9 +93,9 @@ class WeightLoader:
             raise ModelFormatError(f"{self.ckpt.path}: tensor {name}: {exc}") from None
 
     def _not_kept(self, ggml_type: str, name: str) -> None:
-        """Log once per type the GGUF blocks this form does not hold (Q2_K / Q3_K everywhere, the
-        k-quants under keep_gguf_blocks): they are dequantized exactly, then held in float or rounded
-        to w4a8's groups, so what runs is not the file's quantization."""
+        """Log once per type the GGUF blocks this form does not hold (the k-quants under
+        keep_gguf_blocks, which keeps Q8_0 / Q4_0 / Q4_1 only): they are dequantized exactly, then held
+        in float or rounded to w4a8's groups, so what runs is not the file's quantization."""
         if ggml_type in ("F32", "F16", "BF16") or ggml_type in self._not_kept_types:
             return
         self._not_kept_types.add(ggml_type)
