@@ -91,8 +91,8 @@ def test_candle_compat_gives_exactly_the_float_files_logits(quantized):
 
 def test_jax_w4a8_holds_them_exactly(quantized):
     """``w4a8`` holds both in the native kernels' k-quant form (4-bit codes, factors per 16), every
-    weight the file's value bit for bit; with int8 activations the logits are within 1e-3 nats (mean KL) of candle-compat's
-    (measured 5e-8 on this model), with the native kernel as with XLA's product."""
+    weight the file's value bit for bit; with int8 activations the logits are within 1e-3 nats (mean
+    KL) of candle-compat's (measured 5e-8 on this model), with the native kernel as with XLA's product."""
     import jax
 
     from ruvllm_jax import native

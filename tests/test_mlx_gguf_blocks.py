@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _gguf_files import write_tiny_llama_gguf
-from _jax_fixtures import SMOLLM2_PROMPTS, mean_kl, prompt_logits
+from _jax_fixtures import SMOLLM2_PROMPTS, load_jax, mean_kl, prompt_logits
 from _kquant_files import requantize_gguf
 from _kquant_low_files import PACKERS, random_parts
 
@@ -78,8 +78,8 @@ def test_16_value_sub_blocks_go_to_8_bit_codes_with_their_error_measured(f32_ggu
     """Q6_K's and Q2_K's sub-blocks of 16 have no exact MLX form (its smallest group is 32, and their
     products with the codes need more than 8 bits): 8-bit codes rounded per 32 from the file's values.
     The error is at most half an 8-bit step of each group's range, measured: relative RMS error of the
-    weights 4.6e-3 (Q6_K) and 3.7e-3 (Q2_K) on random Gaussian rows; the logits stay within 2e-3 of
-    candle-compat's (the exact weights) on this model."""
+    weights 4.6e-3 (Q6_K) and 3.7e-3 (Q2_K) on random Gaussian rows; the logits stay within 1e-3 of
+    candle-compat's (the exact weights) on this model (measured 3.3e-4 and 3.8e-4)."""
     ckpt = _as(f32_gguf, tmp_path, ggml_type)
     model = load_plugins().choose_backend("mlx").load(ckpt, LoadOptions(quantization="auto"))
     for proj in PROJECTIONS:
@@ -97,15 +97,16 @@ def test_16_value_sub_blocks_go_to_8_bit_codes_with_their_error_measured(f32_ggu
     chunk = SequenceChunk(np.arange(3, 40, dtype=np.int32), 0, np.arange(10, dtype=np.int32), all_logits=True)
     got = model.forward(ForwardBatch([chunk], 4), model.kv_cache(16, 4, {})).all_logits[0]
     ref = reference.forward(ForwardBatch([chunk], 4), reference.kv_cache(16, 4, {})).all_logits[0]
-    np.testing.assert_allclose(got, ref, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(got, ref, atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("ggml_type", ["Q2_K", "Q3_K"])
 def test_smollm2_ffn_down_in_q2_k_or_q3_k_against_its_exact_weights(smollm2_path, tmp_path, ggml_type):
     """SmolLM2 with its ffn_down (the matrices whose rows are whole super-blocks) in Q2_K or Q3_K and
     the rest in Q8_0: mean KL of the file's blocks on mlx to the same file dequantized to float32 (``-s``
-    prints it). Q3_K is exact (float order only); Q2_K's 8-bit codes measured 0.0015 nats (4-bit codes
-    would cost 0.32, 6-bit 0.028: the bits chosen in ruvllm_mlx.gguf_blocks)."""
+    prints it), no worse than the jax backend's w4a8 of the same file. Q3_K is exact (float order only);
+    Q2_K's 8-bit codes measured 0.0015 nats (4-bit codes would cost 0.32, 6-bit 0.028: the bits chosen
+    in ruvllm_mlx.gguf_blocks)."""
     from ruvllm.runtime import load_model
 
     def type_for(name: str, _cols: int, _layers: int) -> str:
@@ -118,9 +119,17 @@ def test_smollm2_ffn_down_in_q2_k_or_q3_k_against_its_exact_weights(smollm2_path
     assert blocks.model.options.quantization == "gguf"
     tok = open_checkpoint(path).tokenizer()
     prompts = [tok.encode(p) for p in SMOLLM2_PROMPTS]
-    kl = float(np.mean([mean_kl(prompt_logits(exact, ids), prompt_logits(blocks, ids)) for ids in prompts]))
-    print(f"\nSmolLM2, ffn_down {ggml_type}: mean KL to its exact weights in float32 on mlx {kl:.3g} nats")
+    want = [prompt_logits(exact, ids) for ids in prompts]
+    kl = float(np.mean([mean_kl(w, prompt_logits(blocks, ids)) for w, ids in zip(want, prompts, strict=True)]))
+    print(f"\nSmolLM2, ffn_down {ggml_type}: mean KL to its exact weights in float32, mlx blocks {kl:.3g} nats")
     assert kl < (1e-4 if ggml_type == "Q3_K" else 5e-3)
+    from ruvllm_jax import native
+
+    if native.has_vector_path():  # the jax backend's w4a8 on the same file, for comparison
+        w4a8 = load_jax(open_checkpoint(path), quantization="w4a8")
+        theirs = float(np.mean([mean_kl(w, prompt_logits(w4a8, ids)) for w, ids in zip(want, prompts, strict=True)]))
+        print(f"SmolLM2, ffn_down {ggml_type}: jax w4a8 (exact weights, int8 activations) {theirs:.3g} nats")
+        assert kl <= theirs
 
 
 def test_a_gguf_type_it_does_not_map_is_refused_in_one_line(f32_gguf, tmp_path):
