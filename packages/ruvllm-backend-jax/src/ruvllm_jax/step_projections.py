@@ -1,0 +1,122 @@
+"""How a step multiplies a layer's weights, ``project`` and ``project_experts`` of
+:func:`ruvllm.modeling.decoder_layer`: XLA's products of the scanned layer's matrices or the native
+kernels' (w8a8, wxa8, the k-quants), and a mixture of experts' grouped products over the stacked
+experts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ruvllm.modeling import EXPERT_FIELDS, PROJECTION_GROUPS, LayerWeights
+from ruvllm_jax import native
+from ruvllm_jax.quant import QuantArray, linear
+from ruvllm_jax.step_types import StepInputs, StepPlan
+
+#: Projections that share one input, so one native call quantizes the input once for all of them.
+_NATIVE_FIELDS = tuple(p for g in PROJECTION_GROUPS for p in g)
+
+
+def native_format(w: object) -> str | None:
+    """``w8a8`` or ``wxa8`` for the quantized forms the native kernels multiply, else None. The k-quants
+    count as ``wxa8`` (one call takes both) when they are in the panel layout, the only one their
+    kernel reads."""
+    if not isinstance(w, QuantArray) or w.act_bits != 8:
+        return None
+    if w.sub_group:
+        return "wxa8" if w.panel else None
+    if w.wxa8 and w.offset is None and w.zero_point != 1 << (w.bits - 1):
+        return None  # the kernels' symmetric form is code - 2^(bits-1)
+    return "wxa8" if w.wxa8 else "w8a8"
+
+
+def native_projections(
+    x: jax.Array, mats: list[QuantArray], layer: jax.Array, live: jax.Array | None = None
+) -> list[jax.Array]:
+    """``x @ W.T`` for each (stacked ``[layers, out, in]`` or plain) matrix of one group, at ``layer``,
+    in one native call that quantizes ``x`` once (a w8a8 group shares its smoothing factors, so
+    ``mats[0]``'s serve all). ``live``: rows of ``x`` that are real; the rest (padding) come out 0."""
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    if live is not None:  # the kernels read [layer, live rows] from their layer operand
+        layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(live, jnp.int32).reshape(())])
+    if native_format(mats[0]) == "wxa8":
+        ys = [jnp.zeros(())] * len(mats)
+        for panel in (False, True):  # one call per layout (loading gives a group one layout)
+            idx = [i for i, m in enumerate(mats) if bool(m.panel) == panel]
+            if not idx:
+                continue
+            if any(mats[i].sub_group for i in idx):  # k-quants: one call takes them and plain panels
+                parts = [(m.quant, m.scale, m.offset, m.sub_scale, m.sub_offset) for m in (mats[i] for i in idx)]
+                got = native.kxa8_group(x2, layer, [p if p[3] is not None else p[:3] for p in parts])
+            else:
+                got = native.wxa8_group(
+                    x2, layer, [(mats[i].quant, mats[i].scale, mats[i].offset) for i in idx], panel=panel
+                )
+            for i, y in zip(idx, got, strict=True):
+                ys[i] = y
+    else:
+        ys = native.w8a8_group(x2, layer, mats[0].in_scale, [(m.quant, m.scale) for m in mats])
+    return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
+
+
+@dataclass(frozen=True)
+class Projector:
+    """How a step multiplies a layer's weights: XLA's products of the scanned layer's matrices, or the
+    native kernels, which index the stacked (quantized) matrices by layer themselves, so native steps
+    keep those out of the scanned operands (a scanned operand would be copied out layer by layer)."""
+
+    stacked: LayerWeights
+    native: bool
+    live_tokens: jax.Array | None
+
+    @classmethod
+    def of(cls, layers: LayerWeights, plan: StepPlan, inp: StepInputs) -> Projector:
+        formats = {native_format(getattr(layers, f)) for f in _NATIVE_FIELDS}
+        return cls(layers, plan.native and len(formats) == 1 and None not in formats, inp.live_tokens)
+
+    def scanned(self) -> LayerWeights:
+        return dataclasses.replace(self.stacked, **{f: None for f in _NATIVE_FIELDS}) if self.native else self.stacked
+
+    def at(self, lw: LayerWeights, layer: jax.Array):
+        def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+            if self.native:
+                return native_projections(h, [getattr(self.stacked, p) for p in group], layer, self.live_tokens)
+            return [linear(h, getattr(lw, p)) for p in group]
+
+        return project
+
+
+#: The experts' products: each row of ``x`` times its group's expert (``rhs [experts, out, in]``).
+_EXPERT_DOT = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def project_experts(lw: LayerWeights, gather_rows: int = 0):
+    """``project_experts`` of :func:`ruvllm.modeling.decoder_layer` for one layer's float experts:
+    ``lax.ragged_dot_general``, or for steps of at most ``gather_rows`` (token, expert) rows each row
+    times its own expert, gathered. (XLA:CPU expands the ragged product to every expert times every
+    row, so a decode step would read all the experts; gathered, it reads the chosen ones.)"""
+
+    def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
+        rows = x.shape[0]
+        gather = rows <= gather_rows  # static: the step's shape
+        if gather:
+            experts = jnp.arange(sizes.shape[0], dtype=jnp.int32)
+            expert_of_row = jnp.repeat(experts, sizes, total_repeat_length=rows)
+        out = []
+        for p in group:
+            w = getattr(lw, EXPERT_FIELDS[p])
+            if gather:
+                y = jnp.einsum("ri,roi->ro", x, w[expert_of_row].astype(x.dtype))
+            else:
+                y = lax.ragged_dot_general(x, w.astype(x.dtype), sizes.astype(jnp.int32), _EXPERT_DOT)
+            out.append(y)
+        return out
+
+    return project
