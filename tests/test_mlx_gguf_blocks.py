@@ -132,6 +132,25 @@ def test_smollm2_ffn_down_in_q2_k_or_q3_k_against_its_exact_weights(smollm2_path
         assert kl <= theirs
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf-py on the inf
+@pytest.mark.parametrize("ggml_type", ["Q2_K", "Q6_K"])
+def test_a_non_finite_scale_of_a_nearest_form_type_names_the_tensor(f32_gguf, tmp_path, ggml_type):
+    import gguf
+
+    from ruvllm.errors import ModelFormatError
+
+    path = _as(f32_gguf, tmp_path, ggml_type).path
+    reader = gguf.GGUFReader(path, "r+")
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    at = {"Q2_K": 80, "Q6_K": 208}[ggml_type]  # the float16 d of the first super-block
+    t.data.reshape(-1)[at : at + 2] = np.array([np.inf], np.float16).view(np.uint8)
+    reader.data.flush()
+    del reader
+    with pytest.raises(ModelFormatError, match=r"up_proj.*non-finite") as info:
+        load_plugins().choose_backend("mlx").load(open_checkpoint(path), LoadOptions(quantization="auto"))
+    assert "\n" not in str(info.value)
+
+
 def test_a_gguf_type_it_does_not_map_is_refused_in_one_line(f32_gguf, tmp_path):
     import gguf
 

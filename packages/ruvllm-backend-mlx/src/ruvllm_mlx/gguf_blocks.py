@@ -191,6 +191,9 @@ def nearest_affine(values: np.ndarray, bits: int) -> AffineBlocks:
     if cols % GROUP:
         raise ModelFormatError(f"rows of {cols} values are not whole groups of {GROUP}")
     groups = values.reshape(out, cols // GROUP, GROUP).astype(np.float32)
+    if not np.isfinite(groups).all():  # a NaN or infinite block scale in the file: its range would be NaN
+        row, group = (int(i) for i in np.argwhere(~np.isfinite(groups).all(-1))[0])
+        raise ModelFormatError(f"group {group} of row {row} has a non-finite value (a corrupt block scale)")
     low, high = groups.min(-1), groups.max(-1)
     scale = (high - low) / np.float32((1 << bits) - 1)
     scale[scale == 0] = 1.0  # a constant group: every code 0 decodes to ``low`` exactly
