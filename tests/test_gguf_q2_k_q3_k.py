@@ -166,3 +166,42 @@ def test_jax_auto_and_keep_gguf_blocks(quantized):
     said = [e for e in logs if e["event"] == "GGUF blocks not kept"]
     assert [(e["ggml_type"], e["loaded_as"]) for e in said] == [(ggml_type, "float32")]
     np.testing.assert_allclose(prompt_logits(kept, PROMPT), want, atol=1e-4, rtol=0)
+
+
+def _mixed_type(name: str, _cols: int, _layers: int) -> str:
+    """llama.cpp's low-bit mixes give a weight different types by layer (Q2_K_S / Q3_K_M: Q2_K or
+    Q3_K in most layers, Q4_K to Q6_K in some): layer 0 Q2_K, layer 1 Q3_K, ffn_down Q4_K / Q6_K, the
+    embedding Q6_K."""
+    if name == "token_embd.weight":
+        return "Q6_K"
+    layer = int(name.split(".")[1])
+    if name.endswith("ffn_down.weight"):
+        return ("Q4_K", "Q6_K")[layer]
+    return ("Q2_K", "Q3_K")[layer]
+
+
+def test_a_file_mixing_them_with_other_k_quants_by_layer_loads_on_every_backend(f32_gguf, tmp_path):
+    """Layers of one weight in Q2_K and Q3_K (and Q4_K with Q6_K): jax stacks them in one exact
+    ``w4a8`` form (every layer the file's weights), mlx keeps each layer in its own form (Q3_K exact,
+    Q2_K and Q6_K 8-bit); logits against candle-compat's: jax float within 1e-4, jax ``w4a8`` and mlx
+    within 1e-3 nats mean KL."""
+    import jax
+
+    path = requantize_gguf(f32_gguf, tmp_path / "mixed.gguf", _mixed_type)
+    ckpt = open_checkpoint(path)
+    host = load_plugins()
+    want = prompt_logits(host.choose_backend("candle-compat").load(ckpt, LoadOptions()), PROMPT)
+    np.testing.assert_allclose(prompt_logits(load_jax(ckpt), PROMPT), want, atol=1e-4, rtol=0)
+    w4a8 = load_jax(ckpt, quantization="w4a8", extra={"native": False})
+    for field, proj in (("q_proj", "self_attn.q_proj"), ("down_proj", "mlp.down_proj")):
+        stacked = getattr(w4a8.weights.layers, field)
+        for i in range(2):
+            layer = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
+            got = np.asarray(layer.dequantize(np.float32))
+            np.testing.assert_array_equal(got, ckpt.tensor(f"model.layers.{i}.{proj}.weight"), err_msg=f"{field} {i}")
+    assert mean_kl(want, prompt_logits(w4a8, PROMPT)) < 1e-3
+    pytest.importorskip("mlx.core")
+    mlx_model = host.choose_backend("mlx").load(ckpt, LoadOptions(quantization="auto"))
+    forms = [mlx_model.layers[i].weights.q_proj.form for i in range(2)]
+    assert forms == ["Q2_K->8bit", "Q3_K"]
+    assert mean_kl(want, prompt_logits(mlx_model, PROMPT)) < 1e-3
