@@ -78,7 +78,7 @@ def test_each_row_is_its_experts_dense_product(isa, name, bits, q6k):
     _supported(isa)
     rng = np.random.default_rng(bits + 7 * (q6k is None))
     for out, cols in ((48, 512), (768, 512)):  # the second split across threads
-        mats = (_plain_stack(rng, out, cols, bits) if q6k is None else _kquant_stack(rng, out, cols, bits, q6k))
+        mats = _plain_stack(rng, out, cols, bits) if q6k is None else _kquant_stack(rng, out, cols, bits, q6k)
         layer = 1
         # Decode-like (few rows, few experts), a chunk (ragged groups), and groups with padding rows after.
         for sizes, pad in (([0, 1, 0, 0, 1, 0], 0), ([3, 0, 7, 1, 0, 2], 0), ([5, 2, 0, 9, 4, 1], 3)):

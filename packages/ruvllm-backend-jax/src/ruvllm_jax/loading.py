@@ -29,6 +29,9 @@ log = structlog.get_logger("ruvllm_jax.loading")
 #: SmoothQuant's migration strength per projection input (0: none, 1: all onto the weights).
 SMOOTHING_ALPHA = {"attention_in": 0.5, "output_in": 0.5, "mlp_in": 0.5, "down_in": 0.5, "head_in": 0.5}
 
+#: Quantizations the experts of a mixture of experts load in (the rest are refused by name).
+EXPERT_QUANTIZATIONS = ("none", "w4a8")
+
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -131,7 +134,7 @@ class WeightLoader:
         return _float(self.ckpt.tensor(name), self.spec.dtype)
 
     def load(self) -> Weights:
-        if self.spec.num_experts and (self.quantization != "none" or self.keep_gguf_blocks):
+        if self.spec.num_experts and (self.quantization not in EXPERT_QUANTIZATIONS or self.keep_gguf_blocks):
             self._refuse_experts()
         if self.quantization == "w8a8":
             return self._load_w8a8()
@@ -172,16 +175,32 @@ class WeightLoader:
             return Weights(quantize_w8a8(w.embed, s_head), layers, w.final_norm, None)
         return Weights(quantize_w8a8(w.embed), layers, w.final_norm, quantize_w8a8(w.lm_head, s_head))
 
-    def _experts(self, t: LayerTensor, layer: int) -> np.ndarray:
-        """One layer's experts of ``t``, float ``[experts, out, in]``: the grouped product reads them
-        unquantized (quantized expert kernels are not implemented: :meth:`load` refuses those forms)."""
-        return np.stack([self.vector(name) for name in t.names(layer, self.spec)])
+    def _experts(self, t: LayerTensor, layer: int):
+        """One layer's experts of ``t``, ``[experts, out, in]``: float (quantization ``none``), or
+        ``w4a8`` matrices stacked row-major (a GGUF's blocks converted exactly, as dense weights are;
+        float experts rounded as Q4_1), which :func:`_stack` lays out in panels over the layers."""
+        names = t.names(layer, self.spec)
+        if self.quantization == "none":
+            return np.stack([self.vector(name) for name in names])
+        if self.ckpt.format == "gguf":
+            kind = self.ckpt.raw_tensor(names[0]).ggml_type
+            if kind not in WXA8_GGUF_TYPES and kind not in ("F32", "F16", "BF16"):
+                # Rounding them again to Q4_1 would change the file's weights (MXFP4's among them).
+                raise BackendError(
+                    f"jax backend: experts in GGUF type {kind} ({names[0]}) have no exact w4a8 form "
+                    f"(w4a8 experts: {', '.join(sorted(WXA8_GGUF_TYPES))}, or float); load with quantization none"
+                )
+        mats = common_format([self.matrix(name) for name in names])  # one tensor in the file: one format
+        first = mats[0]
+        fields = [f for f in ("quant", *ROW_FIELDS) if getattr(first, f) is not None]
+        arrays = {f: np.stack([getattr(m, f) for m in mats]) for f in fields}
+        return dataclasses.replace(first, **arrays)
 
     def _refuse_experts(self) -> None:
         form = "keep_gguf_blocks" if self.quantization == "none" else f"quantization {self.quantization}"
         raise BackendError(
-            "jax backend: the experts of a mixture of experts (model.layers.{n}.mlp.experts.{e}.*) load only "
-            f"in float (quantization none); {form} has no expert kernels"
+            "jax backend: the experts of a mixture of experts (model.layers.{n}.mlp.experts.{e}.*) load in "
+            f"float (quantization none) or w4a8; {form} has no expert kernels"
         )
 
     def _load(self) -> Weights:

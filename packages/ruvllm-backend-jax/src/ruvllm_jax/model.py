@@ -66,7 +66,12 @@ from ruvllm_jax.kv_state import (  # noqa: F401 (the KV state's names stay impor
 from ruvllm_jax.quant import Weight, linear, take_rows
 from ruvllm_jax.step_adapters import Adapters
 from ruvllm_jax.step_attention import Pools
-from ruvllm_jax.step_projections import Projector, native_format, native_projections, project_experts
+from ruvllm_jax.step_projections import (
+    Projector,
+    native_format,
+    native_projections,
+    project_experts,  # noqa: F401 (stays importable from here)
+)
 from ruvllm_jax.step_types import (  # noqa: F401 (the step's types stay importable from here)
     NATIVE_LORA_MAX_TOKENS,
     LoraFactors,
@@ -141,7 +146,7 @@ def forward_step(
             project=project,
             attend=attend,
             adapt=adapt,
-            project_experts=project_experts(lw, gather_rows) if spec.num_experts else None,
+            project_experts=projector.experts_at(lw, layer, gather_rows) if spec.num_experts else None,
         )
         return (x, kv, kvl, layer + 1), None
 

@@ -141,13 +141,21 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
         and options.extra.get("native", True) not in (False, "false", "0")
         and jax.devices()[0].platform == "cpu"
         and native.has_vector_path()  # the scalar loops are no faster than float32
-        and not checkpoint.config.num_experts  # experts load in float only (ruvllm_jax.loading)
+        and _experts_in_wxa8(checkpoint)
     ):
         return "w4a8"
     return "none"
 
 
 def pow2(n: int) -> bool:
+def _experts_in_wxa8(checkpoint: Checkpoint) -> bool:
+    """Whether a mixture of experts' experts are stored in a type the ``w4a8`` form holds exactly (the
+    experts' native kernel multiplies them; MXFP4 experts stay float); true for a dense model."""
+    if not checkpoint.config.num_experts:
+        return True
+    return checkpoint.raw_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").ggml_type in WXA8_GGUF_TYPES
+
+
     return n > 0 and n & (n - 1) == 0
 
 

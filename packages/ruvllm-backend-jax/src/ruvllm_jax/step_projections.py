@@ -14,6 +14,7 @@ from jax import lax
 
 from ruvllm.modeling import EXPERT_FIELDS, PROJECTION_GROUPS, LayerWeights
 from ruvllm_jax import native
+from ruvllm_jax.experts import native_experts, native_project_experts, xla_quantized_experts
 from ruvllm_jax.quant import QuantArray, linear
 from ruvllm_jax.step_types import StepInputs, StepPlan
 
@@ -73,18 +74,28 @@ class Projector:
     stacked: LayerWeights
     native: bool
     live_tokens: jax.Array | None
+    #: A mixture of experts' quantized experts through the native experts' kernel (ruvllm_jax.experts).
+    experts: bool = False
 
     @classmethod
     def of(cls, layers: LayerWeights, plan: StepPlan, inp: StepInputs) -> Projector:
-        formats = {native_format(getattr(layers, f)) for f in _NATIVE_FIELDS}
-        return cls(layers, plan.native and len(formats) == 1 and None not in formats, inp.live_tokens)
+        # A mixture of experts has no dense MLP: its absent fields do not count.
+        formats = {native_format(getattr(layers, f)) for f in _NATIVE_FIELDS if getattr(layers, f) is not None}
+        experts = plan.native and layers.expert_gate is not None and native_experts(layers)
+        return cls(layers, plan.native and len(formats) == 1 and None not in formats, inp.live_tokens, experts)
 
     def scanned(self) -> LayerWeights:
-        return dataclasses.replace(self.stacked, **{f: None for f in _NATIVE_FIELDS}) if self.native else self.stacked
+        drop = (_NATIVE_FIELDS if self.native else ()) + (tuple(EXPERT_FIELDS.values()) if self.experts else ())
+        return dataclasses.replace(self.stacked, **{f: None for f in drop}) if drop else self.stacked
+
+    def experts_at(self, lw: LayerWeights, layer: jax.Array, gather_rows: int):
+        """``project_experts`` of layer ``layer``: the native kernel over the stacked experts, else
+        :func:`project_experts` over the scanned layer's."""
+        return native_project_experts(self.stacked, layer) if self.experts else project_experts(lw, gather_rows)
 
     def at(self, lw: LayerWeights, layer: jax.Array):
         def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
-            if self.native:
+            if self.native and group[0] in _NATIVE_FIELDS:  # the router (float) is XLA's
                 return native_projections(h, [getattr(self.stacked, p) for p in group], layer, self.live_tokens)
             return [linear(h, getattr(lw, p)) for p in group]
 
@@ -98,21 +109,24 @@ _EXPERT_DOT = lax.RaggedDotDimensionNumbers(
 
 
 def project_experts(lw: LayerWeights, gather_rows: int = 0):
-    """``project_experts`` of :func:`ruvllm.modeling.decoder_layer` for one layer's float experts:
+    """``project_experts`` of :func:`ruvllm.modeling.decoder_layer` for one layer's experts in XLA:
     ``lax.ragged_dot_general``, or for steps of at most ``gather_rows`` (token, expert) rows each row
     times its own expert, gathered. (XLA:CPU expands the ragged product to every expert times every
-    row, so a decode step would read all the experts; gathered, it reads the chosen ones.)"""
+    row, so a decode step would read all the experts; gathered, it reads the chosen ones.) Quantized
+    experts go through :func:`ruvllm_jax.experts.xla_quantized_experts` (CPU steps use the native
+    kernel instead, :meth:`Projector.experts_at`)."""
 
     def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
         rows = x.shape[0]
         gather = rows <= gather_rows  # static: the step's shape
-        if gather:
-            experts = jnp.arange(sizes.shape[0], dtype=jnp.int32)
-            expert_of_row = jnp.repeat(experts, sizes, total_repeat_length=rows)
+        experts = jnp.arange(sizes.shape[0], dtype=jnp.int32)
+        expert_of_row = jnp.repeat(experts, sizes, total_repeat_length=rows)
         out = []
         for p in group:
             w = getattr(lw, EXPERT_FIELDS[p])
-            if gather:
+            if isinstance(w, QuantArray):
+                y = xla_quantized_experts(w, x, expert_of_row, gather)
+            elif gather:
                 y = jnp.einsum("ri,roi->ro", x, w[expert_of_row].astype(x.dtype))
             else:
                 y = lax.ragged_dot_general(x, w.astype(x.dtype), sizes.astype(jnp.int32), _EXPERT_DOT)

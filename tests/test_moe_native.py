@@ -1,0 +1,194 @@
+"""Quantized experts on jax's CPU path: a mixture of experts' GGUF loads in ``w4a8`` with the experts
+kept in the file's blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0; each expert's weights exactly the file's,
+stacked ``[layers, experts, ...]`` in the kernels' panel layout, layers of different types in one exact
+form), and steps multiply each group of (token, expert) rows by its own expert in the native kernel
+(``ruvllm_experts``, tests/test_moe_native_kernel.py).
+
+Tolerances, as the dense ``w4a8`` tests state them (test_jax_kquant_formats.py): the native kernels
+against the XLA formulation of the same weights and int8 activations, the median row within ``1e-5``
+of the largest logit (float rounding order only), every row within ``1e-2`` (a rounding that moves an
+activation across an int8 step, or the router across a near tie, is amplified: measured 1.05e-3);
+against the float model of the file's weights (float activations), the median row's KL below ``1e-3``
+nats, as dense ``w4a8`` models (the activations' int8 rounding), and the mean below ``1e-2`` (that
+rounding can tip a token's router between two experts near a tie). Steps: one ragged prefill of
+several sequences, chunked prompts and decode steps, each against the float model's logits for the
+same tokens; a sequence's logits alone and beside others (see the test for what is bit for bit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from _jax_fixtures import load_jax, mean_kl, prompt_logits
+from _kquant_files import quantize
+from _moe_checkpoints import write_moe_checkpoint, write_moe_gguf
+
+from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.checkpoint import open_checkpoint
+from ruvllm.errors import BackendError
+from ruvllm_jax import native
+from ruvllm_jax.quant import QuantArray
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
+
+BLOCK = 16
+#: Expert sizes that k-quants take (whole super-blocks of 256 inputs).
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, norm_topk_prob=True),
+    "mixtral": dict(hidden_size=256, intermediate_size=256),
+}
+
+
+def _expert_types(kind: str, name: str, layer: int) -> str:
+    """The experts' type per file kind: ``q4_k_m`` as llama.cpp's Q4_K_M (gate / up Q4_K, down Q6_K in
+    layer 0 and Q4_K in layer 1, so one stack mixes them), else one type for all."""
+    if kind == "q4_k_m":
+        return "Q6_K" if name == "ffn_down_exps" and layer == 0 else "Q4_K"
+    return {"q5_k": "Q5_K", "q8_0": "Q8_0", "q4_0": "Q4_0"}[kind]
+
+
+def _requantize(src: Path, dst: Path, kind: str) -> Path:
+    """``src`` (float) with its experts in ``kind``'s types, its other matrices Q8_0 (1-D tensors,
+    metadata and tokenizer as they are)."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        values = np.asarray(t.data, np.float32).reshape(shape)
+        if len(shape) == 1 or t.name.endswith("ffn_gate_inp.weight"):  # the router float, as llama.cpp keeps it
+            writer.add_tensor(t.name, values)
+            continue
+        parts = t.name.split(".")
+        experts = len(parts) == 4 and parts[2].endswith("_exps")
+        qtype = _expert_types(kind, parts[2], int(parts[1])) if experts else "Q8_0"
+        blocks = quantize(values.reshape(-1, shape[-1]), qtype).reshape(*shape[:-1], -1)
+        writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    out = {}
+    for family in SHAPES:
+        d = tmp_path_factory.mktemp(family)
+        f32 = write_moe_gguf(write_moe_checkpoint(d / "hf", family, **SHAPES[family]), family, d / "f32.gguf")
+        for kind in ("q4_k_m", "q5_k", "q8_0", "q4_0"):
+            out[family, kind] = _requantize(f32, d / f"{kind}.gguf", kind)
+    return out
+
+
+CASES = [("qwen3_moe", "q4_k_m"), ("qwen3_moe", "q8_0"), ("qwen3_moe", "q4_0"), ("mixtral", "q4_k_m"),
+         ("mixtral", "q5_k")]  # fmt: skip
+
+
+def _dequantized(w: QuantArray) -> np.ndarray:
+    return np.asarray(jax.jit(lambda w: w.dequantize(np.float32))(w))
+
+
+@pytest.mark.parametrize(("family", "kind"), CASES)
+def test_experts_load_as_the_files_blocks(files, family, kind):
+    ckpt = open_checkpoint(files[family, kind])
+    model = load_jax(ckpt, quantization="w4a8")
+    lw = model.weights.layers
+    spec = model.spec
+    for field, proj in (("expert_gate", "gate_proj"), ("expert_up", "up_proj"), ("expert_down", "down_proj")):
+        w = getattr(lw, field)
+        assert isinstance(w, QuantArray) and w.panel == 16 and w.shape[:2] == (spec.num_layers, spec.num_experts)
+        values = _dequantized(w)
+        for layer in range(spec.num_layers):
+            for e in (0, spec.num_experts - 1):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                np.testing.assert_array_equal(values[layer, e], ckpt.tensor(name), err_msg=name)
+    if kind == "q4_k_m":  # Q4_K and Q6_K layers of ffn_down in one exact 6-bit form
+        assert (lw.expert_down.bits, lw.expert_down.sub_group) == (6, 16)
+        assert (lw.expert_gate.bits, lw.expert_gate.sub_group) == (4, 16)
+
+
+def _ragged_batch(prompts: list[list[int]], starts: list[int], model, cache) -> list[np.ndarray]:
+    """All-position logits of each prompt's tokens from ``starts[i]`` on, in one step (earlier tokens
+    already in the cache), each sequence in its own blocks."""
+    chunks = []
+    for i, (ids, s) in enumerate(zip(prompts, starts, strict=True)):
+        table = np.arange(i * 4, i * 4 + 4, dtype=np.int32)
+        chunks.append(SequenceChunk(np.asarray(ids[s:], np.int32), s, table, all_logits=True))
+    out = model.forward(ForwardBatch(chunks, BLOCK), cache).all_logits
+    return [out[i] for i in range(len(chunks))]
+
+
+def _stepwise(model, prompts: list[list[int]], split: int) -> list[np.ndarray]:
+    """Each prompt's logits computed as a ragged prefill of its first ``split`` tokens (all prompts in
+    one step), a second chunk of all but its last two, then two decode steps of one token each."""
+    cache = model.allocate_cache(4 * len(prompts), BLOCK)
+    n = [len(p) for p in prompts]
+    got = [list(x) for x in _ragged_batch([p[:split] for p in prompts], [0] * len(prompts), model, cache)]
+    for i, x in enumerate(_ragged_batch([p[: m - 2] for p, m in zip(prompts, n, strict=True)], [split] * len(prompts),
+                                        model, cache)):  # fmt: skip
+        got[i] += list(x)
+    for back in (2, 1):
+        step = _ragged_batch([p[: m - back + 1] for p, m in zip(prompts, n, strict=True)],
+                             [m - back for m in n], model, cache)  # fmt: skip
+        for i, x in enumerate(step):
+            got[i] += list(x)
+    return [np.asarray(g) for g in got]
+
+
+@pytest.mark.parametrize(("family", "kind"), CASES)
+def test_steps_match_the_xla_formulation_and_the_float_model(files, family, kind):
+    ckpt = open_checkpoint(files[family, kind])
+    fast = load_jax(ckpt, quantization="w4a8")
+    assert fast.native
+    xla = load_jax(ckpt, quantization="w4a8", extra={"native": False})
+    ref = load_jax(ckpt, quantization="none")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 101, size=n).tolist() for n in (13, 9, 22)]
+    got = _stepwise(fast, prompts, split=5)
+    for ids, g in zip(prompts, got, strict=True):
+        want_xla, want = prompt_logits(xla, ids), prompt_logits(ref, ids)
+        scale = np.abs(want_xla).max()
+        rows = np.abs(g - want_xla).max(-1)
+        assert np.median(rows) < 1e-5 * scale  # the same sums, another float order
+        assert rows.max() < 1e-2 * scale  # where that order moves an activation across an int8 step
+        # Rounding the activations to int8 moves the router's scores a little; a token with two experts
+        # that near a tie may pick the other one (measured: up to 0.08 nats on one row of the Q4_0 file).
+        assert mean_kl(want, g) < 1e-2
+        assert np.median([mean_kl(want[i : i + 1], g[i : i + 1]) for i in range(len(ids))]) < 1e-3
+    # A sequence alone and beside others: its prefill rows the same bits; its decode rows within float
+    # rounding (the router's product and the routing are XLA's, which sum a decode step of one
+    # sequence in another order than one of three, with the experts native or not). The experts'
+    # kernel itself is batch invariant row for row (test_moe_native_kernel.py).
+    alone = _stepwise(fast, prompts[1:2], split=5)[0]
+    np.testing.assert_array_equal(alone[:7], got[1][:7])
+    assert np.abs(alone - got[1]).max() < 1e-5 * np.abs(got[1]).max()
+
+
+def test_mxfp4_experts_and_other_forms_are_refused_by_name(files, tmp_path):
+    from _moe_checkpoints import write_gpt_oss_gguf
+
+    hf_dir = write_moe_checkpoint(tmp_path / "hf", "gpt_oss")
+    path = write_gpt_oss_gguf(hf_dir, tmp_path / "m.gguf", "MXFP4")
+    with pytest.raises(BackendError, match=r"MXFP4 .*mlp\.experts\.0\.gate_proj") as info:
+        load_jax(open_checkpoint(path), quantization="w4a8")
+    assert "\n" not in str(info.value)
+    ckpt = open_checkpoint(files["qwen3_moe", "q8_0"])
+    for options in (dict(quantization="q8"), dict(quantization="w8a8"), dict(extra={"keep_gguf_blocks": True})):
+        with pytest.raises(BackendError, match=r"mlp\.experts.*(quantization|keep_gguf_blocks)"):
+            load_jax(ckpt, **options)
+
+
+def test_auto_picks_w4a8_for_k_quant_experts(files):
+    model = load_jax(open_checkpoint(files["qwen3_moe", "q4_k_m"]), quantization="auto")
+    assert model.options.quantization == ("w4a8" if native.has_vector_path() else "none")
