@@ -85,6 +85,33 @@ def test_greedy_verification_keeps_the_argmax_prefix():
     assert got == [(5, True), (6, True), (9, True), (2, False)]  # all kept: the bonus token
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),  # every row's argmax in one pass
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4]),  # the ban: row by row
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, frequency_penalty=2.0),
+        SamplingParams(top_k=1, temperature=0.7, logit_bias={7: 0.5}),
+    ],
+    ids=["plain", "min-tokens", "repetition", "frequency", "top-k-1-bias"],
+)
+def test_greedy_verification_emits_what_sampling_row_by_row_would(params):
+    """Whichever way a greedy verification picks (all rows' argmax at once, or the sampler row by
+    row), it emits the tokens a token-at-a-time run samples, ties (the lowest id) included."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        logits = np.round(rng.standard_normal((6, VOCAB)), 1).astype(np.float32)  # rounded: ties
+        reference = Sampler(params, [1, 2])
+        want = [reference.sample(row).token_id for row in logits]
+        draft = want[:5] if rng.random() < 0.5 else [*want[:2], (want[2] + 1) % VOCAB, *want[3:5]]
+        sampler = Sampler(params, [1, 2])
+        got = [s.token_id for s, _ in verify_draft(sampler, logits, draft)]
+        kept = next((i for i, (d, w) in enumerate(zip(draft, want, strict=False)) if d != w), len(draft))
+        assert got == want[: kept + 1]
+        assert sampler.generated == kept + 1
+
+
 def test_ngram_index_proposes_what_followed_the_longest_suffix():
     index = NgramIndex(1, 3)
     index.extend([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
@@ -123,3 +150,18 @@ def test_draft_length_drafts_only_what_pays_for_its_positions():
     length.rate = 0.15  # no draft beats a plain step; it tries one token now and then
     wants = [length.want() for _ in range(PROBE_AFTER)]
     assert wants.count(0) == PROBE_AFTER - 1 and wants[-1] == 1
+
+
+def test_a_draft_beside_other_sequences_must_pay_for_the_whole_step():
+    length = DraftLength(4, row_cost=0.2, stop_below=0.0)
+    length.rate = 0.8
+    assert length.want() == 4  # alone: 3.36 tokens for 1.8 of cost
+    # Beside 3 other positions (1.6 of cost for 3 tokens, 2.5 a unit) a position of 0.2 must yield
+    # half a token, counted 20% lower there: at 0.8 the first does, a second no longer pays.
+    assert length.want(3.0, 3) == 1
+    length.rate = 1.0
+    assert length.want(3.0, 3) == 4
+    # Beside 15 (a compute-bound step: 4.0 of cost for 16 tokens) not even a draft that is always kept.
+    assert length.want(15.0, 15) == 0
+    length.rate = 0.6
+    assert length.want() == 2 and length.want(3.0, 3) == 0
