@@ -175,14 +175,72 @@ def test_steps_match_the_xla_formulation_and_the_float_model(files, family, kind
     assert np.abs(alone - got[1]).max() < 1e-5 * np.abs(got[1]).max()
 
 
-def test_mxfp4_experts_and_other_forms_are_refused_by_name(files, tmp_path):
-    from _moe_checkpoints import write_gpt_oss_gguf
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory) -> Path:
+    """gpt-oss with MXFP4 experts (the HF weights rounded to MXFP4 values first), as llama.cpp writes it."""
+    from _moe_checkpoints import mxfp4_representable, write_gpt_oss_gguf
 
-    hf_dir = write_moe_checkpoint(tmp_path / "hf", "gpt_oss")
-    path = write_gpt_oss_gguf(hf_dir, tmp_path / "m.gguf", "MXFP4")
-    with pytest.raises(BackendError, match=r"MXFP4 .*mlp\.experts\.0\.gate_proj") as info:
+    d = tmp_path_factory.mktemp("gpt_oss")
+    hf_dir = write_moe_checkpoint(d / "hf", "gpt_oss", swiglu_limit=7.0)
+    mxfp4_representable(hf_dir)
+    return write_gpt_oss_gguf(hf_dir, d / "mxfp4.gguf", "MXFP4")
+
+
+def test_mxfp4_experts_load_exactly_and_run_native(gpt_oss_mxfp4):
+    """MXFP4 experts as 5-bit codes (doubled e2m1 values + 16) under a float16 power of two: every
+    weight the file's, multiplied by the native kernel; steps within the tolerances above."""
+    ckpt = open_checkpoint(gpt_oss_mxfp4)
+    fast = load_jax(ckpt, quantization="w4a8")
+    down = fast.weights.layers.expert_down
+    assert (down.bits, down.zero_point, down.offset, down.panel) == (5, 16, None, 16)
+    values = _dequantized(down)
+    for layer, e in ((0, 0), (1, 3)):
+        name = f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"
+        assert ckpt.raw_tensor(name).ggml_type == "MXFP4"
+        np.testing.assert_array_equal(values[layer, e], ckpt.tensor(name), err_msg=name)
+    xla = load_jax(ckpt, quantization="w4a8", extra={"native": False})
+    ref = load_jax(ckpt, quantization="none")
+    prompts = [np.random.default_rng(5).integers(3, 101, size=n).tolist() for n in (12, 9)]
+    for ids, g in zip(prompts, _stepwise(fast, prompts, split=4), strict=True):
+        want_xla, want = prompt_logits(xla, ids), prompt_logits(ref, ids)
+        rows = np.abs(g - want_xla).max(-1)
+        assert np.median(rows) < 1e-5 * np.abs(want_xla).max() and rows.max() < 1e-2 * np.abs(want_xla).max()
+        # This file's attention is float32, which w4a8 rounds as Q4_1 (only the experts are the
+        # file's blocks): a looser bound than the k-quant files' (measured 0.027 nats).
+        assert mean_kl(want, g) < 0.1
+
+
+def test_an_mxfp4_scale_outside_float16_is_refused_by_name(gpt_oss_mxfp4, tmp_path):
+    import shutil
+
+    path = shutil.copy(gpt_oss_mxfp4, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(str(path), "r+")
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    down.data.reshape(-1, 17)[5, 0] = 60  # expert 0's sixth block: 2^-68, a valid E8M0 scale
+    del reader, down
+    with pytest.raises(BackendError, match=r"experts\.0\.down_proj.*MXFP4 block .* 2\^-68") as info:
         load_jax(open_checkpoint(path), quantization="w4a8")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_float_experts_in_w4a8_run_native(family, tmp_path):
+    """A Hugging Face directory's float experts under w4a8: rounded as Q4_1 (gpt_oss's expert biases
+    stay float), multiplied by the native kernel as the XLA formulation computes them."""
+    ckpt = open_checkpoint(write_moe_checkpoint(tmp_path, family))
+    fast = load_jax(ckpt, quantization="w4a8")
+    gate = fast.weights.layers.expert_gate
+    assert (gate.bits, gate.panel, gate.offset is not None) == (4, 16, True)
+    assert family != "gpt_oss" or not isinstance(fast.weights.layers.expert_gate_bias, QuantArray)
+    xla = load_jax(ckpt, quantization="w4a8", extra={"native": False})
+    prompts = [np.random.default_rng(6).integers(3, 101, size=n).tolist() for n in (11, 8)]
+    for ids, g in zip(prompts, _stepwise(fast, prompts, split=3), strict=True):
+        want = prompt_logits(xla, ids)
+        rows = np.abs(g - want).max(-1)
+        assert np.median(rows) < 1e-5 * np.abs(want).max() and rows.max() < 1e-2 * np.abs(want).max()
+
+
+def test_other_expert_forms_are_refused_by_name(files):
     ckpt = open_checkpoint(files["qwen3_moe", "q8_0"])
     for options in (dict(quantization="q8"), dict(quantization="w8a8"), dict(extra={"keep_gguf_blocks": True})):
         with pytest.raises(BackendError, match=r"mlp\.experts.*(quantization|keep_gguf_blocks)"):

@@ -224,6 +224,42 @@ def wxa8_from_gguf_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ..
     return QuantArray(pack_codes(codes.reshape(out, cols), 5), d, dmin, bits=5, group_size=32, act_bits=8, **sub)
 
 
+#: GGUF MXFP4 (gpt-oss's experts): 32 values and one E8M0 scale byte per 17-byte block.
+_MXFP4_BLOCK = (32, 17)
+#: MXFP4's e2m1 values doubled, by code (ggml's ``kvalues_mxfp4``): a weight is this times ``2^(e - 128)``.
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
+
+
+def wxa8_from_mxfp4(data: np.ndarray, shape: tuple[int, ...]) -> QuantArray:
+    """GGUF MXFP4 blocks in the 5-bit ``w4a8`` form, every weight the file's: a block's doubled e2m1
+    values (-12 .. 12) plus 16 are 5-bit codes with zero point 16 (Q5_0's form, which the kernels
+    multiply), its scale ``2^(e - 128)`` the float16 ``d`` (5.5 bits a weight against the file's 4.25).
+    A scale outside float16's range (``e`` below 104 or above 143) has no exact form:
+    :class:`BackendError` (the caller adds the tensor's name); data of the wrong size
+    :class:`ModelFormatError`."""
+    out, cols = shape
+    block, nbytes = _MXFP4_BLOCK
+    if cols % block:
+        raise ModelFormatError(f"MXFP4 rows of {cols} values are not whole blocks of {block}")
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    if raw.size != out * (cols // block) * nbytes:
+        raise ModelFormatError(f"MXFP4 data of {raw.size} bytes does not match its shape {out} x {cols}")
+    blocks = raw.reshape(out, cols // block, nbytes)
+    e = blocks[..., 0].astype(np.int32)
+    bad = np.argwhere((e < 104) | (e > 143))
+    if len(bad):
+        row, blk = (int(i) for i in bad[0])
+        raise BackendError(
+            f"MXFP4 block {blk} of row {row} has scale 2^{e[row, blk] - 128}, outside float16's range: "
+            "no exact w4a8 form (load with quantization none)"
+        )
+    qs = blocks[..., 1:17]
+    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element order: low nibbles, then high
+    codes = (_MXFP4_VALUES[nibbles] + 16).astype(np.uint8).reshape(out, cols)
+    d = np.ldexp(np.float32(1), e - 128).astype(np.float16)
+    return QuantArray(pack_codes(codes, 5), d, None, bits=5, group_size=32, zero_point=16, act_bits=8)
+
+
 def storage_format(w: QuantArray) -> tuple:
     """What matrices must share to be stacked into one :class:`QuantArray`: the static fields and
     which array fields are present, with their dtypes."""

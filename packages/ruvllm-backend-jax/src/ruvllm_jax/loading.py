@@ -11,7 +11,7 @@ import structlog
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
-from ruvllm.modeling import LAYER_TENSORS, PROJECTION_GROUPS, PROJECTIONS, LayerTensor, LayerWeights
+from ruvllm.modeling import EXPERT_FIELDS, LAYER_TENSORS, PROJECTION_GROUPS, PROJECTIONS, LayerTensor, LayerWeights
 from ruvllm_jax.gguf_blocks import (
     GGUF_DIRECT_TYPES,
     WXA8_GGUF_TYPES,
@@ -20,6 +20,7 @@ from ruvllm_jax.gguf_blocks import (
     kernel_form,
     storage_format,
     wxa8_from_gguf_blocks,
+    wxa8_from_mxfp4,
 )
 from ruvllm_jax.model import ModelSpec, Weights
 from ruvllm_jax.quant import ROW_FIELDS, QuantArray, quantize, quantize_int8, quantize_w8a8, quantize_wxa8, to_panels
@@ -31,6 +32,8 @@ SMOOTHING_ALPHA = {"attention_in": 0.5, "output_in": 0.5, "mlp_in": 0.5, "down_i
 
 #: Quantizations the experts of a mixture of experts load in (the rest are refused by name).
 EXPERT_QUANTIZATIONS = ("none", "w4a8")
+#: GGUF types of experts that load in ``w4a8`` exactly (MXFP4 as 5-bit codes, gguf_blocks.wxa8_from_mxfp4).
+EXPERT_GGUF_TYPES = WXA8_GGUF_TYPES | {"MXFP4"}
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -180,21 +183,31 @@ class WeightLoader:
         ``w4a8`` matrices stacked row-major (a GGUF's blocks converted exactly, as dense weights are;
         float experts rounded as Q4_1), which :func:`_stack` lays out in panels over the layers."""
         names = t.names(layer, self.spec)
-        if self.quantization == "none":
+        if self.quantization == "none" or t.field not in EXPERT_FIELDS.values():  # biases stay float
             return np.stack([self.vector(name) for name in names])
         if self.ckpt.format == "gguf":
             kind = self.ckpt.raw_tensor(names[0]).ggml_type
-            if kind not in WXA8_GGUF_TYPES and kind not in ("F32", "F16", "BF16"):
-                # Rounding them again to Q4_1 would change the file's weights (MXFP4's among them).
+            if kind not in EXPERT_GGUF_TYPES and kind not in ("F32", "F16", "BF16"):
+                # Rounding them again to Q4_1 would change the file's weights.
                 raise BackendError(
                     f"jax backend: experts in GGUF type {kind} ({names[0]}) have no exact w4a8 form "
-                    f"(w4a8 experts: {', '.join(sorted(WXA8_GGUF_TYPES))}, or float); load with quantization none"
+                    f"(w4a8 experts: {', '.join(sorted(EXPERT_GGUF_TYPES))}, or float); load with quantization none"
                 )
-        mats = common_format([self.matrix(name) for name in names])  # one tensor in the file: one format
+        if self.ckpt.format == "gguf" and kind == "MXFP4":
+            mats = [self._mxfp4(name) for name in names]
+        else:
+            mats = common_format([self.matrix(name) for name in names])  # one tensor in the file: one format
         first = mats[0]
         fields = [f for f in ("quant", *ROW_FIELDS) if getattr(first, f) is not None]
         arrays = {f: np.stack([getattr(m, f) for m in mats]) for f in fields}
         return dataclasses.replace(first, **arrays)
+
+    def _mxfp4(self, name: str) -> QuantArray:
+        raw = self.ckpt.raw_tensor(name)
+        try:
+            return wxa8_from_mxfp4(raw.data, raw.shape)
+        except (ModelFormatError, BackendError) as exc:
+            raise type(exc)(f"{self.ckpt.path}: tensor {name}: {exc}") from None
 
     def _refuse_experts(self) -> None:
         form = "keep_gguf_blocks" if self.quantization == "none" else f"quantization {self.quantization}"

@@ -17,7 +17,7 @@ from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError
 from ruvllm_jax import native
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
-from ruvllm_jax.loading import DTYPES
+from ruvllm_jax.loading import DTYPES, EXPERT_GGUF_TYPES
 from ruvllm_jax.quant import QUANTIZATIONS
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
@@ -150,10 +150,10 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
 def pow2(n: int) -> bool:
 def _experts_in_wxa8(checkpoint: Checkpoint) -> bool:
     """Whether a mixture of experts' experts are stored in a type the ``w4a8`` form holds exactly (the
-    experts' native kernel multiplies them; MXFP4 experts stay float); true for a dense model."""
+    experts' native kernel multiplies them); true for a dense model."""
     if not checkpoint.config.num_experts:
         return True
-    return checkpoint.raw_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").ggml_type in WXA8_GGUF_TYPES
+    return checkpoint.raw_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").ggml_type in EXPERT_GGUF_TYPES
 
 
     return n > 0 and n & (n - 1) == 0
