@@ -51,12 +51,19 @@ def kernels(dtype, bs: int, heads: int, kv_heads: int, head_dim: int) -> None:
     jax.jit(prefill).trace(qn, kc, kc, layer, tables, ctx, ctx, layer).lower(lowering_platforms=("cuda",))
 
 
-def steps(path: str, dtype: str, attentions: tuple[str, ...]) -> str:
-    model = JaxModel.load(open_checkpoint(path), LoadOptions(quantization="none", dtype=dtype))
+def steps(path: str, dtype: str, attentions: tuple[str, ...], extra: dict | None = None) -> str:
+    """Every step shape lowered with each of ``attentions``; with the Pallas kernels, the decode
+    steps cut their keys into parts as on a 132-SM GPU (``decode_splits`` auto) unless ``extra``
+    forces a number. Reports the shapes lowered and how many of them split their decode keys."""
+    options = LoadOptions(quantization="none", dtype=dtype, extra=extra or {})
+    model = JaxModel.load(open_checkpoint(path), options)
     cache = model.allocate_cache(64, 16)
     limits = StepLimits(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
-    counts = [len(model.lower_steps(cache, limits, "cuda", attention)) for attention in attentions]
-    return ", ".join(f"{a}: {n} step shapes" for a, n in zip(attentions, counts, strict=True))
+    done = [model.lower_steps(cache, limits, "cuda", attention) for attention in attentions]
+    split = [sum(1 for s in shapes if " splits " in s) for shapes in done]
+    if "pallas" in attentions and not split[attentions.index("pallas")]:
+        raise AssertionError("no decode step lowered with its keys split")
+    return ", ".join(f"{a}: {len(d)} step shapes, {n} split" for a, d, n in zip(attentions, done, split, strict=True))
 
 
 def sampling(vocab: int) -> str:
@@ -89,6 +96,8 @@ def main() -> None:
                 check(name, kernels, dtype, bs, heads, kv_heads, head_dim)
     tiny, *real = sys.argv[1:]
     check(f"steps {tiny} float32", steps, tiny, "float32", ("pallas", "reference"))
+    forced = {"attention": "pallas_interpret", "decode_splits": 4}  # pallas_interpret: loads on this CPU
+    check(f"steps {tiny} float32 decode_splits 4", steps, tiny, "float32", ("pallas",), forced)
     for path in real:  # what `auto` gives a GPU user: bfloat16, the Pallas kernels
         check(f"steps {path} bfloat16", steps, path, "bfloat16", ("pallas", "reference"))
     for vocab in (97, 49152, 128256):  # a tiny model's, SmolLM2's, Llama-3's

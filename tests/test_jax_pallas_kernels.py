@@ -253,3 +253,64 @@ def test_kernels_inside_the_model_match_reference_attention(tmp_path):
         np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
         for i, rows in want.all_logits.items():
             np.testing.assert_allclose(got.all_logits[i], rows, atol=1e-4, rtol=0)
+
+
+def test_split_decode_inside_the_model_matches_one_part(tmp_path):
+    """Decode steps with each sequence's keys cut into parts (``decode_splits``, the interpreted
+    kernel) give the logits of one part, over contexts that span several of the kernel's key steps;
+    the plan carries the forced number and a prefill-only step keeps one part."""
+    from _gguf_files import write_tiny_llama_gguf
+    from _jax_fixtures import load_jax
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(write_tiny_llama_gguf(tmp_path / "tiny.gguf", hidden=64, layers=2))
+    one = load_jax(ckpt, extra={"attention": "pallas_interpret", "decode_splits": 1})
+    split = load_jax(ckpt, extra={"attention": "pallas_interpret", "decode_splits": "4"})
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 256, size=120).tolist(), rng.integers(0, 256, size=70).tolist()
+    tables = [np.arange(0, 32, dtype=np.int32), np.arange(32, 64, dtype=np.int32)]
+    caches = [m.allocate_cache(64, 4) for m in (one, split)]
+    prompt = [  # the kernel streams 64 keys a step: 2 steps, so of 4 parts 2 hold keys and 2 none
+        SequenceChunk(np.asarray(a[:119], np.int32), 0, tables[0]),
+        SequenceChunk(np.asarray(b[:69], np.int32), 0, tables[1]),
+    ]
+    decode = [
+        SequenceChunk(np.asarray(a[119:], np.int32), 119, tables[0]),
+        SequenceChunk(np.asarray(b[69:], np.int32), 69, tables[1]),
+    ]
+    for chunks in (prompt, decode):
+        want = one.forward(ForwardBatch(chunks, 4), caches[0])
+        got = split.forward(ForwardBatch(chunks, 4), caches[1])
+        np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
+    plans = [p for p in split.compiled_steps.stats.plans if hasattr(p, "decode_splits")]
+    assert {(p.decode_seqs > 0 and not p.prefill_seqs, p.decode_splits) for p in plans} == {(False, 1), (True, 4)}
+
+
+def test_decode_splits_fill_the_sms_only_where_the_keys_pay():
+    from ruvllm_jax.step_shapes import SPLIT_MIN_KEYS, decode_splits
+
+    assert decode_splits(1, 8, 4096, 132) == 16  # Llama-3-8B, one stream: 8 programs -> 128
+    assert decode_splits(4, 8, 4096, 132) == 4
+    assert decode_splits(16, 8, 4096, 132) == 1  # 128 programs already fill 132 SMs
+    assert decode_splits(256, 8, 4096, 132) == 1
+    assert decode_splits(1, 8, 2 * SPLIT_MIN_KEYS, 132) == 2  # short tables: parts of SPLIT_MIN_KEYS at least
+    assert decode_splits(1, 8, SPLIT_MIN_KEYS, 132) == 1
+
+
+def test_decode_splits_option_is_refused_by_name(tmp_path):
+    from _gguf_files import write_tiny_llama_gguf
+    from _jax_fixtures import load_jax
+
+    from ruvllm.checkpoint import open_checkpoint
+    from ruvllm.errors import BackendError
+
+    ckpt = open_checkpoint(write_tiny_llama_gguf(tmp_path / "tiny.gguf", hidden=64, layers=2))
+    for bad in (0, -2, "many", 2.5, True):
+        with pytest.raises(BackendError, match="decode_splits must be auto or a positive integer"):
+            load_jax(ckpt, extra={"attention": "pallas_interpret", "decode_splits": bad})
+    with pytest.raises(BackendError, match=r"decode_splits=4 .*attention='reference'"):
+        load_jax(ckpt, extra={"attention": "reference", "decode_splits": 4})
+    model = load_jax(ckpt, extra={"attention": "pallas_interpret"})  # auto: one part on CPU
+    assert model.decode_splits is None and model.gpu_cores is None

@@ -22,7 +22,7 @@ from ruvllm_jax.quant import QUANTIZATIONS
 
 ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
 KNOWN_EXTRA = {
-    "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads", "unroll_layers",
+    "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads", "unroll_layers", "decode_splits",
     # Process 0 of a group (``ruvllm serve --coordinator``): see :mod:`ruvllm_jax.distributed`.
     "coordinator", "num_processes",
 }  # fmt: skip
@@ -70,6 +70,7 @@ def load_settings(checkpoint: Checkpoint, options: LoadOptions) -> LoadSettings:
             f"jax backend: the Pallas attention kernels need a power-of-two head dim "
             f"(this model's is {checkpoint.config.head_dim}); use attention='reference'"
         )
+    decode_splits_option(options.extra, attention)  # refused before anything loads
     try:
         tp = int(options.extra.get("tensor_parallel", 1))
     except (TypeError, ValueError):
@@ -147,7 +148,6 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
     return "none"
 
 
-def pow2(n: int) -> bool:
 def _experts_in_wxa8(checkpoint: Checkpoint) -> bool:
     """Whether a mixture of experts' experts are stored in a type the ``w4a8`` form holds exactly (the
     experts' native kernel multiplies them); true for a dense model."""
@@ -156,6 +156,7 @@ def _experts_in_wxa8(checkpoint: Checkpoint) -> bool:
     return checkpoint.raw_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").ggml_type in EXPERT_GGUF_TYPES
 
 
+def pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
@@ -179,6 +180,27 @@ def unroll_layers_option(extra: dict[str, Any], platform: str) -> bool:
     if value is False or text in ("false", "0", "no", "off"):
         return False
     raise BackendError(f"jax backend: unroll_layers must be auto, true or false, got {value!r}")
+
+
+def decode_splits_option(extra: dict[str, Any], attention: str) -> int | None:
+    """The ``decode_splits`` option: ``auto`` (the default, None here: each step's from its decode
+    shape and the GPU's SM count, :func:`ruvllm_jax.step_shapes.decode_splits`; 1 on CPU) or a
+    positive integer forced on every decode step, which only the Pallas decode kernel takes."""
+    value = extra.get("decode_splits", "auto")
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        splits = int(value) if not isinstance(value, bool) and str(value).strip().isdigit() else 0
+    except (TypeError, ValueError):
+        splits = 0
+    if splits < 1:
+        raise BackendError(f"jax backend: decode_splits must be auto or a positive integer, got {value!r}")
+    if splits > 1 and attention not in ("pallas", "pallas_interpret"):
+        raise BackendError(
+            f"jax backend: decode_splits={splits} cuts the keys of the Pallas decode kernel; "
+            f"attention={attention!r} has none (use attention='pallas' or decode_splits='auto')"
+        )
+    return splits
 
 
 def on_cuda() -> bool:

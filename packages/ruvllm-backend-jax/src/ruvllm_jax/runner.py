@@ -67,6 +67,7 @@ from ruvllm_jax.model import (
 from ruvllm_jax.options import (
     ATTENTION_IMPLS,
     auto_quantization,
+    decode_splits_option,
     default_attention,
     enable_compilation_cache,
     load_settings,
@@ -78,12 +79,14 @@ from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import make_mesh, replicated, shard_weights
 from ruvllm_jax.step_inputs import AdapterPlanner, StepRows, as_decode_rows, check_chunks, step_inputs
 from ruvllm_jax.step_shapes import (
+    DEFAULT_GPU_CORES,
     MIN_PREFILL_LEN,
     NATIVE_MAX_TOKENS,
     SHORT_GROUP,
     SHORT_PREFILL,
     StepShape,
     bucket4,
+    decode_splits,
     partition,
     powers_of_two,
     shape_chunks,
@@ -151,10 +154,18 @@ class JaxModel:
     unroll_layers: bool = field(init=False, default=False)
     #: How the weights' host pages were backed at load (:func:`ruvllm_jax.host_memory.huge_pages`).
     huge_pages: str = field(init=False, default="n/a (not on CPU)")
+    #: Option ``decode_splits``: a number forced on every decode step of the Pallas kernel, or None
+    #: (auto: from each step's shape and :attr:`gpu_cores`, see :meth:`_split_plan`).
+    decode_splits: int | None = field(init=False, default=None)
+    #: The GPU's streaming multiprocessors (None on CPU, where decode steps keep one part).
+    gpu_cores: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.native = native_option(self.options, self.mesh.size)
         self.unroll_layers = unroll_layers_option(self.options.extra, "cuda" if on_cuda() else "cpu")
+        self.decode_splits = decode_splits_option(self.options.extra, self.attention)
+        if on_cuda():
+            self.gpu_cores = getattr(jax.devices()[0], "core_count", None) or DEFAULT_GPU_CORES
         sharding = replicated(self.mesh) if self.mesh.size > 1 else None
         capacity = self.options.max_adapters
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
@@ -471,10 +482,12 @@ class JaxModel:
                     plan = dataclasses.replace(plan, attention=attention)
                 # as the steps would run on that platform (unrolled on CUDA unless the option says not)
                 plan = dataclasses.replace(plan, unroll_layers=unroll_layers_option(self.options.extra, platform))
+                plan = self._split_plan(plan, cache, DEFAULT_GPU_CORES if platform == "cuda" else None)
                 fn = jax.jit(partial(forward_step, spec=self.spec, plan=plan), donate_argnums=(1,))
                 traced = fn.trace(abstract(self.weights), abstract(cache.state), abstract(inputs), abstract(lora))
                 traced.lower(lowering_platforms=(platform,))
-                done.append(f"{shape}{' hidden' if hidden else ''}")
+                splits = f" splits {plan.decode_splits}" if plan.decode_splits > 1 else ""
+                done.append(f"{shape}{' hidden' if hidden else ''}{splits}")
         return done
 
     def _step_for(self, plan: StepPlan, cache: JaxKVCache, inputs: StepInputs, lora: LoraFactors | None) -> Any:
@@ -523,7 +536,22 @@ class JaxModel:
         )
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))
-        return inputs, plan, rows, lora
+        return inputs, self._split_plan(plan, cache, self.gpu_cores), rows, lora
+
+    def _split_plan(self, plan: StepPlan, cache: JaxKVCache, cores: int | None) -> StepPlan:
+        """``plan`` with its decode attention's parts: the ``decode_splits`` option when forced, else
+        :func:`ruvllm_jax.step_shapes.decode_splits` of its decode shape on ``cores`` SMs (None: not a
+        GPU, one part); always one where the Pallas decode kernel does not run."""
+        if plan.attention not in ("pallas", "pallas_interpret") or not plan.decode_seqs:
+            splits = 1
+        elif self.decode_splits is not None:
+            splits = self.decode_splits
+        elif cores is None:
+            splits = 1
+        else:
+            kv_heads = max(1, self.spec.num_kv_heads // self.mesh.size)  # per device under tensor parallel
+            splits = decode_splits(plan.decode_seqs, kv_heads, plan.decode_blocks * cache.block_size, cores)
+        return plan if splits == plan.decode_splits else dataclasses.replace(plan, decode_splits=splits)
 
     def _plan_adapters(
         self, chunks: Sequence[SequenceChunk], lens: list[int], t: int, starts: np.ndarray, gathered: bool

@@ -66,6 +66,7 @@ def _attend(
                 k_scale=kv.k_scale,
                 v_scale=kv.v_scale,
                 hot=_hot(kv, inp.decode_hot_tables),
+                decode_splits=plan.decode_splits,
                 sinks=sinks,
             )
         out = out.at[inp.decode_token].set(od[:, 0].astype(q.dtype), mode="drop")

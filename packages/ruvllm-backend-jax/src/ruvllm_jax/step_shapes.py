@@ -37,6 +37,36 @@ SHORT_GROUP = 4
 NATIVE_MAX_TOKENS = 4
 
 
+#: Flash decoding (``decode_splits``, :func:`ruvllm_jax.kernels.paged_decode_attention`): a part of a
+#: sequence's keys is at least this many key positions of the step's block-table width. Each part
+#: writes its float32 output, maximum and sum (``G x (D + 2)`` floats per kv head) and the merge reads
+#: them back; against 256 keys' K and V read in bf16 (``1024 D`` bytes) that is under 2% more traffic.
+SPLIT_MIN_KEYS = 256
+#: Streaming multiprocessors assumed when splits are chosen without a device to ask (lowering for
+#: CUDA on a CPU machine): an H100's and an H200's 132.
+DEFAULT_GPU_CORES = 132
+
+
+def decode_splits(decode_seqs: int, kv_heads: int, table_keys: int, cores: int) -> int:
+    """The parts each decoding sequence's keys are cut into (flash decoding) for a step of
+    ``decode_seqs`` (padded) sequences on a GPU of ``cores`` SMs, whose block tables hold
+    ``table_keys`` key positions.
+
+    The decode kernel runs one program per (sequence, kv head); fewer programs than SMs leave SMs
+    idle (8 programs at batch 1 on Llama-3-8B against 132 SMs), and each program streams its whole
+    context alone. Splitting multiplies the programs by the largest power of two that keeps them
+    within the SM count (more would queue a second wave on a few SMs, whose time adds to the step's),
+    bounded so that each part covers at least :data:`SPLIT_MIN_KEYS` of the table's key positions
+    (shorter parts cost more in their partial results and the merge than they save). A step whose
+    programs already fill the device keeps one part. Static per compiled shape: the table width is
+    the longest sequence served, not the step's contexts."""
+    programs = max(1, decode_seqs) * max(1, kv_heads)
+    fill = cores // programs
+    most = table_keys // SPLIT_MIN_KEYS
+    splits = min(fill, most)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
+
+
 def bucket4(n: int) -> int:
     """Decoding sequences beside a prompt group: 0, 1, 4, 16, 64..."""
     return 0 if n <= 0 else 1 if n == 1 else 1 << (2 * (((n - 1).bit_length() + 1) // 2))

@@ -195,6 +195,9 @@ class StepPlan:
     #: matrix products (each weight byte read twice and written once per step); unrolled, the slices
     #: are static and the products read the weights in place. The runner sets it on CUDA.
     unroll_layers: bool = False
+    #: Parts each decoding sequence's keys are cut into by the Pallas decode kernel (flash decoding,
+    #: :func:`ruvllm_jax.step_shapes.decode_splits`); 1 on CPU and in XLA's attention.
+    decode_splits: int = 1
 
 
 @jax.tree_util.register_dataclass
