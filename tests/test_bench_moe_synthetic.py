@@ -118,3 +118,25 @@ def test_the_vocabulary_scales_with_the_layers(moe_synthetic) -> None:
     tokens, merges, types = moe_synthetic.vocabulary(18992)
     assert len(tokens) == len(set(tokens)) == len(types) == 18992 and len(merges) == 18992 - 257
     assert tokens[-1] == "<|endoftext|>" and types[-1] == 3
+
+
+def test_a_tokens_bytes_count_the_chosen_experts_only(moe_synthetic, tmp_path) -> None:
+    """``bench_moe.token_bytes``: k of E experts' blocks a token, every other matrix whole, one
+    embedding row; a step of many streams reads each expert at most once."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_moe
+    finally:
+        sys.path.pop(0)
+    shape = moe_synthetic.MoeShape(
+        layers=2, vocab=320, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, experts_per_token=2,
+        expert_ffn=32, ffn=96, context=256,
+    )  # fmt: skip
+    tb = bench_moe.token_bytes(moe_synthetic.write_gguf(tmp_path / "m.gguf", shape, dtype="Q8_0"))
+    q8 = 34 / 32  # Q8_0: 34 bytes a block of 32
+    assert tb.experts_all == 2 * 3 * 8 * 32 * 64 * q8 and tb.experts == tb.experts_all * 2 // 8
+    assert tb.attention == 2 * ((64 + 32 + 32) * 64 + 64 * 64) * q8 + 2 * 4 * (64 + 16 + 16)
+    assert tb.router == 2 * 8 * 64 * 4 and tb.lm_head == 320 * 64 * q8 and tb.embedding_row == 64 * q8
+    assert tb.norms == 3 * 64 * 4
+    assert tb.step(1) == tb.total
+    assert tb.step(1000) - 999 * tb.embedding_row == pytest.approx(tb.total - tb.experts + tb.experts_all)
