@@ -57,6 +57,8 @@ def load_settings(checkpoint: Checkpoint, options: LoadOptions) -> LoadSettings:
         )
     if options.dtype not in DTYPES:
         raise BackendError(f"jax backend: dtype {options.dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    if options.quantization == "fp8":
+        check_fp8_device()
     unroll_layers_option(options.extra, "cpu")  # refused before anything loads
     attention = str(options.extra.get("attention", default_attention(checkpoint.config.head_dim)))
     if attention not in ATTENTION_IMPLS:
@@ -201,6 +203,28 @@ def decode_splits_option(extra: dict[str, Any], attention: str) -> int | None:
             f"attention={attention!r} has none (use attention='pallas' or decode_splits='auto')"
         )
     return splits
+
+
+#: CUDA compute capability from which GPUs have float8 e4m3 (Ada 8.9, Hopper 9.0 and later).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device() -> None:
+    """Refuse ``quantization='fp8'`` on a CUDA GPU before Ada/Hopper, which has no float8 type to
+    convert from in its operand loads (CPUs run the form, upcasting in XLA's product, for tests)."""
+    dev = jax.devices()[0]
+    if not on_cuda():
+        return
+    text = str(getattr(dev, "compute_capability", "0.0"))
+    try:
+        major, minor = (int(p) for p in text.split(".")[:2])
+    except ValueError:
+        major, minor = 0, 0
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        raise BackendError(
+            f"jax backend: quantization='fp8' needs a GPU with float8 (compute capability 8.9 or later: Ada, "
+            f"Hopper); {dev.device_kind} is {text}: use q8 (int8 weights, w8a16)"
+        )
 
 
 def on_cuda() -> bool:

@@ -50,7 +50,11 @@ from ruvllm.errors import BackendError
 #: per output channel) times int8 activations (one scale per token, chosen at run time): XLA's CPU
 #: backend runs that product in an integer GEMM kernel several times faster than any float or
 #: weight-only form, which is why it exists (see docs/performance-journal.md for speed and quality).
-QUANTIZATIONS = ("none", "q8", "q4", "w8a8", "w4a8")
+QUANTIZATIONS = ("none", "q8", "q4", "w8a8", "w4a8", "fp8")
+#: ``q8`` is the w8a16 form on a GPU: int8 weights (a float16 scale per group of 32) dequantized to the
+#: compute dtype (bfloat16 there) inside the product, activations left in it. ``fp8`` is float8 e4m3
+#: weights with a float32 scale per output channel, upcast to the compute dtype in the product (see
+#: :func:`quantize_fp8`): half bf16's bytes, read by XLA on CUDA straight into the fused product.
 #: Group size of RTN int8 / int4 (GGUF's block size, so both paths share one layout).
 Q_GROUP = 32
 #: Inputs per k-quant super-block (GGUF's ``QK_K``): one float16 ``d`` (and ``dmin``) per row each.
@@ -452,6 +456,8 @@ def quantize_w8a8(w: np.ndarray, smooth: np.ndarray | None = None) -> QuantArray
 
 def quantize(w: np.ndarray, mode: str) -> QuantArray:
     """Quantize a float ``[out, in]`` matrix for a ``LoadOptions.quantization`` mode."""
+    if mode == "fp8":
+        return quantize_fp8(w)
     if mode == "w8a8":
         return quantize_w8a8(w)
     if mode == "q8":
@@ -459,6 +465,32 @@ def quantize(w: np.ndarray, mode: str) -> QuantArray:
     if mode == "q4":
         return quantize_int4(w)
     raise BackendError(f"unknown quantization {mode!r} (known: {', '.join(QUANTIZATIONS)})")
+
+
+# -- fp8: float8 e4m3 weights, weight-only ------------------------------------------------------------
+
+#: The largest finite float8 e4m3fn value; a row's largest magnitude is scaled to it.
+FP8_MAX = 448.0
+
+
+def quantize_fp8(w: np.ndarray) -> QuantArray:
+    """float8 e4m3 (``jnp.float8_e4m3fn``, round to nearest even) of a float ``[out, in]`` matrix with
+    one float32 scale per output channel: row ``o`` is divided by ``max|w[o]| / 448`` so its largest
+    weight lands on e4m3's largest finite value.
+
+    Per channel rather than per group: e4m3 carries an exponent in every element, so its relative
+    precision (3 mantissa bits) is the same across 2^-6..448 and a finer scale buys range only,
+    not precision (the few weights below 2^-6 of a row's maximum x 448 become subnormal, which is where
+    per-group scales would help, and those weights matter least to the product). One scale per row
+    also multiplies the product's output column (:func:`linear`'s per-channel path), after the
+    dot, so the GEMM reads nothing but the e4m3 bytes and XLA on CUDA fuses the upcast into its operand
+    load; a scale per group would sit inside the reduction."""
+    g = np.asarray(w, np.float32)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    # Clipped: the division may land a hair above 448, and e4m3fn has no infinity (it would be NaN).
+    q = np.clip(g / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return QuantArray(q, scale, None, bits=8, group_size=g.shape[-1])
 
 
 # -- w4a8: group-quantized weights for int8 activations ----------------------------------------------

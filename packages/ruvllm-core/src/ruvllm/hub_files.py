@@ -95,12 +95,13 @@ def repo_of(alias: HubAlias, quantization: str) -> str:
 
 
 #: ``--quantization`` wherever a model is loaded (generate, chat, serve, benchmark).
-QUANTIZATION_CHOICES = ("auto", "q4k", "q8", "f16", "none", "q4", "w8a8", "w4a8")
+QUANTIZATION_CHOICES = ("auto", "q4k", "q8", "f16", "none", "q4", "w8a8", "w4a8", "fp8")
 QUANTIZATION_HELP = (
     "For a Hub model (alias or repo id) the seed's names pick which downloaded file runs, in its own form: "
     "q4k = the Q4_K_M GGUF, q8 = the Q8_0 GGUF, f16 = the F16 GGUF, none = the original safetensors "
     "(without the option: the first downloaded of these). For one file: auto (default) = the backend's "
     "fastest form keeping the file's weights; q4k / f16 = the same, checked to be a Q4_K_M / F16 file; "
     "none = float weights; q8 / q4 = int8 / int4 weights rounded at load; w8a8 = int8 weights and "
-    "activations; w4a8 = llama.cpp's CPU scheme (4/8-bit weight blocks, int8 activations)."
+    "activations; w4a8 = llama.cpp's CPU scheme (4/8-bit weight blocks, int8 activations); fp8 = float8 "
+    "e4m3 weights (jax, GPUs from Ada/Hopper; CPUs run it slowly)."
 )
