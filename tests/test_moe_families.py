@@ -297,7 +297,7 @@ def test_gguf_expert_counts_out_of_range_are_refused_by_name(tmp_path) -> None:
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("quantization", ["q8", "w8a8"])  # w4a8: tests/test_moe_native.py
+@pytest.mark.parametrize("quantization", ["q8", "q4"])  # w4a8, w8a8: tests/test_moe_native.py
 def test_jax_refuses_quantized_experts_by_name(family_dir, quantization) -> None:
     _family, path = family_dir
     with pytest.raises(BackendError, match=rf"mlp\.experts.*quantization {quantization}") as info:

@@ -242,7 +242,7 @@ def test_float_experts_in_w4a8_run_native(family, tmp_path):
 
 def test_other_expert_forms_are_refused_by_name(files):
     ckpt = open_checkpoint(files["qwen3_moe", "q8_0"])
-    for options in (dict(quantization="q8"), dict(quantization="w8a8"), dict(extra={"keep_gguf_blocks": True})):
+    for options in (dict(quantization="q8"), dict(quantization="q4"), dict(extra={"keep_gguf_blocks": True})):
         with pytest.raises(BackendError, match=r"mlp\.experts.*(quantization|keep_gguf_blocks)"):
             load_jax(ckpt, **options)
 
@@ -250,3 +250,21 @@ def test_other_expert_forms_are_refused_by_name(files):
 def test_auto_picks_w4a8_for_k_quant_experts(files):
     model = load_jax(open_checkpoint(files["qwen3_moe", "q4_k_m"]), quantization="auto")
     assert model.options.quantization == ("w4a8" if native.has_vector_path() else "none")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_float_experts_in_w8a8_run_native(family, tmp_path):
+    """w8a8: experts int8 per output channel (no smoothing), multiplied by ruvllm_experts_w8a8 as
+    the XLA formulation computes them, close to the float model."""
+    ckpt = open_checkpoint(write_moe_checkpoint(tmp_path, family))
+    fast = load_jax(ckpt, quantization="w8a8")
+    down = fast.weights.layers.expert_down
+    assert (down.bits, down.act_bits, down.wxa8, down.quant.dtype) == (8, 8, False, np.int8)
+    xla = load_jax(ckpt, quantization="w8a8", extra={"native": False})
+    ref = load_jax(ckpt, quantization="none")
+    prompts = [np.random.default_rng(6).integers(3, 101, size=n).tolist() for n in (11, 8)]
+    for ids, g in zip(prompts, _stepwise(fast, prompts, split=3), strict=True):
+        want = prompt_logits(xla, ids)
+        rows = np.abs(g - want).max(-1)
+        assert np.median(rows) < 1e-5 * np.abs(want).max() and rows.max() < 1e-2 * np.abs(want).max()
+        assert mean_kl(prompt_logits(ref, ids), g) < 1e-2

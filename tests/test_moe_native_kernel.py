@@ -103,6 +103,36 @@ def test_each_row_is_its_experts_dense_product(isa, name, bits, q6k):
             assert np.all(np.isfinite(got)), f"{isa} {name}: an expert without rows was read"
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_w8a8_row_is_its_experts_dense_product(isa):
+    """ruvllm_experts_w8a8: each row the dense w8a8 kernel's for its expert's matrix, bit for bit."""
+    from ruvllm_jax.quant import quantize_w8a8
+
+    _supported(isa)
+    rng = np.random.default_rng(11)
+    for out, cols in ((40, 576), (1536, 576)):
+        mats = [quantize_w8a8(rng.standard_normal((out, cols)).astype(np.float32)) for _ in range(LAYERS * EXPERTS)]
+        q = jnp.asarray(np.stack([np.asarray(m.quant) for m in mats]).reshape(LAYERS, EXPERTS, out, cols))
+        s = jnp.asarray(np.stack([np.asarray(m.scale) for m in mats]).reshape(LAYERS, EXPERTS, out, 1))
+        for sizes, pad in (([0, 1, 0, 0, 1, 0], 0), ([5, 2, 0, 9, 4, 1], 3)):
+            rows = sum(sizes) + pad
+            x = (rng.standard_normal((rows, cols)) * rng.uniform(0.1, 30, (rows, 1))).astype(np.float32)
+            with native.use_isa(isa):
+                (got,) = native.experts_w8a8_group(
+                    jnp.asarray(x), jnp.int32(1), jnp.asarray(sizes, jnp.int32), [(q, s)]
+                )
+                got = np.asarray(got)
+                r = 0
+                for e, n in enumerate(sizes):
+                    m = mats[EXPERTS + e]
+                    for i in range(r, r + n):  # each row alone through the dense kernel
+                        (want,) = native.w8a8_group(jnp.asarray(x[i : i + 1]), jnp.int32(0), None,
+                                                    [(jnp.asarray(m.quant), jnp.asarray(m.scale))])  # fmt: skip
+                        np.testing.assert_array_equal(got[i], np.asarray(want)[0], err_msg=f"{isa} expert {e}")
+                    r += n
+            assert np.all(got[sum(sizes) :] == 0)
+
+
 def test_bad_group_sizes_are_refused():
     rng = np.random.default_rng(0)
     stack = _stacked(_plain_stack(rng, 16, 64, 4), [], 0)

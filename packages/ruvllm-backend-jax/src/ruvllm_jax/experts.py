@@ -2,10 +2,11 @@
 expert) rows by its own expert's blocks only, and the XLA form where the kernels are not used.
 
 The loader keeps ``w4a8`` experts stacked ``[layers, experts, out, in]`` in the native kernels' panel
-layout (:mod:`ruvllm_jax.loading`). In a native step they stay out of the scanned layer operands, as
-the dense matrices do: the kernel (``ruvllm_experts`` in ``native/cpu_ffi.cc``) takes the whole stack,
-the layer index and the group sizes of :func:`ruvllm.modeling.moe_mlp`, and reads the panels of the
-experts that got rows, so a decode step with top-8 of 128 experts reads 8 experts' blocks.
+layout, ``w8a8`` experts as int8 rows with a scale each (:mod:`ruvllm_jax.loading`). In a native step
+they stay out of the scanned layer operands, as the dense matrices do: the kernel (``ruvllm_experts``,
+``ruvllm_experts_w8a8`` in ``native/cpu_ffi.cc``) takes the whole stack, the layer index and the group
+sizes of :func:`ruvllm.modeling.moe_mlp`, and reads only the experts that got rows, so a decode step
+with top-8 of 128 experts reads 8 experts' blocks.
 """
 
 from __future__ import annotations
@@ -23,10 +24,20 @@ from ruvllm_jax.quant import PANEL, QuantArray, linear
 ProjectExperts = Callable[[jax.Array, jax.Array, tuple[str, ...]], Sequence[jax.Array]]
 
 
+def _w8a8(w: QuantArray) -> bool:
+    """int8 per output channel for int8 activations, without smoothing factors."""
+    return not w.wxa8 and w.bits == 8 and w.offset is None and w.in_scale is None and w.scale.shape[-1] == 1
+
+
 def native_expert_weight(w: object) -> bool:
-    """Whether the experts' kernel multiplies ``w``: ``w4a8`` experts in the panel layout, k-quant or
-    plain group (an asymmetric one, or a symmetric one whose zero point is the kernels' ``2^(bits-1)``)."""
-    if not isinstance(w, QuantArray) or w.act_bits != 8 or not w.wxa8 or w.panel != PANEL:
+    """Whether the experts' kernels multiply ``w``: ``w4a8`` experts in the panel layout, k-quant or
+    plain group (an asymmetric one, or a symmetric one whose zero point is the kernels' ``2^(bits-1)``),
+    or ``w8a8`` experts."""
+    if not isinstance(w, QuantArray) or w.act_bits != 8:
+        return False
+    if _w8a8(w):
+        return True
+    if not w.wxa8 or w.panel != PANEL:
         return False
     if w.sub_group:
         return True
@@ -51,7 +62,10 @@ def native_project_experts(stacked: LayerWeights, layer: jax.Array) -> ProjectEx
 
     def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
         mats = [getattr(stacked, EXPERT_FIELDS[p]) for p in group]
-        ys = native.experts_group(x, layer, sizes, [_operands(m) for m in mats])
+        if _w8a8(mats[0]):  # loading gives every expert matrix one form
+            ys = native.experts_w8a8_group(x, layer, sizes, [(m.quant, m.scale) for m in mats])
+        else:
+            ys = native.experts_group(x, layer, sizes, [_operands(m) for m in mats])
         return [y.astype(x.dtype) for y in ys]
 
     return project

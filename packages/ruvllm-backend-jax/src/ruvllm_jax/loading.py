@@ -31,7 +31,7 @@ log = structlog.get_logger("ruvllm_jax.loading")
 SMOOTHING_ALPHA = {"attention_in": 0.5, "output_in": 0.5, "mlp_in": 0.5, "down_in": 0.5, "head_in": 0.5}
 
 #: Quantizations the experts of a mixture of experts load in (the rest are refused by name).
-EXPERT_QUANTIZATIONS = ("none", "w4a8")
+EXPERT_QUANTIZATIONS = ("none", "w4a8", "w8a8")
 #: GGUF types of experts that load in ``w4a8`` exactly (MXFP4 as 5-bit codes, gguf_blocks.wxa8_from_mxfp4).
 EXPERT_GGUF_TYPES = WXA8_GGUF_TYPES | {"MXFP4"}
 
@@ -59,6 +59,16 @@ def _stack(items: list):
         }
         return to_panels(dataclasses.replace(first, **arrays))
     return np.stack(items)
+
+
+def _w8a8_experts(w: np.ndarray) -> QuantArray:
+    """Float experts ``[layers, experts, out, in]`` as int8 per output channel for int8 activations."""
+    mats = [quantize_w8a8(m) for m in w.reshape(-1, *w.shape[-2:])]
+    return dataclasses.replace(
+        mats[0],
+        quant=np.stack([m.quant for m in mats]).reshape(w.shape),
+        scale=np.stack([m.scale for m in mats]).reshape(*w.shape[:-1], 1),
+    )
 
 
 def _calibration_ids(checkpoint: Checkpoint, vocab: int) -> list[int] | None:
@@ -163,6 +173,8 @@ class WeightLoader:
         groups = dict(zip(("attention_in", "output_in", "mlp_in", "down_in"), PROJECTION_GROUPS, strict=True))
         quantized: dict[str, list] = {}
         for point, projs in groups.items():
+            if getattr(lw, projs[0]) is None:  # a mixture of experts' dense MLP (its experts: below)
+                continue
             for name in projs:
                 quantized[name] = []
             for layer in range(self.spec.num_layers):
@@ -171,6 +183,11 @@ class WeightLoader:
                 for name, m in zip(projs, mats, strict=True):
                     quantized[name].append(quantize_w8a8(m, s))
         layers = dataclasses.replace(lw, **{k: _stack(v) for k, v in quantized.items()})
+        if self.spec.num_experts:
+            # Experts without smoothing: one input's factors would have to suit every expert.
+            layers = dataclasses.replace(
+                layers, **{f: _w8a8_experts(getattr(layers, f)) for f in EXPERT_FIELDS.values()}
+            )
         head = w.embed if w.lm_head is None else w.lm_head
         s_head = None if r is None else smoothing_factors(r.head_in, [head], SMOOTHING_ALPHA["head_in"])
         if w.lm_head is None:
@@ -213,7 +230,7 @@ class WeightLoader:
         form = "keep_gguf_blocks" if self.quantization == "none" else f"quantization {self.quantization}"
         raise BackendError(
             "jax backend: the experts of a mixture of experts (model.layers.{n}.mlp.experts.{e}.*) load in "
-            f"float (quantization none) or w4a8; {form} has no expert kernels"
+            f"float (quantization none), w4a8 or w8a8; {form} has no expert kernels"
         )
 
     def _load(self) -> Weights:

@@ -42,6 +42,7 @@ WXA8_TARGET = "ruvllm_wxa8"
 WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
 EXPERTS_TARGET = "ruvllm_experts"
+EXPERTS_W8A8_TARGET = "ruvllm_experts_w8a8"
 DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"
@@ -151,6 +152,7 @@ def _load() -> None:
         (WXA8_PANEL_TARGET, lib.RuvllmWxA8Panel),
         (KXA8_PANEL_TARGET, lib.RuvllmKxA8Panel),
         (EXPERTS_TARGET, lib.RuvllmExperts),
+        (EXPERTS_W8A8_TARGET, lib.RuvllmExpertsW8A8),
         (DECODE_TARGET, lib.RuvllmPagedDecode),
         (PREFILL_TARGET, lib.RuvllmPagedPrefill),
         (LORA_TARGET, lib.RuvllmLora),
@@ -345,6 +347,22 @@ def experts_group(
     call = jax.ffi.ffi_call(EXPERTS_TARGET, results)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return list(call(x.astype(jnp.float32), layer, jnp.asarray(sizes, jnp.int32), *_kxa8_operands(weights)))
+
+
+def experts_w8a8_group(
+    x: jax.Array, layer: jax.Array, sizes: jax.Array, weights: list[tuple[jax.Array, jax.Array]]
+) -> list[jax.Array]:
+    """:func:`experts_group` for w8a8 experts: ``(int8 [L, E, N, K], float32 scale [L, E, N(, 1)])``
+    pairs, ``x`` quantized once per row as :func:`w8a8_group` does (without smoothing factors)."""
+    _lib()
+    rows = x.shape[0]
+    results = [jax.ShapeDtypeStruct((rows, q.shape[-2]), jnp.float32) for q, _ in weights]
+    operands: list[jax.Array] = []
+    for q, s in weights:
+        operands += [q, s.astype(jnp.float32)]
+    call = jax.ffi.ffi_call(EXPERTS_W8A8_TARGET, results)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return list(call(x.astype(jnp.float32), layer, jnp.asarray(sizes, jnp.int32), *operands))
 
 
 def paged_decode(

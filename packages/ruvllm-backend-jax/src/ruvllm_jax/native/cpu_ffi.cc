@@ -330,6 +330,78 @@ ffi::Error ExpertsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+// ruvllm_experts_w8a8: ruvllm_experts for w8a8 experts, (int8 [L, E, N, K], float32 scale [L, E, N(, 1)])
+// pairs; x quantized once per row as ruvllm_w8a8 does (no smoothing factors).
+ffi::Error ExpertsW8A8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const std::string who = "ruvllm_experts_w8a8";
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
+  const int64_t R = xd[0], K = xd[1];
+  const int64_t E = static_cast<int64_t>(sizes.element_count());
+  if (E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
+  const int64_t l = layer.typed_data()[0];
+  const int32_t* sz = sizes.typed_data();
+  std::vector<int64_t> first(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
+    first[e + 1] = first[e] + sz[e];
+  }
+  if (first[E] > R) return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
+  if (weights.size() != 2 * outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument(who + ": expected (weight, scale) pairs, one per output");
+  std::vector<RowMatrix> mats;  // per output, its E matrices of layer l
+  std::vector<std::pair<float*, int64_t>> ys;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto wq = weights.get<ffi::AnyBuffer>(2 * i);
+    auto ws = weights.get<ffi::AnyBuffer>(2 * i + 1);
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!wq.has_value() || !ws.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(who + ": bad operand");
+    if (wq->element_type() != ffi::DataType::S8 || ws->element_type() != ffi::DataType::F32 ||
+        (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument(who + ": weights must be int8 with float32 scales");
+    const auto wd = wq->dimensions();
+    if (wd.size() < 2 || wd.back() != K)
+      return ffi::Error::InvalidArgument(who + ": weight columns differ from the input features");
+    const int64_t N = wd[wd.size() - 2];
+    const int64_t stacked = N * K == 0 ? 0 : static_cast<int64_t>(wq->element_count()) / (N * K);
+    if (stacked % E != 0 || l < 0 || l >= stacked / E)
+      return ffi::Error::InvalidArgument(who + ": the weights are not [layers, experts, ...] or the layer is out of range");
+    if (static_cast<int64_t>(ws->element_count()) != stacked * N)
+      return ffi::Error::InvalidArgument(who + ": one scale per output channel expected");
+    if (static_cast<int64_t>((*y)->element_count()) != R * N)
+      return ffi::Error::InvalidArgument(who + ": output shape mismatch");
+    float* yp = (*y)->typed_data<float>();
+    ys.emplace_back(yp, N);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t m = l * E + e;
+      mats.push_back(RowMatrix{wq->typed_data<int8_t>() + m * N * K, ws->typed_data<float>() + m * N,
+                               yp + first[e] * N, N});
+    }
+  }
+  const int64_t live = first[E];
+  for (const auto& [yp, N] : ys) zero_rows(yp, live, R, N);
+  if (live == 0) return ffi::Error::Success();
+  thread_local RowActsBuf acts;
+  acts.quantize(x.typed_data(), nullptr, live, K);
+  const ruvllm::RowActs all = acts.view();
+  std::vector<ruvllm::ExpertRows> items;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = first[e], rows = first[e + 1] - first[e];
+      if (rows == 0) continue;
+      ruvllm::RowActs xe = all;  // the expert's rows
+      xe.q = all.q + r0 * all.Kp;
+      xe.a = all.a + r0 * all.Kp;
+      xe.scale = all.scale + r0;
+      xe.M = rows;
+      items.push_back(ruvllm::ExpertRows{xe, mats[i * E + e]});
+    }
+  }
+  ruvllm::run_expert_row_split(items, live, &xla_pool);
+  return ffi::Error::Success();
+}
+
 ffi::Error W8A8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                     ffi::Buffer<ffi::F32> in_scale, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
@@ -703,6 +775,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8, W8A8Impl,
 RUVLLM_GROUPED_HANDLER(RuvllmWxA8, WxA8Impl);
 RUVLLM_GROUPED_HANDLER(RuvllmWxA8Panel, WxA8PanelImpl);
 RUVLLM_GROUPED_HANDLER(RuvllmKxA8Panel, KxA8PanelImpl);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmExpertsW8A8, ExpertsW8A8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmExperts, ExpertsImpl,
                               ffi::Ffi::Bind()

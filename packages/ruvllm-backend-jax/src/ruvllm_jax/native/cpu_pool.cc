@@ -158,6 +158,30 @@ void run_expert_split(const std::vector<ExpertPanels>& items, int64_t rows, ffi:
   Pool::get().run(run_part, parts, split.helpers);
 }
 
+void run_expert_row_split(const std::vector<ExpertRows>& items, int64_t rows, ffi::ThreadPool* xla_pool) {
+  const KernelTable* kt = kernels();
+  int64_t total = 0, work = 0;
+  for (const auto& it : items) {
+    total += (it.m.N + 3) / 4;
+    work += it.m.N * it.x.K * it.x.M;
+  }
+  if (total == 0) return;
+  const Split split = product_split(rows, work, xla_pool);
+  const int parts = static_cast<int>(std::min<int64_t>(split.parts, total));
+  auto run_part = [&](int part) {
+    const int64_t u0 = total * part / parts, u1 = total * (part + 1) / parts;
+    int64_t base = 0;
+    for (const auto& it : items) {
+      const int64_t blocks = (it.m.N + 3) / 4;
+      const int64_t a = std::max(u0, base) - base, b = std::min(u1, base + blocks) - base;
+      if (a < b) kt->w8a8_rows(it.x, it.m, std::min(it.m.N, a * 4), std::min(it.m.N, b * 4));
+      base += blocks;
+      if (base >= u1) break;
+    }
+  };
+  Pool::get().run(run_part, parts, split.helpers);
+}
+
 }  // namespace ruvllm
 
 // -- the thread count (called from ruvllm_jax.native) ------------------------------------------------

@@ -162,6 +162,14 @@ struct ExpertPanels {
 // and reads only those experts' panels. `rows`: the call's activation rows (helpers or not).
 void run_expert_split(const std::vector<ExpertPanels>& items, int64_t rows, ffi::ThreadPool* xla_pool);
 
+// The same for w8a8 experts (cpu_ffi.cc, ruvllm_experts_w8a8): an expert's rows and one of its int8
+// matrices, split in blocks of 4 output rows.
+struct ExpertRows {
+  RowActs x;
+  RowMatrix m;
+};
+void run_expert_row_split(const std::vector<ExpertRows>& items, int64_t rows, ffi::ThreadPool* xla_pool);
+
 }  // namespace ruvllm
 #pragma GCC visibility pop
 
