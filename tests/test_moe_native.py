@@ -268,3 +268,37 @@ def test_float_experts_in_w8a8_run_native(family, tmp_path):
         rows = np.abs(g - want).max(-1)
         assert np.median(rows) < 1e-5 * np.abs(want).max() and rows.max() < 1e-2 * np.abs(want).max()
         assert mean_kl(prompt_logits(ref, ids), g) < 1e-2
+
+
+def test_engine_steps_are_precompiled_and_a_request_alone_matches_the_batch(files):
+    """Through the engine with ``auto`` (w4a8 here): every MoE step precompiled (nothing compiles while
+    running), and each request's greedy tokens the same alone as beside the other."""
+    import tokenizers
+
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.plugins import load_plugins
+    from ruvllm.runtime import load_model
+    from ruvllm.sampling import SamplingParams
+    from ruvllm.tokenizer import Tokenizer
+
+    llm = load_model(str(files["qwen3_moe", "q4_k_m"]), backend="jax", host=load_plugins(), quantization="auto")
+    assert llm.model.options.quantization == ("w4a8" if native.has_vector_path() else "none")
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(101)}, unk_token="t0"))
+    engine = LLMEngine(
+        llm,
+        EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, num_blocks=64),
+        tokenizer=Tokenizer(inner, bos_token_id=None, eos_token_ids=()),
+    )
+    engine.precompile()
+    compiled = llm.model.compiled_steps.stats.count
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 101, size=n).tolist() for n in (15, 9)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def tokens(outs) -> list[list[int]]:
+        return [[t for o in out for d in o.deltas for t in d.token_ids] for out in outs]
+
+    together = tokens(engine.generate([GenerationRequest(list(p), params) for p in prompts]))
+    alone = [tokens(engine.generate([GenerationRequest(list(p), params)]))[0] for p in prompts]
+    assert together == alone and all(len(t) == 10 for t in together)
+    assert llm.model.compiled_steps.stats.count == compiled
