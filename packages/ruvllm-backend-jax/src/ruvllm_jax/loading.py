@@ -195,29 +195,68 @@ class WeightLoader:
             return Weights(quantize_w8a8(w.embed, s_head), layers, w.final_norm, None)
         return Weights(quantize_w8a8(w.embed), layers, w.final_norm, quantize_w8a8(w.lm_head, s_head))
 
-    def _experts(self, t: LayerTensor, layer: int):
-        """One layer's experts of ``t``, ``[experts, out, in]``: float (quantization ``none``), or
-        ``w4a8`` matrices stacked row-major (a GGUF's blocks converted exactly, as dense weights are;
-        float experts rounded as Q4_1), which :func:`_stack` lays out in panels over the layers."""
-        names = t.names(layer, self.spec)
-        if self.quantization == "none" or t.field not in EXPERT_FIELDS.values():  # biases stay float
-            return np.stack([self.vector(name) for name in names])
+    def _quantized_experts(self, t: LayerTensor) -> bool:
+        """Whether ``t`` is an expert matrix this load quantizes (``w4a8``; ``w8a8`` quantizes the float
+        ones after calibration); expert biases and float experts are vectors to it."""
+        return self.quantization == "w4a8" and t.field in EXPERT_FIELDS.values()
+
+    def _experts(self, t: LayerTensor, layer: int) -> np.ndarray:
+        """One layer's float experts of ``t`` (or their biases), ``[experts, out(, in)]``."""
+        return np.stack([self.vector(name) for name in t.names(layer, self.spec)])
+
+    def _expert_matrix(self, name: str) -> QuantArray:
+        """One expert's matrix in ``w4a8``, row-major: a GGUF's blocks converted exactly, as dense weights
+        are (MXFP4 as 5-bit codes); float experts rounded as Q4_1."""
         if self.ckpt.format == "gguf":
-            kind = self.ckpt.raw_tensor(names[0]).ggml_type
+            kind = self.ckpt.raw_tensor(name).ggml_type
+            if kind == "MXFP4":
+                return self._mxfp4(name)
             if kind not in EXPERT_GGUF_TYPES and kind not in ("F32", "F16", "BF16"):
                 # Rounding them again to Q4_1 would change the file's weights.
                 raise BackendError(
-                    f"jax backend: experts in GGUF type {kind} ({names[0]}) have no exact w4a8 form "
+                    f"jax backend: experts in GGUF type {kind} ({name}) have no exact w4a8 form "
                     f"(w4a8 experts: {', '.join(sorted(EXPERT_GGUF_TYPES))}, or float); load with quantization none"
                 )
-        if self.ckpt.format == "gguf" and kind == "MXFP4":
-            mats = [self._mxfp4(name) for name in names]
-        else:
-            mats = common_format([self.matrix(name) for name in names])  # one tensor in the file: one format
-        first = mats[0]
-        fields = [f for f in ("quant", *ROW_FIELDS) if getattr(first, f) is not None]
-        arrays = {f: np.stack([getattr(m, f) for m in mats]) for f in fields}
-        return dataclasses.replace(first, **arrays)
+        return self.matrix(name)
+
+    def _expert_stack(self, t: LayerTensor) -> QuantArray:
+        """Every layer's ``w4a8`` experts of ``t``, ``[layers, experts, out, in]`` in the kernels' panel
+        layout, written layer by layer into arrays allocated once, so one layer's conversion is the only
+        copy beside them (stacking per-layer arrays would hold the experts two or three times over,
+        more than a 17 GB model leaves on a 24 GB machine). Layers stored in different types take the
+        one form :func:`common_format` gives them together, decided from one matrix of each type."""
+        spec = self.spec
+        reps: dict[str, QuantArray] = {}  # one matrix per GGUF type among the layers
+        for i in range(spec.num_layers):
+            name = t.names(i, spec)[0]
+            kind = self.ckpt.raw_tensor(name).ggml_type
+            if kind not in reps:
+                reps[kind] = self._expert_matrix(name)
+        out: dict[str, np.ndarray] = {}
+        first: QuantArray | None = None
+        for i in range(spec.num_layers):
+            names = t.names(i, spec)
+            # With the other types' matrices beside them, the conversion is the whole stack's.
+            mats = common_format([self._expert_matrix(n) for n in names] + list(reps.values()))[: len(names)]
+            fields = [f for f in ("quant", *ROW_FIELDS) if getattr(mats[0], f) is not None]
+            layer = to_panels(
+                dataclasses.replace(mats[0], **{f: np.stack([getattr(m, f) for m in mats]) for f in fields})
+            )
+            del mats
+            if first is None:
+                first = layer
+                out = {
+                    f: np.empty((spec.num_layers, *getattr(layer, f).shape), getattr(layer, f).dtype) for f in fields
+                }
+            elif storage_format(layer) != storage_format(first) or layer.quant.shape != first.quant.shape:
+                raise BackendError(
+                    f"jax backend: the layers of {t.field} store their experts in forms with no common w4a8 form "
+                    f"({', '.join(sorted(reps))}); load with quantization none"
+                )
+            for f in fields:
+                out[f][i] = getattr(layer, f)
+        assert first is not None
+        return dataclasses.replace(first, **out)
 
     def _mxfp4(self, name: str) -> QuantArray:
         raw = self.ckpt.raw_tensor(name)
@@ -237,10 +276,12 @@ class WeightLoader:
         spec = self.spec
         names = set(self.ckpt.tensor_names())
         tensors = [t for t in LAYER_TENSORS if t.present(spec)]
-        per_layer: dict[str, list] = {t.field: [] for t in tensors}
+        per_layer: dict[str, list] = {t.field: [] for t in tensors if not self._quantized_experts(t)}
         for i in range(spec.num_layers):
             for t in tensors:
                 name = t.name(i)
+                if self._quantized_experts(t):
+                    continue  # stacked once below
                 if t.per_expert:
                     per_layer[t.field].append(self._experts(t, i))
                     continue
@@ -250,7 +291,8 @@ class WeightLoader:
                 if name not in names:
                     raise ModelFormatError(f"{self.ckpt.path}: tensor {name!r} is missing")
                 per_layer[t.field].append(self.vector(name))
-        layers = LayerWeights(**{k: _stack(v) for k, v in per_layer.items()})
+        experts = {t.field: self._expert_stack(t) for t in tensors if self._quantized_experts(t)}
+        layers = LayerWeights(**{k: _stack(v) for k, v in per_layer.items()}, **experts)
         self._check_shapes(layers)
         lm_head = None if spec.tie_word_embeddings else self.embedding("lm_head.weight")
         return Weights(
