@@ -84,6 +84,9 @@ TINY_LLAMA = dict(
     max_position_embeddings=2048,
     rope_theta=10000.0,
 )
+#: The jax backend's weight-only forms a GPU runs (``none``: the compute dtype itself; ``q8``: int8
+#: weights, bf16 activations (w8a16); ``fp8``: float8 e4m3 per channel).
+WEIGHT_FORMS = ("none", "q8", "fp8")
 #: Pallas output vs the jax.numpy output: max abs difference / max abs reference output.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -317,15 +320,28 @@ def attention_table(rows: list[AttnRow]) -> str:
 # -- model ---------------------------------------------------------------------------------------------------
 
 
-def random_llama(shape: dict, dtype: str, attention: str, seed: int = 0, unroll_layers: str = "auto"):
+def random_llama(
+    shape: dict,
+    dtype: str,
+    attention: str,
+    seed: int = 0,
+    unroll_layers: str = "auto",
+    quantization: str = "none",
+    decode_splits: str = "auto",
+):
     """A :class:`ruvllm_jax.runner.JaxModel` of Llama ``shape`` with random weights made on the device
     (normal * 0.02, norms 1): decode speed does not depend on the values, and 16 GB of 8B weights
-    never cross the host."""
+    never cross the host. ``quantization`` (one of :data:`WEIGHT_FORMS`) rounds them there, as the
+    loader would: the layers' projections to the form, the embedding and output projection to int8
+    groups (``ruvllm_jax.loading``'s ``embedding``)."""
     from ruvllm.backend import LoadOptions
     from ruvllm.model_config import ModelConfig
     from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
+    from ruvllm_jax.quant import quantize_fp8, quantize_int8
     from ruvllm_jax.runner import JaxModel
     from ruvllm_jax.sharding import make_mesh
+
+    layer_form = {"none": None, "q8": quantize_int8, "fp8": quantize_fp8}[quantization]
 
     spec = ModelSpec.from_config(ModelConfig(architecture="llama", **shape), dtype)
     dt = DTYPES[dtype]
@@ -337,15 +353,26 @@ def random_llama(shape: dict, dtype: str, attention: str, seed: int = 0, unroll_
         def normal(*dims: int) -> jax.Array:
             return (0.02 * jax.random.normal(next(keys), dims, jnp.float32)).astype(dt)
 
-        projections = {p: normal(L, *spec.projection_shape(p)) for p in (
+        def matrix(*dims: int, form=None):
+            w = normal(*dims)
+            return w if form is None else form(w)
+
+        projections = {p: matrix(L, *spec.projection_shape(p), form=layer_form) for p in (
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
         )}  # fmt: skip
         layers = LayerWeights(input_norm=jnp.ones((L, h), dt), post_attention_norm=jnp.ones((L, h), dt), **projections)
-        return Weights(embed=normal(v, h), layers=layers, final_norm=jnp.ones((h,), dt), lm_head=normal(v, h))
+        table = None if layer_form is None else quantize_int8
+        return Weights(
+            embed=matrix(v, h, form=table),
+            layers=layers,
+            final_norm=jnp.ones((h,), dt),
+            lm_head=matrix(v, h, form=table),
+        )
 
     weights = jax.jit(make)(jax.random.key(seed))
-    extra = {"attention": attention, "unroll_layers": unroll_layers}
-    model = JaxModel(spec, weights, make_mesh(1), attention, LoadOptions(dtype=dtype, extra=extra))
+    extra = {"attention": attention, "unroll_layers": unroll_layers, "decode_splits": decode_splits}
+    options = LoadOptions(dtype=dtype, quantization=quantization, extra=extra)
+    model = JaxModel(spec, weights, make_mesh(1), attention, options)
     model.table_tokens = spec_context(shape)
     return model
 
@@ -374,6 +401,9 @@ class ModelRow:
     #: (weight bytes + the KV bytes a step reads) / measured bandwidth.
     floor_ms: float | None = None
     skipped: str | None = None
+    #: The weight bytes a decode step reads (this form's own) and the decode attention's parts.
+    weight_bytes: int | None = None
+    decode_splits: int | None = None
 
 
 def greedy_rows(batch: int, vocab: int):
@@ -384,23 +414,38 @@ def greedy_rows(batch: int, vocab: int):
 
 
 def bench_ruvllm(
-    name: str, model, batches: list[int], prompt_tokens: int, steps: int, bandwidth: float
+    name: str,
+    model,
+    batches: list[int],
+    prompt_tokens: int,
+    steps: int,
+    bandwidth: float,
+    form: str = "",
+    verify_tokens: int = 0,
 ) -> list[ModelRow]:
     """Decode steps of the whole model: prompts of ``prompt_tokens`` random ids prefilled (untimed), two
     warm-up steps, then the median of ``steps`` timed steps, each sampling greedily on the device (only
-    the token ids come back, as when serving). tok/s = batch / step time."""
+    the token ids come back, as when serving). tok/s = batch / step time; the floor is this model's own
+    weight bytes (a quantized form's, ``form`` naming it in the engine) plus its KV over the bandwidth.
+    Each row names the decode attention's parts its steps ran with (``decode_splits``).
+
+    ``verify_tokens`` N > 1: then as many steps of N new tokens per sequence, what a speculative step
+    verifying N - 1 drafts runs (a 16-token prompt-chunk shape; one logit row sampled per sequence,
+    where the engine's verification reads N rows of the output projection: N - 1 GEMV rows more). A
+    row "verify N" of its own: tok/s counts N tokens a sequence (every draft accepted), so its step
+    time against the decode row's says what speculation must accept to pay on this device."""
     from ruvllm.backend import ForwardBatch, SequenceChunk
 
     rows = []
     warm = 2
     spec = model.spec
-    per_seq = -(-(prompt_tokens + warm + steps + 1) // BLOCK_SIZE)
+    per_seq = -(-(prompt_tokens + (warm + steps) * (1 + verify_tokens) + 1) // BLOCK_SIZE)
     kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * jnp.dtype(DTYPES[spec.dtype]).itemsize
     model.table_tokens = per_seq * BLOCK_SIZE
     cache = None
     for b in sorted(batches):
-        print(f"... {name} ruvllm {model.attention} batch {b}", file=sys.stderr, flush=True)
-        row = ModelRow(name, f"ruvllm {model.attention}", b, prompt_tokens, 0.0, 0.0)
+        print(f"... {name} ruvllm {model.attention}{form} batch {b}", file=sys.stderr, flush=True)
+        row = ModelRow(name, f"ruvllm {model.attention}{form}", b, prompt_tokens, 0.0, 0.0)
         try:
             del cache
             cache = model.allocate_cache(per_seq * b + 1, BLOCK_SIZE)
@@ -423,6 +468,18 @@ def bench_ruvllm(
                 out = model.forward(batch, cache)
                 times.append(time.perf_counter() - t0)
                 last = out.sampled.tokens.tolist()
+            verify = []
+            pos = prompt_tokens + warm + steps
+            for _ in range(warm + steps if verify_tokens > 1 else 0):
+                chunks = [SequenceChunk(np.full(verify_tokens, last[i], np.int32), pos, tables[i]) for i in range(b)]
+                batch = ForwardBatch(chunks, BLOCK_SIZE, sampling=greedy_rows(b, spec.vocab_size))
+                t0 = time.perf_counter()
+                out = model.forward(batch, cache)
+                verify.append(time.perf_counter() - t0)
+                last, pos = out.sampled.tokens.tolist(), pos + verify_tokens
+            decode_plans = [p for p in model.compiled_steps.stats.plans if not p.prefill_seqs and p.decode_seqs >= b]
+            row.decode_splits = min(decode_plans, key=lambda p: p.decode_seqs).decode_splits
+            row.weight_bytes = weights_read(model)
         except Exception as exc:  # out of memory at a large batch: reported, the rest goes on
             row.skipped = first_line(exc)
             rows.append(row)
@@ -434,6 +491,11 @@ def bench_ruvllm(
         row.floor_ms = (weights_read(model) + kv_read) / bandwidth * 1e3
         rows.append(row)
         report(row)
+        if verify:
+            v_ms = statistics.median(verify[warm:]) * 1e3
+            engine = f"{row.engine} verify {verify_tokens}"
+            rows.append(ModelRow(name, engine, b, prompt_tokens, v_ms, b * verify_tokens / (v_ms / 1e3), row.floor_ms))
+            report(rows[-1])
     del cache
     return rows
 
@@ -558,7 +620,9 @@ def run_models(args: argparse.Namespace, cuda: bool, bw: float) -> list[ModelRow
     rows: list[ModelRow] = []
     if args.interpret:
         models: list[tuple[str, str | dict]] = [("tiny-llama", TINY_LLAMA)]
-        attentions, batches, prompt, steps = ["reference"], [1, 4], 32, 4
+        # XLA's attention unless the Pallas kernels are asked for (then interpreted)
+        attentions = ["reference"] if "pallas" not in args.attentions else ["pallas_interpret"]
+        batches, prompt, steps = [1, 4], 32, 4
     else:
         models = [(m, LLAMA3_8B if m == "llama3-8b" else str(resolve(m))) for m in args.models]
         attentions, batches, prompt, steps = (
@@ -567,21 +631,33 @@ def run_models(args: argparse.Namespace, cuda: bool, bw: float) -> list[ModelRow
             args.model_prompt_tokens,
             args.model_steps,
         )
+    # Each weight form with the decode kernel's automatic parts, then bf16 with each forced number.
+    variants = [(q, "auto") for q in args.quantizations]
+    variants += [("none", str(n)) for n in args.model_decode_splits if str(n) != "auto"]
     for name, source in models:
         for attention in attentions:
-            if isinstance(source, dict):
-                model = random_llama(source, "bfloat16", attention, unroll_layers=args.unroll_layers)
-            else:
-                from ruvllm.backend import LoadOptions
-                from ruvllm.checkpoint import open_checkpoint
-                from ruvllm_jax.runner import JaxModel
+            for quantization, splits in variants:
+                if splits not in ("auto", "1") and not attention.startswith("pallas"):
+                    continue  # parts of the Pallas decode kernel: nothing to force in XLA's attention
+                if isinstance(source, dict):
+                    model = random_llama(
+                        source, "bfloat16", attention, unroll_layers=args.unroll_layers,
+                        quantization=quantization, decode_splits=splits,
+                    )  # fmt: skip
+                else:
+                    from ruvllm.backend import LoadOptions
+                    from ruvllm.checkpoint import open_checkpoint
+                    from ruvllm_jax.runner import JaxModel
 
-                model = JaxModel.load(
-                    open_checkpoint(source),
-                    LoadOptions(dtype="bfloat16", extra={"attention": attention, "unroll_layers": args.unroll_layers}),
+                    extra = {"attention": attention, "unroll_layers": args.unroll_layers, "decode_splits": splits}
+                    options = LoadOptions(dtype="bfloat16", quantization=quantization, extra=extra)
+                    model = JaxModel.load(open_checkpoint(source), options)
+                form = (f" {quantization}" if quantization != "none" else "") + (
+                    f" splits {splits}" if splits != "auto" else ""
                 )
-            rows += bench_ruvllm(name, model, batches, prompt, steps, bw)
-            del model
+                verify = args.verify_tokens if (quantization, splits) == variants[0] else 0
+                rows += bench_ruvllm(name, model, batches, prompt, steps, bw, form, verify)
+                del model
         if not args.no_peer:
             peer_batches = [b for b in batches if args.peer_batches is None or b in args.peer_batches]
             rows += bench_transformers(name, source, peer_batches, prompt, steps, compile=cuda and not args.interpret)
@@ -620,6 +696,21 @@ def main(argv: list[str] | None = None) -> int:
         help="attention part's shapes (none: skip the attention part)",
     )
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    ap.add_argument(
+        "--quantizations", nargs="+", default=["none"], choices=WEIGHT_FORMS, help="weight forms of the model part"
+    )
+    ap.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=0,
+        help="N > 1: the first variant also times steps of N tokens a sequence (speculation's verification)",
+    )
+    ap.add_argument(
+        "--model-decode-splits",
+        nargs="+",
+        default=["auto"],
+        help="the model's decode_splits: each value but auto adds a bf16 run with it forced (auto runs always)",
+    )
     ap.add_argument("--model-prompt-tokens", type=int, default=512)
     ap.add_argument("--model-steps", type=int, default=32)
     ap.add_argument(
@@ -645,6 +736,12 @@ def main(argv: list[str] | None = None) -> int:
 
     device = jax.devices()[0]
     pallas_impl = "pallas" if cuda and not args.interpret else "pallas_interpret"
+    if cuda and not args.interpret:
+        from ruvllm_jax.options import enable_compilation_cache
+
+        # Steps that lower to the same program (a prompt's prefill under each decode_splits, the
+        # lease's rerun) load from the cache instead of compiling again: lease minutes go to measuring.
+        enable_compilation_cache()
     stats = device.memory_stats() or {}
     memory_limit = stats.get("bytes_limit")
     copy_mib = args.copy_mib or (64 if args.interpret else 1024)

@@ -7,10 +7,20 @@
 #
 # Run from the repository root on a machine whose python3 has jax with CUDA, torch and transformers;
 # wheels of ruvllm-core's other dependencies for that python may wait in .whl/ (see the device tool's
-# README). Output goes to $OUT (default /tmp/gpu_lease). PARTS picks the parts (attention, probe, model,
-# peer; default: all but the probe); all four take about 10 minutes of GPU time, so within one lease run
-# PARTS="attention model" and PARTS="probe peer" as two calls on the same warm machine (the peer's
-# compile alone takes about two minutes; docs/benchmarks.md says how the first H200 figures were taken).
+# README). Output goes to $OUT (default /tmp/gpu_lease). PARTS picks the parts (splits, forms, attention,
+# probe, model, peer; default: splits forms, issue 42's next figures, about 9 minutes of GPU time together
+# under their limits):
+#   splits: Llama-3-8B-shaped bf16 model at batch 1 and 4 after 512-token prompts, the decode kernel's
+#           parts chosen automatically (decode_splits auto: 4 and 4 on 132 SMs, bounded by the 544-key
+#           tables) against one part and 16 forced (the SM bound alone), in one process, and with the
+#           automatic parts steps of 5 tokens a sequence (speculation's verification of 4 drafts: what
+#           n-gram speculation must accept at batch 1 to pay on this card);
+#   forms:  bf16 against q8 (int8 weights, bf16 activations: w8a16) and fp8 (e4m3 weights) at batch 1
+#           and 256, in one process, each form's floor from its own weight bytes and the bandwidth
+#           measured in that process.
+# The earlier parts (attention, probe, model, peer: about 10 minutes together) were measured on an H200
+# on 2026-11-27 (benchmarks/results/h200-2026-11-27/); run them as a second call on the same warm machine
+# (the peer's compile alone takes about two minutes; docs/benchmarks.md says how those were taken).
 set -u
 OUT=${OUT:-/tmp/gpu_lease}
 mkdir -p "$OUT"
@@ -27,7 +37,12 @@ export PYTHONPATH=$PWD/packages/ruvllm-core/src:$PWD/packages/ruvllm-backend-jax
 BENCH="python3 benchmarks/bench_gpu.py --dtypes bfloat16 --iterations ${ITERATIONS:-10}"
 # JAX takes a fixed share of the GPU's memory; the peer runs in its own process afterwards.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.6}
-PARTS=" ${PARTS:-attention model peer} "
+PARTS=" ${PARTS:-splits forms} "
+MODEL_ARGS="--attn-shapes --models llama3-8b --attentions ${ATTENTIONS:-pallas} --no-peer --unroll-layers ${UNROLL:-auto} --model-steps 16"
+[[ $PARTS == *" splits "* ]] && timeout "${SPLITS_S:-180}" $BENCH $MODEL_ARGS --model-decode-splits auto 1 16 --verify-tokens 5 \
+    --model-batches ${SPLIT_BATCHES:-1 4} --json "$OUT/splits.json" 2>&1 | tee "$OUT/splits.log"
+[[ $PARTS == *" forms "* ]] && timeout "${FORMS_S:-360}" $BENCH $MODEL_ARGS --quantizations ${FORMS:-none q8 fp8} \
+    --model-batches ${FORM_BATCHES:-1 256} --json "$OUT/forms.json" 2>&1 | tee "$OUT/forms.log"
 [[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-200}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --decode-splits ${DECODE_SPLITS:-1 8} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 if [[ $PARTS == *" probe "* ]]; then  # where a step's time goes, layers scanned and unrolled
     for unroll in false true; do

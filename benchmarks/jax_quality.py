@@ -2,7 +2,7 @@
 perplexity on a fixed text, top-1 agreement with float32 on that text, and where greedy
 continuations first diverge from float32's. Prints a markdown table (docs/performance-journal.md).
 
-    python benchmarks/jax_quality.py [--model smollm2] [--new-tokens 32]
+    python benchmarks/jax_quality.py [--model smollm2] [--new-tokens 32] [--formats q8,fp8,bfloat16,fp8-bf16]
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ FORMATS = {
     "w8a8": LoadOptions(quantization="w8a8"),
     "w4a8": LoadOptions(quantization="w4a8"),
     "GGUF blocks": LoadOptions(extra={"keep_gguf_blocks": True}),
+    "fp8": LoadOptions(quantization="fp8"),
+    # The GPU's compute dtype: bf16 itself, and the w8a16 / fp8 forms as a GPU runs them (weights
+    # upcast to bf16 in the product); the quality is the weights', the same on any device.
+    "bfloat16": LoadOptions(dtype="bfloat16"),
+    "q8-bf16": LoadOptions(quantization="q8", dtype="bfloat16"),
+    "fp8-bf16": LoadOptions(quantization="fp8", dtype="bfloat16"),
 }
 
 

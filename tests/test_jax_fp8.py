@@ -88,3 +88,24 @@ def test_fp8_is_refused_by_name_on_a_cuda_gpu_without_float8(monkeypatch):
     hopper = types.SimpleNamespace(compute_capability="9.0", device_kind="NVIDIA H200")
     monkeypatch.setattr(jax_options.jax, "devices", lambda: [hopper])
     jax_options.check_fp8_device()
+
+
+def test_quantizing_on_the_device_gives_the_host_forms():
+    """bench_gpu.py rounds 8B-shaped weights where they are made (jnp, stacked on a layer axis): the
+    loader's NumPy codes and scales, layer by layer (float rounding aside)."""
+    import jax
+
+    from ruvllm_jax.quant import quantize_int8
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((3, 32, 64)).astype(np.float32)
+    for form in (quantize_fp8, quantize_int8):
+        dev = jax.jit(form)(jnp.asarray(w))
+        for layer in range(3):
+            host = form(w[layer])
+            assert dev.group_size == host.group_size and dev.quant.dtype == host.quant.dtype
+            # XLA may divide by the maximum as a product with its reciprocal: a scale 1 ulp apart,
+            # and a code at a rounding boundary may land on its neighbour.
+            np.testing.assert_allclose(np.asarray(dev.scale[layer]).astype(np.float32), host.scale, rtol=1e-6)
+            same = np.asarray(dev.quant[layer]).view(np.uint8) == host.quant.view(np.uint8)
+            assert same.mean() >= 0.99

@@ -400,20 +400,22 @@ def weight_nbytes(tree: object) -> int:
 # -- quantizing at load (host side, NumPy) -----------------------------------------------------------
 
 
-def quantize_int8(w: np.ndarray, group_size: int | None = Q_GROUP) -> QuantArray:
-    """Round-to-nearest symmetric int8 of a float ``[out, in]`` matrix, one float16 scale per group
-    of ``group_size`` inputs (GGUF Q8_0's layout), or one float32 scale per output channel when
-    ``group_size`` is None."""
-    out, cols = w.shape
+def quantize_int8(w: np.ndarray | jax.Array, group_size: int | None = Q_GROUP) -> QuantArray:
+    """Round-to-nearest symmetric int8 of a float ``[..., out, in]`` matrix, one float16 scale per
+    group of ``group_size`` inputs (GGUF Q8_0's layout), or one float32 scale per output channel when
+    ``group_size`` is None. NumPy at load; a jax array is quantized where it lives (benchmarks make
+    8B-shaped weights on the device)."""
+    xp = _xp(w)
+    *lead, cols = w.shape
     gs = cols if group_size is None else group_size
     if cols % gs:
         raise BackendError(f"int8 quantization: {cols} input features are not a multiple of group size {gs}")
-    g = w.astype(np.float32).reshape(out, cols // gs, gs)
-    amax = np.abs(g).max(axis=-1)
-    scale = (amax / 127.0).astype(np.float32 if group_size is None else np.float16)
-    inv = np.where(scale != 0, 1.0 / scale.astype(np.float32), 0.0)
-    q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int8)
-    return QuantArray(q.reshape(out, cols), scale, None, bits=8, group_size=gs)
+    g = w.astype(xp.float32).reshape(*lead, cols // gs, gs)
+    amax = xp.abs(g).max(axis=-1)
+    scale = (amax / 127.0).astype(xp.float32 if group_size is None else xp.float16)
+    inv = xp.where(scale != 0, 1.0 / scale.astype(xp.float32), 0.0)
+    q = xp.clip(xp.rint(g * inv[..., None]), -127, 127).astype(xp.int8)
+    return QuantArray(q.reshape(*lead, cols), scale, None, bits=8, group_size=gs)
 
 
 def quantize_int4(w: np.ndarray, group_size: int = Q_GROUP) -> QuantArray:
@@ -473,10 +475,10 @@ def quantize(w: np.ndarray, mode: str) -> QuantArray:
 FP8_MAX = 448.0
 
 
-def quantize_fp8(w: np.ndarray) -> QuantArray:
-    """float8 e4m3 (``jnp.float8_e4m3fn``, round to nearest even) of a float ``[out, in]`` matrix with
-    one float32 scale per output channel: row ``o`` is divided by ``max|w[o]| / 448`` so its largest
-    weight lands on e4m3's largest finite value.
+def quantize_fp8(w: np.ndarray | jax.Array) -> QuantArray:
+    """float8 e4m3 (``jnp.float8_e4m3fn``, round to nearest even) of a float ``[..., out, in]`` matrix
+    with one float32 scale per output channel: row ``o`` is divided by ``max|w[o]| / 448`` so its
+    largest weight lands on e4m3's largest finite value (NumPy at load; a jax array on its device).
 
     Per channel rather than per group: e4m3 carries an exponent in every element, so its relative
     precision (3 mantissa bits) is the same across 2^-6..448 and a finer scale buys range only,
@@ -485,11 +487,12 @@ def quantize_fp8(w: np.ndarray) -> QuantArray:
     also multiplies the product's output column (:func:`linear`'s per-channel path), after the
     dot, so the GEMM reads nothing but the e4m3 bytes and XLA on CUDA fuses the upcast into its operand
     load; a scale per group would sit inside the reduction."""
-    g = np.asarray(w, np.float32)
-    amax = np.abs(g).max(axis=-1, keepdims=True)
-    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    xp = _xp(w)
+    g = w.astype(xp.float32)
+    amax = xp.abs(g).max(axis=-1, keepdims=True)
+    scale = xp.where(amax > 0, amax / FP8_MAX, 1.0).astype(xp.float32)
     # Clipped: the division may land a hair above 448, and e4m3fn has no infinity (it would be NaN).
-    q = np.clip(g / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    q = xp.clip(g / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return QuantArray(q, scale, None, bits=8, group_size=g.shape[-1])
 
 

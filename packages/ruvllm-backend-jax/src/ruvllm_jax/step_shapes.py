@@ -38,10 +38,11 @@ NATIVE_MAX_TOKENS = 4
 
 
 #: Flash decoding (``decode_splits``, :func:`ruvllm_jax.kernels.paged_decode_attention`): a part of a
-#: sequence's keys is at least this many key positions of the step's block-table width. Each part
-#: writes its float32 output, maximum and sum (``G x (D + 2)`` floats per kv head) and the merge reads
-#: them back; against 256 keys' K and V read in bf16 (``1024 D`` bytes) that is under 2% more traffic.
-SPLIT_MIN_KEYS = 256
+#: sequence's keys is at least this many key positions of the step's block-table width (two of the
+#: kernel's 64-key steps). Each part writes its float32 output, maximum and sum (``G x (D + 2)``
+#: floats per kv head) and the merge reads them back: for Llama-3-8B (G = 4, D = 128) 2 KB against
+#: the 64 KB of 128 keys' K and V in bf16, 3% more traffic for a part that streams half as long.
+SPLIT_MIN_KEYS = 128
 #: Streaming multiprocessors assumed when splits are chosen without a device to ask (lowering for
 #: CUDA on a CPU machine): an H100's and an H200's 132.
 DEFAULT_GPU_CORES = 132
