@@ -30,6 +30,12 @@ peer is HF transformers on torch, bfloat16, static KV cache, ``torch.compile(mod
 in the same run on the same GPU. Medians of per-step times; tok/s = batch / step time; the floor is
 (the weight bytes a step reads + the KV bytes it reads) / the measured bandwidth.
 
+Issue 42's runs (``gpu_lease.sh``'s ``splits`` and ``forms`` parts): ``--quantizations none q8 fp8``
+makes the 8B weights in each weight-only form on the device (each form's floor from its own bytes);
+``--model-decode-splits auto 1 16`` adds bf16 runs with the decode kernel's parts forced (each row
+records the parts its decode steps ran with); ``--verify-tokens 5`` also times steps of 5 tokens a
+sequence, what speculative decoding's verification of 4 drafts runs.
+
 Without a CUDA device the script says so and measures nothing (exit status 0: ``nox -s bench`` runs
 it on CPU). ``--interpret`` runs everything on any device at tiny sizes (the kernels in Pallas
 interpret mode, a tiny random Llama, transformers eager): that exercises this script and checks the
