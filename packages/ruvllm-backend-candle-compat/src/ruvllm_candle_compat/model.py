@@ -8,7 +8,9 @@ Every token of every chunk in a step goes through the projections and the MLP as
 matrix, so the matmuls are a handful of BLAS calls per layer whatever the batch looks like; only
 attention runs per chunk, over that sequence's cached positions ``0 .. end_pos``. In a mixture of
 experts each chosen expert multiplies its group of the step's tokens in one BLAS call (experts no
-token chose are not read).
+token chose are not read). With ``mmap_experts`` (:mod:`ruvllm.mapped_experts`) a GGUF file's experts
+stay as its memory-mapped blocks and each step decodes only the chosen experts' matrices, by the same
+dequantizers as a load, before that call: the logits are the copied form's, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from ruvllm.backend import (
     chunk_block_table,
     kv_block_bytes,
 )
-from ruvllm.checkpoint import Checkpoint
+from ruvllm.checkpoint import Checkpoint, RawTensor
 from ruvllm.errors import BackendError, ModelFormatError, RequestError
+from ruvllm.mapped_experts import mmap_experts_option
 from ruvllm.model_config import ModelConfig, Rope
 from ruvllm.modeling import (
     ACTIVATION_NAMES,
@@ -71,6 +74,21 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
+class MappedExperts:
+    """A layer's experts of one product kept as the file's blocks (``mmap_experts``): ``[e]`` decodes
+    expert ``e``'s matrix to float32 (its parts, e.g. gate and up, stacked on the output axis as the
+    copied form fuses them), so a step holds only the chosen experts in float, one at a time."""
+
+    def __init__(self, parts: Sequence[Sequence[RawTensor]]) -> None:
+        self.parts = [list(p) for p in parts]  # parts[j][e]: part j of expert e, as stored
+        first = [p[0].shape for p in self.parts]
+        self.shape = (len(self.parts[0]), sum(s[0] for s in first), first[0][1])
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        mats = [p[e].dequantize() for p in self.parts]
+        return mats[0] if len(mats) == 1 else np.concatenate(mats)
+
+
 @dataclass(frozen=True)
 class FusedLayer:
     """One decoder layer: the schema's weights (Hugging Face layout ``[out, in]``) where q/k/v and
@@ -79,8 +97,8 @@ class FusedLayer:
     weights: LayerWeights[np.ndarray, np.ndarray]
     qkv: np.ndarray  # [q_dim + 2 * kv_dim, hidden]: q_proj, k_proj, v_proj stacked
     #: [2 * intermediate, hidden]: gate_proj, up_proj stacked (a mixture of experts: per expert,
-    #: [experts, 2 * expert_intermediate, hidden]).
-    gate_up: np.ndarray
+    #: [experts, 2 * expert_intermediate, hidden]; with ``mmap_experts``, a :class:`MappedExperts`).
+    gate_up: np.ndarray | MappedExperts
     window: int = 0  # sliding window (0: every position)
     rope: Rope | None = None  # this layer's rotary embedding
 
@@ -126,12 +144,14 @@ class CandleCompatModel:
             )
         if options.dtype not in ("float32", "auto"):  # auto: float32 is this backend's only dtype
             raise BackendError(f"candle-compat computes in float32 only (asked for dtype {options.dtype!r})")
-        if options.extra:
+        unknown = set(options.extra) - {"mmap_experts"}
+        if unknown:
             # threads included: NumPy's BLAS fixes its pool at import (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
             raise BackendError(
-                f"candle-compat takes no backend options (got {', '.join(sorted(options.extra))}); "
+                f"candle-compat takes no backend options (got {', '.join(sorted(unknown))}) other than mmap_experts; "
                 "set OPENBLAS_NUM_THREADS for its BLAS threads"
             )
+        mapped = mmap_experts_option(options.extra.get("mmap_experts", "auto"), checkpoint, "candle-compat")
         cfg = checkpoint.config
         if cfg.activation not in ACTIVATION_NAMES:
             raise BackendError(f"candle-compat has no activation {cfg.activation!r} ({', '.join(ACTIVATION_NAMES)})")
@@ -147,14 +167,30 @@ class CandleCompatModel:
                 raise ModelFormatError(f"tensor {name} has shape {t.shape}, the config implies {shape}")
             return t
 
+        def get_mapped(name: str, shape: tuple[int, ...]) -> np.ndarray | RawTensor:
+            if ".mlp.experts." not in name or not name.endswith(".weight"):
+                return get(name, shape)  # expert biases and everything else copied as floats
+            raw = checkpoint.raw_tensor(name)  # views of the file's mapping: nothing read yet
+            if raw.shape != shape:
+                raise ModelFormatError(f"tensor {name} has shape {raw.shape}, the config implies {shape}")
+            return raw
+
+        def stack_mapped(items: list[Any]) -> np.ndarray | MappedExperts:
+            return MappedExperts([items]) if isinstance(items[0], RawTensor) else np.stack(items)
+
         layers = []
         for n in range(cfg.num_layers):
-            lw = LayerWeights(**load_layer(cfg, n, get))
+            if mapped:
+                lw = LayerWeights(**load_layer(cfg, n, get_mapped, stack_mapped))
+            else:
+                lw = LayerWeights(**load_layer(cfg, n, get))
             # Fused copies of the groups that share an input; the schema's fields become views of them.
             qkv = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])
             (q_dim, _), (kv_dim, _) = projection_shape(cfg, "q_proj"), projection_shape(cfg, "k_proj")
             lw.q_proj, lw.k_proj, lw.v_proj = qkv[:q_dim], qkv[q_dim : q_dim + kv_dim], qkv[q_dim + kv_dim :]
-            if cfg.num_experts:
+            if mapped:
+                gate_up = MappedExperts([*lw.expert_gate.parts, *lw.expert_up.parts])
+            elif cfg.num_experts:
                 gate_up = np.concatenate([lw.expert_gate, lw.expert_up], axis=1)
                 i = cfg.expert_intermediate_size
                 lw.expert_gate, lw.expert_up = gate_up[:, :i], gate_up[:, i:]
@@ -167,7 +203,8 @@ class CandleCompatModel:
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, h))
         model = cls(cfg, embed, layers, get("model.norm.weight", (h,)), lm_head)
         #: The options as applied (``auto`` resolved), which core reports.
-        model.options = dataclasses.replace(options, quantization="none", dtype="float32")
+        extra = {**options.extra, "mmap_experts": "true" if mapped else "false"} if cfg.num_experts else options.extra
+        model.options = dataclasses.replace(options, quantization="none", dtype="float32", extra=extra)
         return model
 
     # -- building blocks ------------------------------------------------------------------------

@@ -112,6 +112,18 @@ class RawTensor:
     data: np.ndarray
     shape: tuple[int, ...]
 
+    def dequantize(self) -> np.ndarray:
+        """The values as C-contiguous float32 in ``shape``, by the ``gguf`` library's dequantizers (a
+        float32 tensor as it is): what :meth:`Checkpoint.tensor` returns, so a backend that keeps the
+        blocks (``mmap_experts``) and decodes them later gets the same floats."""
+        import gguf
+
+        if self.ggml_type == "F32":
+            out = np.asarray(self.data, dtype=np.float32)
+        else:
+            out = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.ggml_type])
+        return np.ascontiguousarray(out.reshape(self.shape), dtype=np.float32)
+
 
 class Checkpoint(ABC):
     """A model on disk: its config, tensors by Hugging Face name, tokenizer and chat template."""
@@ -357,17 +369,11 @@ class GGUFCheckpoint(Checkpoint):
         return RawTensor(qtype, data, shape)
 
     def tensor(self, name: str) -> np.ndarray:
-        import gguf
-
         raw = self.raw_tensor(name)
         try:
-            if raw.ggml_type == "F32":
-                out = np.asarray(raw.data, dtype=np.float32)
-            else:
-                out = gguf.quants.dequantize(raw.data, gguf.GGMLQuantizationType[raw.ggml_type])
+            return raw.dequantize()
         except Exception as exc:
             raise ModelFormatError(f"{self.path}: tensor {name} could not be decoded: {exc}") from exc
-        return np.ascontiguousarray(out.reshape(raw.shape), dtype=np.float32)
 
 
 class SafetensorsCheckpoint(Checkpoint):

@@ -1,0 +1,66 @@
+"""The ``mmap_experts`` load option: a mixture of experts' expert matrices left in the GGUF file's
+memory map (the checkpoint's raw block views) instead of copied at load, so a model whose experts do
+not fit in RAM still runs on CPU. Each step reads only the chosen experts' blocks; the page cache
+holds what was read, and the first tokens page each expert in from disk as it is first chosen.
+
+One home for the option's values, its ``auto`` rule and its refusals, read by every backend that
+takes it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ruvllm.checkpoint import Checkpoint
+from ruvllm.errors import BackendError
+
+#: The option's values (a bool is taken as ``true`` / ``false``).
+MMAP_EXPERTS_VALUES = ("auto", "true", "false")
+#: ``auto`` maps the experts when their float32 copy would take more than this share of the memory
+#: available now (the rest of the model, the KV cache and the page cache need the remainder).
+AUTO_SHARE = 0.5
+
+
+def available_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``: free memory plus
+    reclaimable page cache), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def experts_float_bytes(checkpoint: Checkpoint) -> int:
+    """Bytes of every expert matrix (gate, up, down of every expert in every layer) as float32."""
+    cfg = checkpoint.config
+    return cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4
+
+
+def mmap_experts_option(value: Any, checkpoint: Checkpoint, backend: str) -> bool:
+    """Whether ``checkpoint``'s experts stay mapped for option value ``value`` (``auto``, ``true``,
+    ``false`` or a bool); ``auto``: when the file's blocks can be mapped and the experts' float32 copy
+    would take more than :data:`AUTO_SHARE` of :func:`available_memory`. Raises
+    :class:`BackendError` naming the option for a bad value, or ``true`` where nothing can be mapped."""
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value).strip().lower()
+    if text not in MMAP_EXPERTS_VALUES:
+        raise BackendError(f"{backend}: mmap_experts must be one of {', '.join(MMAP_EXPERTS_VALUES)}, got {value!r}")
+    if text == "false":
+        return False
+    mappable = checkpoint.format == "gguf" and bool(checkpoint.config.num_experts)
+    if text == "auto":
+        return mappable and experts_float_bytes(checkpoint) > AUTO_SHARE * available_memory()
+    if not checkpoint.config.num_experts:
+        raise BackendError(f"{backend}: mmap_experts=true but {checkpoint.path} is not a mixture of experts")
+    if not mappable:
+        raise BackendError(
+            f"{backend}: mmap_experts=true needs a GGUF file (its experts' blocks are what is mapped); "
+            f"{checkpoint.path} is {checkpoint.format}"
+        )
+    return True
