@@ -150,18 +150,3 @@ def test_draft_length_drafts_only_what_pays_for_its_positions():
     length.rate = 0.15  # no draft beats a plain step; it tries one token now and then
     wants = [length.want() for _ in range(PROBE_AFTER)]
     assert wants.count(0) == PROBE_AFTER - 1 and wants[-1] == 1
-
-
-def test_a_draft_beside_other_sequences_must_pay_for_the_whole_step():
-    length = DraftLength(4, row_cost=0.2, stop_below=0.0)
-    length.rate = 0.8
-    assert length.want() == 4  # alone: 3.36 tokens for 1.8 of cost
-    # Beside 3 other positions (1.6 of cost for 3 tokens, 2.5 a unit) a position of 0.2 must yield
-    # half a token, counted 20% lower there: at 0.8 the first does, a second no longer pays.
-    assert length.want(3.0, 3) == 1
-    length.rate = 1.0
-    assert length.want(3.0, 3) == 4
-    # Beside 15 (a compute-bound step: 4.0 of cost for 16 tokens) not even a draft that is always kept.
-    assert length.want(15.0, 15) == 0
-    length.rate = 0.6
-    assert length.want() == 2 and length.want(3.0, 3) == 0

@@ -20,7 +20,6 @@ from ruvllm.backend import RewritesKVPositions, StepLimits
 from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.errors import BackendError
 from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, verify_draft
-from ruvllm.speculative.adaptive import expected_tokens
 from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
 
 if TYPE_CHECKING:
@@ -130,10 +129,6 @@ class Speculation:
         cfg = self.config
         decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
         room = cfg.speculative_step_tokens - len(decoding)
-        # The step's other positions and the tokens they yield (see ruvllm.speculative.adaptive):
-        # every decoding sequence's own, and the drafts given so far with their expected yield.
-        other_rows = len(decoding) - 1
-        other_tokens = float(other_rows)
         wanted: list[tuple[Sequence, int]] = []
         for seq in sorted(decoding, key=self.scheduler.key):
             seq.draft, seq.draft_q = [], None
@@ -145,8 +140,6 @@ class Speculation:
                     cfg.num_speculative_tokens,
                     stop_below=cfg.speculative_min_acceptance,
                     row_cost=cfg.speculative_position_cost,
-                    # A new sequence starts from what this engine's drafts have kept so far.
-                    rate=self.stats.acceptance_rate or 1.0,
                 )
                 spec = seq.speculation = (NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length)
             index, length = spec
@@ -154,17 +147,14 @@ class Speculation:
             # Kept tokens plus the bonus one stay within max_tokens and the context.
             produced = len(seq.token_ids) - seq.num_prompt_tokens
             left = min(p.max_tokens - produced, self.max_model_len - len(seq.token_ids))
-            k = min(length.want(other_tokens, other_rows), room, left - 1)
+            k = min(length.want(), room, left - 1)
             if k <= 0:
                 continue
             if self.drafter is None:
                 index.sync(seq.token_ids)
                 seq.draft = index.propose(k)
             wanted.append((seq, k))
-            rows = k if self.drafter is not None else len(seq.draft)
-            room -= rows
-            other_rows += rows
-            other_tokens += expected_tokens(length.rate, rows) - 1.0
+            room -= k if self.drafter is not None else len(seq.draft)
         if self.drafter is not None and wanted:
             live = {q.seq_id for q in self.scheduler.running}
             reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in wanted]

@@ -1,15 +1,9 @@
 """How many tokens one sequence drafts: as many as pay for themselves. A draft of ``k`` tokens whose
 tokens are each kept with probability ``a`` yields ``(1 - a^(k+1)) / (1 - a)`` tokens per step, and
-the step's ``k`` more positions cost ``row_cost * k`` of a one-position step (decoding on a CPU reads
-the weights once for all positions, so a position costs a fraction of a step); a sequence drafts the
-``k`` that yields most per cost, none when no draft beats a plain step, and stops for good once its
-acceptance stays below a threshold.
-
-Beside other sequences the step's own positions count too: a step of ``r`` other positions that
-yield ``t`` tokens costs ``1 + row_cost * r`` and the draft must raise the whole step's tokens per
-cost, ``(t + E(k)) / (1 + row_cost * (r + k))``. Each position a step already carries makes a draft
-position pay less (many sequences make a step compute-bound), so a step of many sequences drafts
-only where acceptance is high, and aggregate throughput does not fall because of drafts."""
+the step's ``k`` more positions cost ``row_cost * k`` of a step (decoding on a CPU reads the weights
+once for all positions, so a position costs a fraction of a step); a sequence drafts the ``k`` that
+yields most per cost, none when no draft beats a plain step, and stops for good once its acceptance
+stays below a threshold."""
 
 from __future__ import annotations
 
@@ -17,11 +11,6 @@ from dataclasses import dataclass
 
 #: Steps a sequence skips drafting (no draft paid off) before it tries one token again.
 PROBE_AFTER = 16
-#: Beside other sequences a draft's expected extra tokens are counted this much lower: a sequence's
-#: rate is estimated high right after kept drafts (which is when it drafts), and a compute-bound
-#: step loses every position the estimate overpays (0.2: where a simulation of the benchmark's
-#: prompts at 8 to 32 streams stopped losing throughput).
-SHARED_STEP_DISCOUNT = 0.2
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -51,17 +40,13 @@ class DraftLength:
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
 
-    def want(self, other_tokens: float = 0.0, other_rows: int = 0) -> int:
-        """Tokens to draft next step (0: none), in a step whose other positions (``other_rows``: the
-        other sequences' and their drafts') yield ``other_tokens`` tokens."""
+    def want(self) -> int:
+        """Tokens to draft next step (0: none)."""
         if self.stopped:
             return 0
-        c = self.row_cost
-        keep = 1.0 - SHARED_STEP_DISCOUNT if other_rows else 1.0
-        best_k, best = 0, (1.0 + other_tokens) / (1.0 + c * other_rows)
+        best_k, best = 0, 1.0
         for k in range(1, self.k + 1):
-            tokens = 1.0 + keep * (expected_tokens(self.rate, k) - 1.0)
-            per_cost = (tokens + other_tokens) / (1.0 + c * (other_rows + k))
+            per_cost = expected_tokens(self.rate, k) / (1.0 + self.row_cost * k)
             if per_cost > best:
                 best_k, best = k, per_cost
         if best_k == 0:
