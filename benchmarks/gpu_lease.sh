@@ -15,9 +15,9 @@
 #           tables) against one part and 16 forced (the SM bound alone), in one process, and with the
 #           automatic parts steps of 5 tokens a sequence (speculation's verification of 4 drafts: what
 #           n-gram speculation must accept at batch 1 to pay on this card);
-#   forms:  bf16 against q8 (int8 weights, bf16 activations: w8a16) and fp8 (e4m3 weights) at batch 1
-#           and 256, in one process, each form's floor from its own weight bytes and the bandwidth
-#           measured in that process.
+#   forms:  bf16 against q8 (int8 weights, bf16 activations: w8a16) and fp8 (e4m3 weights), batch 1 in
+#           one process, then batch 256 in another (FORMS_S each), each form's floor from its own
+#           weight bytes and the bandwidth measured in that process.
 # The earlier parts (attention, probe, model, peer: about 10 minutes together) were measured on an H200
 # on 2026-11-27 (benchmarks/results/h200-2026-11-27/); run them as a second call on the same warm machine
 # (the peer's compile alone takes about two minutes; docs/benchmarks.md says how those were taken).
@@ -41,8 +41,12 @@ PARTS=" ${PARTS:-splits forms} "
 MODEL_ARGS="--attn-shapes --models llama3-8b --attentions ${ATTENTIONS:-pallas} --no-peer --unroll-layers ${UNROLL:-auto} --model-steps 16"
 [[ $PARTS == *" splits "* ]] && timeout "${SPLITS_S:-180}" $BENCH $MODEL_ARGS --model-decode-splits auto 1 16 --verify-tokens 5 \
     --model-batches ${SPLIT_BATCHES:-1 4} --json "$OUT/splits.json" 2>&1 | tee "$OUT/splits.log"
-[[ $PARTS == *" forms "* ]] && timeout "${FORMS_S:-360}" $BENCH $MODEL_ARGS --quantizations ${FORMS:-none q8 fp8} \
-    --model-batches ${FORM_BATCHES:-1 256} --json "$OUT/forms.json" 2>&1 | tee "$OUT/forms.log"
+if [[ $PARTS == *" forms "* ]]; then  # one process per batch: single stream's three forms land first
+    for b in ${FORM_BATCHES:-1 256}; do
+        timeout "${FORMS_S:-180}" $BENCH $MODEL_ARGS --quantizations ${FORMS:-none q8 fp8} --model-batches "$b" \
+            --json "$OUT/forms_b$b.json" 2>&1 | tee "$OUT/forms_b$b.log"
+    done
+fi
 [[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-200}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --decode-splits ${DECODE_SPLITS:-1 8} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 if [[ $PARTS == *" probe "* ]]; then  # where a step's time goes, layers scanned and unrolled
     for unroll in false true; do

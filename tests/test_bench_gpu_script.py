@@ -54,3 +54,22 @@ def test_bench_gpu_runs_the_weight_forms_and_forced_decode_splits_interpreted(tm
     assert {r["decode_splits"] for (e, _), r in rows.items() if "splits" in e} == {2}
     full, q8, fp8 = (rows[(f"ruvllm pallas_interpret{f}", 1)]["weight_bytes"] for f in ("", " q8", " fp8"))
     assert fp8 < q8 < 0.6 * full  # 1 byte a weight (+ scales) against bfloat16's 2
+
+
+def test_gpu_lease_parts_pass_bench_gpu_valid_arguments(tmp_path):
+    """gpu_lease.sh's default parts on a machine without a GPU: every bench_gpu.py call it makes parses
+    its arguments (a typo would cost a lease's run) and says it measured nothing; a log per part."""
+    lease = SCRIPT.parent / "gpu_lease.sh"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "OUT": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    proc = subprocess.run(
+        ["bash", str(lease)], capture_output=True, text=True, timeout=600, env=env, cwd=SCRIPT.parents[1]
+    )
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), proc.stdout[-3000:]
+    logs = {p.name: p.read_text() for p in tmp_path.glob("*.log")}
+    assert set(logs) == {"splits.log", "forms_b1.log", "forms_b256.log"}
+    assert all("no CUDA device found" in text and "error:" not in text for text in logs.values()), logs
