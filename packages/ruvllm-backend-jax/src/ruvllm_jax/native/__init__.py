@@ -43,6 +43,9 @@ WXA8_PANEL_TARGET = "ruvllm_wxa8_panel"
 KXA8_PANEL_TARGET = "ruvllm_kxa8_panel"
 EXPERTS_TARGET = "ruvllm_experts"
 EXPERTS_W8A8_TARGET = "ruvllm_experts_w8a8"
+EXPERTS_STORED_TARGET = "ruvllm_experts_stored"
+#: GGUF types the stored-block experts' kernel reads as stored, by ggml type id (cpu_kernels.h, StoredType).
+STORED_TYPES = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"
@@ -143,6 +146,8 @@ def _load() -> None:
         fn.restype = res
     lib.ruvllm_select_isa.argtypes = [ctypes.c_char_p]
     lib.ruvllm_set_threads.argtypes = [ctypes.c_int]
+    lib.ruvllm_register_region.restype = ctypes.c_int
+    lib.ruvllm_register_region.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     _state["lib"] = lib
     _select(lib, os.environ.get("RUVLLM_CPU_ISA", "auto").strip().lower() or "auto")
     lib.ruvllm_set_threads(_default_threads_setting())
@@ -153,6 +158,7 @@ def _load() -> None:
         (KXA8_PANEL_TARGET, lib.RuvllmKxA8Panel),
         (EXPERTS_TARGET, lib.RuvllmExperts),
         (EXPERTS_W8A8_TARGET, lib.RuvllmExpertsW8A8),
+        (EXPERTS_STORED_TARGET, lib.RuvllmExpertsStored),
         (DECODE_TARGET, lib.RuvllmPagedDecode),
         (PREFILL_TARGET, lib.RuvllmPagedPrefill),
         (LORA_TARGET, lib.RuvllmLora),
@@ -363,6 +369,27 @@ def experts_w8a8_group(
     call = jax.ffi.ffi_call(EXPERTS_W8A8_TARGET, results)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return list(call(x.astype(jnp.float32), layer, jnp.asarray(sizes, jnp.int32), *operands))
+
+
+def register_region(buffer: np.ndarray) -> int:
+    """Registers ``buffer``'s bytes (a GGUF file's memory map) for :func:`experts_stored_group` to read
+    and returns its handle. The caller keeps ``buffer`` alive while steps may use the handle."""
+    return int(_lib().ruvllm_register_region(buffer.ctypes.data, buffer.nbytes))
+
+
+def experts_stored_group(
+    x: jax.Array, layer: jax.Array, sizes: jax.Array, tables: list[tuple[jax.Array, int]]
+) -> list[jax.Array]:
+    """:func:`experts_group` for experts left as GGUF blocks in a registered region, read as stored:
+    each weight is ``(table int32 [L, 5], out features)``, the table holding each layer's (region
+    handle, byte offset low and high 32 bits, ggml type id, bytes per row) of its ``[E, out, row
+    bytes]`` stack. ``x`` is quantized per row and block of 32 (Q8_0) or 256 (k-quants)."""
+    _lib()
+    rows = x.shape[0]
+    results = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for _, n in tables]
+    call = jax.ffi.ffi_call(EXPERTS_STORED_TARGET, results)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return list(call(x.astype(jnp.float32), layer, jnp.asarray(sizes, jnp.int32), *[t for t, _ in tables]))
 
 
 def paged_decode(

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -399,6 +400,143 @@ ffi::Error ExpertsW8A8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ff
     }
   }
   ruvllm::run_expert_row_split(items, live, &xla_pool);
+  return ffi::Error::Success();
+}
+
+// Regions of memory the stored-block handler may read (a GGUF file's mapping, registered at load by
+// ruvllm_register_region): its tables name a region by handle and an offset into it, and every
+// expert's bytes are checked to lie inside the region before anything is read.
+struct Region {
+  const uint8_t* base;
+  int64_t bytes;
+};
+std::mutex g_regions_mutex;
+std::vector<Region> g_regions;
+
+bool region_of(int32_t handle, Region& out) {
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  if (handle < 0 || handle >= static_cast<int32_t>(g_regions.size())) return false;
+  out = g_regions[handle];
+  return true;
+}
+
+// Activations of StoredActs for blocks of bv inputs (the calling thread's buffers, grown as needed).
+struct StoredActsBuf {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  ruvllm::StoredActs quantize(const float* x, int64_t M, int64_t K, int64_t bv) {
+    const int64_t B = K / bv;
+    q.resize(static_cast<size_t>(M * K));
+    dx.resize(static_cast<size_t>(M * B));
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < B; ++b) {
+        const float* xb = x + m * K + b * bv;
+        float amax = 0.f;
+        for (int64_t j = 0; j < bv; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.0f;
+        int8_t* qb = q.data() + m * K + b * bv;
+        for (int64_t j = 0; j < bv; ++j) {
+          float r = amax > 0.f ? std::nearbyint(xb[j] / d) : 0.f;
+          qb[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
+        }
+        dx[static_cast<size_t>(m * B + b)] = d;
+      }
+    }
+    return ruvllm::StoredActs{q.data(), dx.data(), M, K};
+  }
+};
+
+// ruvllm_experts_stored: ruvllm_experts for experts left as GGUF blocks in a registered region (the
+// file's mapping), read as stored (cpu_kernels.h, StoredMatrix). x [R, K], layer [1], sizes [E] as
+// ruvllm_experts'; then one table per output, int32 [L, 5]: each layer's (region handle, byte offset
+// low and high 32 bits, ggml type, bytes per row) of its [E, N, row_bytes] stack, N the output's
+// width. x is quantized per row and block (32 or 256 inputs) once per block size.
+ffi::Error ExpertsStoredImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                             ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs tables, ffi::RemainingRets outs) {
+  const std::string who = "ruvllm_experts_stored";
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
+  const int64_t R = xd[0], K = xd[1];
+  const int64_t E = static_cast<int64_t>(sizes.element_count());
+  if (E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
+  const int64_t l = layer.typed_data()[0];
+  const int32_t* sz = sizes.typed_data();
+  std::vector<int64_t> first(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
+    first[e + 1] = first[e] + sz[e];
+  }
+  if (first[E] > R) return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
+  if (tables.size() != outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument(who + ": expected one table per output");
+  struct Out {
+    const uint8_t* w;
+    int64_t N, row_bytes;
+    int type;
+    float* y;
+  };
+  std::vector<Out> mats;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto t = tables.get<ffi::AnyBuffer>(i);
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!t.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(who + ": bad operand");
+    if (t->element_type() != ffi::DataType::S32 || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument(who + ": tables must be int32, outputs float32");
+    const int64_t L = static_cast<int64_t>(t->element_count()) / 5;
+    if (static_cast<int64_t>(t->element_count()) != L * 5 || l < 0 || l >= L)
+      return ffi::Error::InvalidArgument(who + ": a table is not [layers, 5] or the layer is out of range");
+    const int32_t* row = t->typed_data<int32_t>() + l * 5;
+    const int type = row[3];
+    const int64_t bb = ruvllm::stored_block_bytes(type), bv = ruvllm::stored_block_values(type);
+    if (bb == 0) return ffi::Error::InvalidArgument(who + ": ggml type " + std::to_string(type) + " is not read as stored");
+    if (K % bv != 0 || row[4] != K / bv * bb)
+      return ffi::Error::InvalidArgument(who + ": the rows' bytes do not hold the input features in the type's blocks");
+    const int64_t N = R == 0 ? 0 : static_cast<int64_t>((*y)->element_count()) / R;
+    if (N * R != static_cast<int64_t>((*y)->element_count()))
+      return ffi::Error::InvalidArgument(who + ": output shape mismatch");
+    Region region;
+    if (!region_of(row[0], region)) return ffi::Error::InvalidArgument(who + ": unknown region handle");
+    const int64_t offset = static_cast<int64_t>(static_cast<uint32_t>(row[1])) | (static_cast<int64_t>(row[2]) << 32);
+    if (offset < 0 || offset + E * N * row[4] > region.bytes)
+      return ffi::Error::InvalidArgument(who + ": the experts' blocks lie outside the registered region");
+    mats.push_back(Out{region.base + offset, N, row[4], type, (*y)->typed_data<float>()});
+  }
+  const int64_t live = first[E];
+  for (const auto& m : mats) zero_rows(m.y, live, R, m.N);
+  if (live == 0) return ffi::Error::Success();
+  thread_local StoredActsBuf acts32, acts256;
+  ruvllm::StoredActs a32{}, a256{};
+  bool need32 = false, need256 = false;
+  for (const auto& m : mats) (m.type == ruvllm::kStoredQ8_0 ? need32 : need256) = true;
+  if (need32) a32 = acts32.quantize(x.typed_data(), live, K, 32);
+  if (need256) a256 = acts256.quantize(x.typed_data(), live, K, 256);
+  // Tasks: (output, expert with rows, 16 output rows); each y element is one task's.
+  struct Task {
+    ruvllm::StoredActs x;
+    ruvllm::StoredMatrix w;
+    int64_t n0, n1;
+  };
+  std::vector<Task> tasks;
+  for (const auto& m : mats) {
+    const ruvllm::StoredActs& all = m.type == ruvllm::kStoredQ8_0 ? a32 : a256;
+    const int64_t B = K / ruvllm::stored_block_values(m.type);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = first[e], rows = first[e + 1] - first[e];
+      if (rows == 0) continue;  // an expert no row chose is never read
+      ruvllm::StoredActs xe{all.q + r0 * K, all.dx + r0 * B, rows, K};
+      ruvllm::StoredMatrix we{m.w + e * m.N * m.row_bytes, m.row_bytes, m.type, m.y + r0 * m.N, m.N};
+      for (int64_t n = 0; n < m.N; n += 16) tasks.push_back(Task{xe, we, n, std::min(m.N, n + 16)});
+    }
+  }
+  const KernelTable* kt = kernels();
+  const int64_t total = static_cast<int64_t>(tasks.size());
+  const int parts = static_cast<int>(std::min<int64_t>(total, Pool::get().threads()));
+  Pool::get().run(
+      [&](int part) {
+        for (int64_t i = total * part / parts; i < total * (part + 1) / parts; ++i)
+          kt->stored_rows(tasks[i].x, tasks[i].w, tasks[i].n0, tasks[i].n1);
+      },
+      parts);
   return ffi::Error::Success();
 }
 
@@ -784,6 +922,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmExpertsW8A8, ExpertsW8A8Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmExpertsStored, ExpertsStoredImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+// Registers [base, base + bytes) for ruvllm_experts_stored to read; returns its handle (never reused:
+// a region stays registered for the process's life, as the model holding the mapping may).
+extern "C" int ruvllm_register_region(const void* base, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  g_regions.push_back(Region{static_cast<const uint8_t*>(base), bytes});
+  return static_cast<int>(g_regions.size()) - 1;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmExperts, ExpertsImpl,
                               ffi::Ffi::Bind()

@@ -159,6 +159,39 @@ struct GroupActsOut {
   int64_t Gp;
 };
 
+// GGUF blocks read as stored (ruvllm_experts_stored: a mixture of experts' matrices left in the file's
+// memory map), row-major, each row its blocks in order: Q8_0 34 bytes per 32 inputs (float16 d, 32
+// int8 codes), Q4_K 144 per 256 (float16 d and dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks
+// of 32, 128 bytes of 4-bit codes), Q6_K 210 per 256 (128 bytes of low nibbles, 64 of high bit pairs,
+// 16 int8 scales for sub-blocks of 16, float16 d). Activations are int8 per block of the type's size
+// (32: llama.cpp's q8_0; 256: q8_K), dx = max|x| / 127, code = nearbyint(x / dx). Each block's dot is an
+// exact int32 sum, then one float step per block, in block order (so a row's result is the same
+// whatever the other rows and whatever the variant):
+//   Q8_0: acc += (float)s * (d * dx),                 s = sum codes . xq
+//   Q4_K: acc += dx * (d * (float)s1 - dmin * (float)s2),  s1 = sum_j sc_j p_j, s2 = sum_j mn_j xs_j
+//   Q6_K: acc += dx * (d * (float)s),                 s = sum_j sc_j (p_j - 32 xs_j)
+// (p_j: sub-block j's codes . xq, xs_j: the sum of its xq).
+enum StoredType : int { kStoredQ8_0 = 8, kStoredQ4_K = 12, kStoredQ6_K = 14 };  // ggml's type ids
+
+static inline int64_t stored_block_values(int type) { return type == kStoredQ8_0 ? 32 : 256; }
+static inline int64_t stored_block_bytes(int type) {
+  return type == kStoredQ8_0 ? 34 : type == kStoredQ4_K ? 144 : type == kStoredQ6_K ? 210 : 0;
+}
+
+struct StoredActs {
+  const int8_t* q;  // [M, K] codes
+  const float* dx;  // [M, K / block]
+  int64_t M, K;
+};
+
+struct StoredMatrix {
+  const uint8_t* w;   // [N, row_bytes]: the file's rows of blocks
+  int64_t row_bytes;
+  int type;           // StoredType
+  float* y;           // row m at y + m * ldy
+  int64_t ldy;
+};
+
 struct KernelTable {
   const char* name;
   void (*quantize_groups)(const float* x, int64_t M, int64_t K, const GroupActsOut& out);
@@ -183,6 +216,8 @@ struct KernelTable {
   void (*prefill)(const PrefillJob& j, int64_t q0, int64_t q1, int64_t g, float* scratch);
   // Tokens t0 .. t1 - 1 of a LoRA update.
   void (*lora_rows)(const LoraJob& j, int64_t t0, int64_t t1);
+  // y[:, n0:n1] of one matrix of GGUF blocks as stored (StoredMatrix); x quantized for its block size.
+  void (*stored_rows)(const StoredActs& x, const StoredMatrix& w, int64_t n0, int64_t n1);
 };
 
 // The factor m = zero * d of a symmetric group (GroupMatrix.mn null).

@@ -342,8 +342,10 @@ void panel_vec(const GroupActs& x, const GroupMatrix& w, int64_t p0, int64_t p1)
 void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { kpanel_scalar(x, w, p0, p1); }
 #endif
 
+#include "cpu_kernels_stored.inc"
+
 const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), quantize_groups_vec, w8a8_vec, group_vec, panel_vec,
-                            kpanel_vec, decode_one, decode_part, prefill_tile, lora_rows};
+                            kpanel_vec, decode_one, decode_part, prefill_tile, lora_rows, stored_rows};
 
 }  // namespace
 
