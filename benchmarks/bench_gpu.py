@@ -626,8 +626,8 @@ def run_models(args: argparse.Namespace, cuda: bool, bw: float) -> list[ModelRow
     rows: list[ModelRow] = []
     if args.interpret:
         models: list[tuple[str, str | dict]] = [("tiny-llama", TINY_LLAMA)]
-        # XLA's attention unless the Pallas kernels are asked for (then interpreted)
-        attentions = ["reference"] if "pallas" not in args.attentions else ["pallas_interpret"]
+        # XLA's attention unless the Pallas kernels alone are asked for (then interpreted)
+        attentions = ["pallas_interpret"] if args.attentions == ["pallas"] else ["reference"]
         batches, prompt, steps = [1, 4], 32, 4
     else:
         models = [(m, LLAMA3_8B if m == "llama3-8b" else str(resolve(m))) for m in args.models]
