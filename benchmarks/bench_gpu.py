@@ -752,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     memory_limit = stats.get("bytes_limit")
     copy_mib = args.copy_mib or (64 if args.interpret else 1024)
     iterations = args.iterations or (3 if args.interpret else 20)
-    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
+    cores = getattr(device, "core_count", None)  # the SMs decode_splits=auto fills (132 assumed when unknown)
+    print(f"device: {device.device_kind} ({device.platform}), {cores} cores, jax {jax.__version__}")
     if args.interpret:
         print(
             "INTERPRET MODE: the kernels run in the Pallas interpreter; this checks the script and the kernels' "
@@ -788,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {
             "device": f"{device.device_kind} ({device.platform})",
+            "core_count": cores,
             "jax": jax.__version__,
             "machine": f"{platform.machine()}, {platform.platform()}",
             "interpret": args.interpret,
