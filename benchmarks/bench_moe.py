@@ -5,9 +5,15 @@ bandwidth (issue 48's speed check).
 The model is ``moe_synthetic.py``'s: Qwen3-30B-A3B's layers (hidden 2048, 32/4 heads of 128, QK-norm,
 128 experts of 768, 8 a token), 6 of its 48 by default and a vocabulary scaled with them, written
 once and kept in ~/.cache/ruvllm-bench; ``--model`` takes any MoE GGUF instead. The engines are
-``bench_backends.py``'s (llama.cpp through llama-cpp-python with ``--threads``, by default every
-core; ruvllm through its plugins), run by it with ``--interleave``: all in one child process,
-taking turns figure by figure, each cycle a round, ratios paired by round.
+``bench_backends.py``'s (llama.cpp through llama-cpp-python, ruvllm through its plugins, both with
+``--threads``, by default every core: llama.cpp's ``n_threads``, ruvllm's ``RUVLLM_THREADS``), run
+by it with ``--interleave``: all in one child process, taking turns figure by figure, each cycle a
+round, ratios paired by round.
+
+llama.cpp's OpenMP threads wait for each other by spinning at every operation of the graph, so on a
+machine whose cores other processes also use its figures fall apart (here, at a load average of 6 on
+2 cores: 5-53 tok/s with 2 threads, where 1 thread held 95-100 in the same minutes): run it on a
+quiet machine, or compare at ``--threads 1`` too.
 
 A token's bytes are read from the file: every attention matrix, the router, the chosen experts'
 blocks (``experts_per_token`` of ``experts`` of each ``ffn_*_exps`` stack), the norms, the LM head
@@ -265,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if not engines:
         raise SystemExit("no engine left to run")
 
+    # Same threads for both: ruvllm's kernel pool reads RUVLLM_THREADS (the child process inherits it).
+    os.environ.setdefault("RUVLLM_THREADS", str(args.threads))
     tb = token_bytes(path)
     types = stored_types(path)
     load_before = os.getloadavg()  # a shared machine: other processes' load moves every figure
