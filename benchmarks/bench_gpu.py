@@ -45,6 +45,7 @@ kernels' outputs, and its timings say nothing about speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -91,8 +92,11 @@ TINY_LLAMA = dict(
     rope_theta=10000.0,
 )
 #: The jax backend's weight-only forms a GPU runs (``none``: the compute dtype itself; ``q8``: int8
-#: weights, bf16 activations (w8a16); ``fp8``: float8 e4m3 per channel).
-WEIGHT_FORMS = ("none", "q8", "fp8")
+#: weights, bf16 activations (w8a16); ``fp8``: float8 e4m3 per channel). ``q8-channel`` is a measurement
+#: only, no load form: q8's int8 codes with one float32 scale per output channel (``quantize_int8(w,
+#: None)``), which ``quant.linear`` applies after the product as fp8's, against q8's scale per group of
+#: 32 inside it: whether XLA on CUDA fuses the group dequantization into its GEMM shows as the two apart.
+WEIGHT_FORMS = ("none", "q8", "fp8", "q8-channel")
 #: Pallas output vs the jax.numpy output: max abs difference / max abs reference output.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -347,7 +351,8 @@ def random_llama(
     from ruvllm_jax.runner import JaxModel
     from ruvllm_jax.sharding import make_mesh
 
-    layer_form = {"none": None, "q8": quantize_int8, "fp8": quantize_fp8}[quantization]
+    per_channel = functools.partial(quantize_int8, group_size=None)
+    layer_form = {"none": None, "q8": quantize_int8, "fp8": quantize_fp8, "q8-channel": per_channel}[quantization]
 
     spec = ModelSpec.from_config(ModelConfig(architecture="llama", **shape), dtype)
     dt = DTYPES[dtype]
@@ -377,7 +382,7 @@ def random_llama(
 
     weights = jax.jit(make)(jax.random.key(seed))
     extra = {"attention": attention, "unroll_layers": unroll_layers, "decode_splits": decode_splits}
-    options = LoadOptions(dtype=dtype, quantization=quantization, extra=extra)
+    options = LoadOptions(dtype=dtype, quantization="q8" if quantization == "q8-channel" else quantization, extra=extra)
     model = JaxModel(spec, weights, make_mesh(1), attention, options)
     model.table_tokens = spec_context(shape)
     return model
@@ -645,6 +650,9 @@ def run_models(args: argparse.Namespace, cuda: bool, bw: float) -> list[ModelRow
             for quantization, splits in variants:
                 if splits not in ("auto", "1") and not attention.startswith("pallas"):
                     continue  # parts of the Pallas decode kernel: nothing to force in XLA's attention
+                if quantization == "q8-channel" and not isinstance(source, dict):
+                    print(f"{name}: q8-channel is made for the random 8B shape only (no load form)", file=sys.stderr)
+                    continue
                 if isinstance(source, dict):
                     model = random_llama(
                         source, "bfloat16", attention, unroll_layers=args.unroll_layers,

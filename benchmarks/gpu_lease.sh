@@ -17,7 +17,9 @@
 #           n-gram speculation must accept at batch 1 to pay on this card);
 #   forms:  bf16 against q8 (int8 weights, bf16 activations: w8a16) and fp8 (e4m3 weights), batch 1 in
 #           one process, then batch 256 in another (FORMS_S each), each form's floor from its own
-#           weight bytes and the bandwidth measured in that process.
+#           weight bytes and the bandwidth measured in that process; at batch 1 also q8-channel (int8
+#           with a scale per output channel, applied after the product: whether XLA fuses q8's group
+#           scales into its GEMM shows as the two apart).
 # The earlier parts (attention, probe, model, peer: about 10 minutes together) were measured on an H200
 # on 2026-11-27 (benchmarks/results/h200-2026-11-27/); run them as a second call on the same warm machine
 # (the peer's compile alone takes about two minutes; docs/benchmarks.md says how those were taken).
@@ -43,7 +45,9 @@ MODEL_ARGS="--attn-shapes --models llama3-8b --attentions ${ATTENTIONS:-pallas} 
     --model-batches ${SPLIT_BATCHES:-1 4} --json "$OUT/splits.json" 2>&1 | tee "$OUT/splits.log"
 if [[ $PARTS == *" forms "* ]]; then  # one process per batch: single stream's three forms land first
     for b in ${FORM_BATCHES:-1 256}; do
-        timeout "${FORMS_S:-180}" $BENCH $MODEL_ARGS --quantizations ${FORMS:-none q8 fp8} --model-batches "$b" \
+        forms=${FORMS:-none q8 fp8}
+        [[ $b == 1 ]] && forms=${FORMS1:-none q8 fp8 q8-channel}  # q8 with its scale after the product too
+        timeout "${FORMS_S:-180}" $BENCH $MODEL_ARGS --quantizations $forms --model-batches "$b" \
             --json "$OUT/forms_b$b.json" 2>&1 | tee "$OUT/forms_b$b.log"
     done
 fi

@@ -40,20 +40,22 @@ def test_bench_gpu_runs_the_weight_forms_and_forced_decode_splits_interpreted(tm
     ran with."""
     out = tmp_path / "bench.json"
     args = ["--interpret", "--dtypes", "float32", "--attn-shapes", "--no-peer", "--attentions", "pallas"]
-    args += ["--quantizations", "none", "q8", "fp8", "--model-decode-splits", "auto", "2", "--verify-tokens", "5"]
+    args += ["--quantizations", "none", "q8", "fp8", "q8-channel", "--model-decode-splits", "auto", "2"]
+    args += ["--verify-tokens", "5"]
     args += ["--json", str(out)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {(r["engine"], r["batch"]): r for r in json.loads(out.read_text())["model"]}
-    forms = ("", " q8", " fp8", " splits 2", " verify 5")  # verification steps timed for the first form
+    forms = ("", " q8", " fp8", " q8-channel", " splits 2", " verify 5")  # verification: the first form
     assert set(rows) == {(f"ruvllm pallas_interpret{f}", b) for f in forms for b in (1, 4)}
     assert all(not r["skipped"] and r["tok_s"] > 0 and r["floor_ms"] > 0 for r in rows.values())
     # auto keeps one part on a CPU; the forced run split every decode step
     assert {r["decode_splits"] for (e, _), r in rows.items() if "splits" not in e and "verify" not in e} == {1}
     assert {r["decode_splits"] for (e, _), r in rows.items() if "splits" in e} == {2}
     full, q8, fp8 = (rows[(f"ruvllm pallas_interpret{f}", 1)]["weight_bytes"] for f in ("", " q8", " fp8"))
-    assert fp8 < q8 < 0.6 * full  # 1 byte a weight (+ scales) against bfloat16's 2
+    channel = rows[("ruvllm pallas_interpret q8-channel", 1)]["weight_bytes"]
+    assert fp8 == channel < q8 < 0.6 * full  # 1 byte a weight (+ scales) against bfloat16's 2
 
 
 def test_gpu_lease_parts_pass_bench_gpu_valid_arguments(tmp_path):
