@@ -7,21 +7,77 @@ they stay out of the scanned layer operands, as the dense matrices do: the kerne
 ``ruvllm_experts_w8a8`` in ``native/cpu_ffi.cc``) takes the whole stack, the layer index and the group
 sizes of :func:`ruvllm.modeling.moe_mlp`, and reads only the experts that got rows, so a decode step
 with top-8 of 128 experts reads 8 experts' blocks.
+
+With ``mmap_experts`` the experts are not copied at all: each expert field is a :class:`StoredExperts`,
+a table of where each layer's ``[experts, out, row bytes]`` stack of GGUF blocks lies in the file's
+memory map (registered with the native library, which XLA's buffers cannot alias), and the kernel
+``ruvllm_experts_stored`` reads the chosen experts' blocks as the file stores them (Q4_K, Q6_K, Q8_0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ruvllm.modeling import EXPERT_FIELDS, LayerWeights
+from ruvllm.checkpoint import Checkpoint
+from ruvllm.errors import BackendError
+from ruvllm.modeling import EXPERT_FIELDS, LayerTensor, LayerWeights
 from ruvllm_jax import native
 from ruvllm_jax.quant import PANEL, QuantArray, linear
+from ruvllm_jax.step_types import ModelSpec
 
 #: ``project_experts`` of :func:`ruvllm.modeling.decoder_layer`: ``(x, sizes, group) -> outputs``.
 ProjectExperts = Callable[[jax.Array, jax.Array, tuple[str, ...]], Sequence[jax.Array]]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StoredExperts:
+    """One expert field of every layer left as the GGUF file's blocks (``mmap_experts``): ``table``
+    int32 ``[layers, 5]``, each layer's (region handle, byte offset low and high 32 bits, ggml type
+    id, bytes per row) of its ``[experts, out, row bytes]`` stack in the file's registered mapping;
+    ``shape`` is the logical ``(layers, experts, out, in)``."""
+
+    table: jax.Array
+    shape: tuple[int, ...] = field(default=(), metadata=dict(static=True))
+
+
+#: Each registered file mapping by its handle, kept alive as long as the native library may read it
+#: (the library never forgets a region, so neither does this).
+_MAPPINGS: dict[int, np.ndarray] = {}
+
+
+def stored_experts(checkpoint: Checkpoint, t: LayerTensor, spec: ModelSpec) -> StoredExperts:
+    """Where every layer's experts of ``t`` lie in ``checkpoint``'s memory map, for the stored-block
+    kernel: the file's mapping registered once, nothing read or copied. Raises :class:`BackendError`
+    naming the tensor for a type the kernel does not read as stored."""
+    mapping = checkpoint.mapping()
+    handle = next((h for h, m in _MAPPINGS.items() if m is mapping), None)
+    if handle is None:
+        handle = native.register_region(mapping)
+        _MAPPINGS[handle] = mapping
+    base = mapping.ctypes.data
+    num_layers, num_experts = spec.num_layers, spec.num_experts
+    rows, shape = [], ()
+    for layer in range(num_layers):
+        names = t.names(layer, spec)
+        first, last = checkpoint.raw_tensor(names[0]), checkpoint.raw_tensor(names[-1])
+        if first.ggml_type not in native.STORED_TYPES:
+            raise BackendError(
+                f"jax backend: mmap_experts reads experts in {', '.join(native.STORED_TYPES)} as stored; "
+                f"{names[0]} is {first.ggml_type} (load with mmap_experts=false)"
+            )
+        n, row_bytes = first.data.shape
+        offset = first.data.ctypes.data - base
+        if last.data.ctypes.data - base != offset + (num_experts - 1) * n * row_bytes:
+            raise BackendError(f"jax backend: mmap_experts: the experts of {names[0]} are not one stack in the file")
+        rows.append([handle, offset & 0xFFFFFFFF, offset >> 32, native.STORED_TYPES[first.ggml_type], row_bytes])
+        shape = (num_layers, num_experts, *first.shape)
+    return StoredExperts(np.asarray(rows, np.int64).astype(np.uint32).view(np.int32), shape)
 
 
 def _w8a8(w: QuantArray) -> bool:
@@ -32,7 +88,9 @@ def _w8a8(w: QuantArray) -> bool:
 def native_expert_weight(w: object) -> bool:
     """Whether the experts' kernels multiply ``w``: ``w4a8`` experts in the panel layout, k-quant or
     plain group (an asymmetric one, or a symmetric one whose zero point is the kernels' ``2^(bits-1)``),
-    or ``w8a8`` experts."""
+    or ``w8a8`` experts, or experts left in the file (:class:`StoredExperts`)."""
+    if isinstance(w, StoredExperts):
+        return True
     if not isinstance(w, QuantArray) or w.act_bits != 8:
         return False
     if _w8a8(w):
@@ -62,7 +120,9 @@ def native_project_experts(stacked: LayerWeights, layer: jax.Array) -> ProjectEx
 
     def project(x: jax.Array, sizes: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
         mats = [getattr(stacked, EXPERT_FIELDS[p]) for p in group]
-        if _w8a8(mats[0]):  # loading gives every expert matrix one form
+        if isinstance(mats[0], StoredExperts):  # mmap_experts: every expert matrix is
+            ys = native.experts_stored_group(x, layer, sizes, [(m.table, m.shape[-2]) for m in mats])
+        elif _w8a8(mats[0]):  # loading gives every expert matrix one form
             ys = native.experts_w8a8_group(x, layer, sizes, [(m.quant, m.scale) for m in mats])
         else:
             ys = native.experts_group(x, layer, sizes, [_operands(m) for m in mats])

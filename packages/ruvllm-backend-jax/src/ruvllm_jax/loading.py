@@ -12,6 +12,7 @@ import structlog
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, ModelFormatError, RuvllmError
 from ruvllm.modeling import EXPERT_FIELDS, LAYER_TENSORS, PROJECTION_GROUPS, PROJECTIONS, LayerTensor, LayerWeights
+from ruvllm_jax.experts import stored_experts
 from ruvllm_jax.gguf_blocks import (
     GGUF_DIRECT_TYPES,
     WXA8_GGUF_TYPES,
@@ -85,11 +86,21 @@ def _calibration_ids(checkpoint: Checkpoint, vocab: int) -> list[int] | None:
 class WeightLoader:
     """Reads one checkpoint's tensors in the form the options ask for."""
 
-    def __init__(self, checkpoint: Checkpoint, spec: ModelSpec, quantization: str, keep_gguf_blocks: bool) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        spec: ModelSpec,
+        quantization: str,
+        keep_gguf_blocks: bool,
+        mmap_experts: bool = False,
+    ) -> None:
         self.ckpt = checkpoint
         self.spec = spec
         self.quantization = quantization
         self.keep_gguf_blocks = keep_gguf_blocks and checkpoint.format == "gguf"
+        #: ``w4a8`` experts left in the file's mapping (:class:`ruvllm_jax.experts.StoredExperts`),
+        #: checked by :func:`ruvllm_jax.options.load_settings`.
+        self.mmap_experts = mmap_experts
         #: GGUF types already logged as not kept (:meth:`_not_kept`).
         self._not_kept_types: set[str] = set()
 
@@ -291,7 +302,8 @@ class WeightLoader:
                 if name not in names:
                     raise ModelFormatError(f"{self.ckpt.path}: tensor {name!r} is missing")
                 per_layer[t.field].append(self.vector(name))
-        experts = {t.field: self._expert_stack(t) for t in tensors if self._quantized_experts(t)}
+        stack = (lambda t: stored_experts(self.ckpt, t, spec)) if self.mmap_experts else self._expert_stack
+        experts = {t.field: stack(t) for t in tensors if self._quantized_experts(t)}
         layers = LayerWeights(**{k: _stack(v) for k, v in per_layer.items()}, **experts)
         self._check_shapes(layers)
         lm_head = None if spec.tie_word_embeddings else self.embedding("lm_head.weight")

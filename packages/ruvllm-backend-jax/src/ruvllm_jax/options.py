@@ -15,6 +15,7 @@ import jax
 from ruvllm.backend import LoadOptions
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError
+from ruvllm.mapped_experts import mmap_experts_option
 from ruvllm_jax import native
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, EXPERT_GGUF_TYPES
@@ -23,6 +24,7 @@ from ruvllm_jax.quant import QUANTIZATIONS
 ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
 KNOWN_EXTRA = {
     "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads", "unroll_layers", "decode_splits",
+    "mmap_experts",
     # Process 0 of a group (``ruvllm serve --coordinator``): see :mod:`ruvllm_jax.distributed`.
     "coordinator", "num_processes",
 }  # fmt: skip
@@ -36,6 +38,8 @@ class LoadSettings:
     attention: str
     tensor_parallel: int
     keep_gguf_blocks: bool
+    #: A mixture of experts' experts left in the GGUF file's mapping (:func:`mmap_experts_setting`).
+    mmap_experts: bool = False
 
 
 def load_settings(checkpoint: Checkpoint, options: LoadOptions) -> LoadSettings:
@@ -88,7 +92,42 @@ def load_settings(checkpoint: Checkpoint, options: LoadOptions) -> LoadSettings:
         raise BackendError(
             "jax backend: keep_gguf_blocks keeps the file's quantization; use it with quantization='none'"
         )
-    return LoadSettings(options, attention, tp, keep)
+    mapped = mmap_experts_setting(checkpoint, options, tp)
+    if checkpoint.config.num_experts:  # reported as applied
+        options = dataclasses.replace(options, extra={**options.extra, "mmap_experts": "true" if mapped else "false"})
+    return LoadSettings(options, attention, tp, keep, mapped)
+
+
+def mmap_experts_setting(checkpoint: Checkpoint, options: LoadOptions, tp: int) -> bool:
+    """The ``mmap_experts`` option (:mod:`ruvllm.mapped_experts`) for this backend: experts left in the
+    file need the native stored-block kernel, so ``w4a8`` on one CPU device with the native kernels and
+    experts in Q4_K, Q6_K or Q8_0; ``true`` without them is refused by name, ``auto`` then copies."""
+    mapped = mmap_experts_option(options.extra.get("mmap_experts", "auto"), checkpoint, "jax backend")
+    if not mapped:
+        return False
+    why = None
+    if options.quantization != "w4a8":
+        why = f"quantization w4a8 (got {options.quantization})"
+    elif tp != 1 or not native_option(options, 1):
+        why = "the native CPU kernels on one device"
+    else:
+        kinds = _expert_types(checkpoint)
+        if not kinds <= set(native.STORED_TYPES):
+            why = f"experts in {', '.join(native.STORED_TYPES)} (this file's: {', '.join(sorted(kinds))})"
+    if why is None:
+        return True
+    if str(options.extra.get("mmap_experts", "auto")).lower() == "auto":
+        return False
+    raise BackendError(f"jax backend: mmap_experts=true needs {why}")
+
+
+def _expert_types(checkpoint: Checkpoint) -> set[str]:
+    """The GGUF types of every layer's expert matrices."""
+    return {
+        checkpoint.raw_tensor(f"model.layers.{layer}.mlp.experts.0.{proj}.weight").ggml_type
+        for layer in range(checkpoint.config.num_layers)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
 
 
 def native_option(options: LoadOptions, devices: int) -> bool:

@@ -186,7 +186,9 @@ class JaxModel:
             )
         mesh = make_mesh(settings.tensor_parallel)
         t0 = time.perf_counter()
-        host = WeightLoader(checkpoint, spec, options.quantization, settings.keep_gguf_blocks).load()
+        host = WeightLoader(
+            checkpoint, spec, options.quantization, settings.keep_gguf_blocks, settings.mmap_experts
+        ).load()
         weights = shard_weights(host, spec, mesh)
         model = cls(spec, weights, mesh, attention, options)
         model.table_tokens = checkpoint.config.max_position_embeddings

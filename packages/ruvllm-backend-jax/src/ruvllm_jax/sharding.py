@@ -16,6 +16,7 @@ import structlog
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ruvllm.errors import BackendError
+from ruvllm_jax.experts import StoredExperts
 from ruvllm_jax.kv_state import KVState, kv_scale_groups
 from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
 from ruvllm_jax.quant import KQ_BLOCK, QuantArray
@@ -105,6 +106,8 @@ def _spec_for(axes: tuple[str | None, ...], spec: ModelSpec, mesh: Mesh, stacked
 def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: bool):
     if value is None:
         return None
+    if isinstance(value, StoredExperts):  # experts left in the file: only where they lie (one device)
+        return dataclasses.replace(value, table=jax.device_put(value.table))
     if isinstance(value, QuantArray):
         *lead, out_axis, in_axis = axes  # lead: a mixture of experts' expert axis
         cols = value.shape[-1]

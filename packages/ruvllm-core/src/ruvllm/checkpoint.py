@@ -254,6 +254,12 @@ class GGUFCheckpoint(Checkpoint):
                 for e in range(int(t.shape[-1])):
                     self._experts[f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.{m.group(3)}"] = (t, e)
 
+    def mapping(self) -> np.ndarray:
+        """The whole file as a read-only ``uint8`` view of its memory map: every raw tensor's ``data``
+        is a view into it, so a backend that reads blocks in place (``mmap_experts``) can address
+        them by offset."""
+        return self._reader.data
+
     # -- metadata -------------------------------------------------------------------------------
     def meta(self, key: str, default: Any = None) -> Any:
         """A metadata value decoded to Python (strings, numbers, lists)."""

@@ -1,0 +1,115 @@
+"""jax with ``mmap_experts``: a mixture of experts' GGUF experts left in the file's memory map and read
+as stored by the native ``ruvllm_experts_stored`` kernel (tests/test_moe_mmap_kernel.py), the rest of
+the model in ``w4a8`` as usual.
+
+Tolerances, as tests/test_moe_native.py states them against the float model of the file's weights:
+the median row's KL below ``1e-3`` nats and the mean below ``1e-2`` (the activations' int8 rounding,
+here per block of 256 inputs where the copied form rounds per 32, can tip a token's router between
+two experts near a tie); against the copied ``w4a8`` form the same bounds. A sequence's prefill logits
+are the same bits alone and beside others, its decode logits within float rounding (XLA's router
+product), on every ISA variant this CPU runs (forced as ``RUVLLM_CPU_ISA`` does); the variants agree
+within float rounding (the stored-block kernel's rows are the same bits on all of them,
+tests/test_moe_mmap_kernel.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _jax_fixtures import mean_kl
+from _moe_checkpoints import write_moe_checkpoint, write_moe_gguf
+
+from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
+from ruvllm.checkpoint import open_checkpoint
+from ruvllm.errors import BackendError
+from ruvllm.plugins import load_plugins
+from ruvllm_jax import native
+from ruvllm_jax.experts import StoredExperts
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
+
+BLOCK = 4
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, norm_topk_prob=True),
+    "mixtral": dict(hidden_size=256, intermediate_size=256),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[tuple[str, str], object]:
+    from test_moe_native import _requantize  # Q4_K_M (Q4_K, Q6_K ffn_down in layer 0) and Q8_0 experts
+
+    out = {}
+    for family, shape in SHAPES.items():
+        d = tmp_path_factory.mktemp(family)
+        f32 = write_moe_gguf(write_moe_checkpoint(d / "hf", family, **shape), family, d / "f32.gguf")
+        for kind in ("q4_k_m", "q8_0") if family == "mixtral" else ("q4_k_m", "q8_0", "q4_0"):
+            out[family, kind] = _requantize(f32, d / f"{kind}.gguf", kind)
+    return out
+
+
+def _load(path, backend: str = "jax", **extra):
+    options = LoadOptions(quantization="none" if backend == "candle-compat" else "w4a8", extra=extra)
+    return load_plugins().choose_backend(backend).load(open_checkpoint(path), options)
+
+
+def _logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
+    """All-position logits of the prompts as one ragged prefill, then each one decode step."""
+    cache = model.kv_cache(4 * len(prompts), BLOCK, {})
+    tables = [np.arange(i * 4, i * 4 + 4, dtype=np.int32) for i in range(len(prompts))]
+    chunks = [
+        SequenceChunk(np.asarray(p, np.int32), 0, t, all_logits=True) for p, t in zip(prompts, tables, strict=True)
+    ]
+    out = model.forward(ForwardBatch(chunks, BLOCK), cache)
+    rows = [np.asarray(out.all_logits[i]) for i in range(len(prompts))]
+    step = [SequenceChunk(np.asarray([5], np.int32), len(p), t) for p, t in zip(prompts, tables, strict=True)]
+    decode = np.asarray(model.forward(ForwardBatch(step, BLOCK), cache).logits)
+    return [np.concatenate([r, decode[i : i + 1]]) for i, r in enumerate(rows)]
+
+
+PROMPTS = [np.random.default_rng(s).integers(3, 101, size=n).tolist() for s, n in ((1, 11), (2, 6), (3, 9))]
+
+
+@pytest.mark.parametrize(("family", "kind"), [("qwen3_moe", "q4_k_m"), ("qwen3_moe", "q8_0"), ("mixtral", "q4_k_m")])
+def test_mapped_experts_match_the_float_model_and_the_copied_form(files, family, kind) -> None:
+    path = files[family, kind]
+    mapped = _load(path, mmap_experts="true")
+    assert mapped.options.extra["mmap_experts"] == "true"
+    assert isinstance(mapped.weights.layers.expert_down, StoredExperts)
+    got = np.concatenate(_logits(mapped, PROMPTS))
+    for other in (_load(path, "candle-compat", mmap_experts="false"), _load(path, mmap_experts="false")):
+        want = np.concatenate(_logits(other, PROMPTS))
+        kl = np.asarray([mean_kl(want[i : i + 1], got[i : i + 1]) for i in range(len(got))])
+        assert np.median(kl) < 1e-3 and kl.mean() < 1e-2, (type(other).__name__, np.median(kl), kl.mean())
+
+
+def test_a_sequence_alone_and_batched_on_every_variant(files) -> None:
+    model = _load(files["qwen3_moe", "q4_k_m"], mmap_experts="true")
+    runs = []
+    for isa in [i for i in native.ISAS if i in native.supported_isas()]:
+        with native.use_isa(isa):
+            batched = _logits(model, PROMPTS)
+            alone = _logits(model, PROMPTS[1:2])
+        # Prefill rows the same bits; the decode row within float rounding (the router's product and
+        # the routing are XLA's, which sum a decode step of one sequence in another order than one of
+        # three, as tests/test_moe_native.py says; the experts' kernel is batch invariant row for row).
+        np.testing.assert_array_equal(batched[1][:-1], alone[0][:-1])
+        assert np.abs(batched[1] - alone[0]).max() < 1e-5 * np.abs(alone[0]).max()
+        runs.append(np.concatenate(batched))
+    for other in runs[1:]:  # the attention kernels' variants round differently; the experts' do not
+        assert np.abs(other - runs[0]).max() < 1e-5 * np.abs(runs[0]).max()
+
+
+def test_mmap_experts_refusals_name_what_is_missing(files) -> None:
+    with pytest.raises(
+        BackendError, match=r"mmap_experts=true needs experts in Q8_0, Q4_K, Q6_K \(this file's: Q4_0\)"
+    ):
+        _load(files["qwen3_moe", "q4_0"], mmap_experts="true")
+    assert _load(files["qwen3_moe", "q4_0"], mmap_experts="auto").options.extra["mmap_experts"] == "false"
+    path = files["qwen3_moe", "q8_0"]
+    with pytest.raises(BackendError, match=r"mmap_experts=true needs quantization w4a8 \(got none\)"):
+        load_plugins().choose_backend("jax").load(
+            open_checkpoint(path), LoadOptions(quantization="none", extra={"mmap_experts": "true"})
+        )
+    with pytest.raises(BackendError, match="mmap_experts must be one of auto, true, false"):
+        _load(path, mmap_experts="sometimes")
