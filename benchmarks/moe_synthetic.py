@@ -16,7 +16,7 @@ for most matrices, Q6_K for the LM head and for the attention V and expert down 
 layers, the router in float32. The vocabulary is byte-level BPE (the 256 byte tokens, then pairs of
 them with their merges, and ``<|endoftext|>``), so both tokenizers read it.
 
-    python benchmarks/moe_synthetic.py                 # ~/.cache/ruvllm-bench/qwen3moe-synthetic-6l-Q4_K_M.gguf
+    python benchmarks/moe_synthetic.py                 # ~/.cache/ruvllm-bench/qwen3moe-synthetic-6l-s0-Q4_K_M.gguf
     python benchmarks/moe_synthetic.py --layers 8 --dir /tmp/moe
 """
 
