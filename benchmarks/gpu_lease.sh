@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# bench_gpu.py within one short device lease (the device tool's 15 minutes, one call): the attention
-# part at Llama-3-8B's and SmolLM2's shapes in bfloat16, then the Llama-3-8B-shaped model with the Pallas
-# kernels, then the HF transformers peer, each in its own process under its own time limit, so a part
-# that fails or runs long leaves the others' figures. Every finished row is also printed as it lands
-# ("row {...}" on stderr), so a part cut off by its limit still reports what it measured.
+# bench_gpu.py within one short device lease (the device tool's 15 minutes, one call): parts on the
+# Llama-3-8B-shaped model (random bf16 weights made on the device), each in its own process under its
+# own time limit, so a part that fails or runs long leaves the others' figures. Every finished row is
+# also printed as it lands ("row {...}" on stderr), so a part cut off by its limit still reports what it
+# measured. Compiled steps are kept in jax's cache (~/.cache/ruvllm/jax): a rerun on the same warm
+# machine loads them instead of compiling, and its minutes go to measuring.
 #
 # Run from the repository root on a machine whose python3 has jax with CUDA, torch and transformers;
 # wheels of ruvllm-core's other dependencies for that python may wait in .whl/ (see the device tool's
@@ -16,7 +17,7 @@
 #           automatic parts steps of 5 tokens a sequence (speculation's verification of 4 drafts: what
 #           n-gram speculation must accept at batch 1 to pay on this card);
 #   forms:  bf16 against q8 (int8 weights, bf16 activations: w8a16) and fp8 (e4m3 weights), batch 1 in
-#           one process, then batch 256 in another (FORMS_S each), each form's floor from its own
+#           one process (FORMS1_S), then batch 256 in another (FORMS_S), each form's floor from its own
 #           weight bytes and the bandwidth measured in that process; at batch 1 also q8-channel (int8
 #           with a scale per output channel, applied after the product: whether XLA fuses q8's group
 #           scales into its GEMM shows as the two apart).
@@ -41,13 +42,14 @@ BENCH="python3 benchmarks/bench_gpu.py --dtypes bfloat16 --iterations ${ITERATIO
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.6}
 PARTS=" ${PARTS:-splits forms} "
 MODEL_ARGS="--attn-shapes --models llama3-8b --attentions ${ATTENTIONS:-pallas} --no-peer --unroll-layers ${UNROLL:-auto} --model-steps 16"
-[[ $PARTS == *" splits "* ]] && timeout "${SPLITS_S:-180}" $BENCH $MODEL_ARGS --model-decode-splits auto 1 16 --verify-tokens 5 \
+[[ $PARTS == *" splits "* ]] && timeout "${SPLITS_S:-170}" $BENCH $MODEL_ARGS --model-decode-splits auto 1 16 --verify-tokens 5 \
     --model-batches ${SPLIT_BATCHES:-1 4} --json "$OUT/splits.json" 2>&1 | tee "$OUT/splits.log"
 if [[ $PARTS == *" forms "* ]]; then  # one process per batch: single stream's three forms land first
     for b in ${FORM_BATCHES:-1 256}; do
         forms=${FORMS:-none q8 fp8}
-        [[ $b == 1 ]] && forms=${FORMS1:-none q8 fp8 q8-channel}  # q8 with its scale after the product too
-        timeout "${FORMS_S:-180}" $BENCH $MODEL_ARGS --quantizations $forms --model-batches "$b" \
+        limit=${FORMS_S:-170}
+        [[ $b == 1 ]] && forms=${FORMS1:-none q8 fp8 q8-channel} && limit=${FORMS1_S:-200}  # 4 forms there
+        timeout "$limit" $BENCH $MODEL_ARGS --quantizations $forms --model-batches "$b" \
             --json "$OUT/forms_b$b.json" 2>&1 | tee "$OUT/forms_b$b.log"
     done
 fi
