@@ -21,6 +21,10 @@
 #           weight bytes and the bandwidth measured in that process; at batch 1 also q8-channel (int8
 #           with a scale per output channel, applied after the product: whether XLA fuses q8's group
 #           scales into its GEMM shows as the two apart).
+#   spec:   (not by default) issue 45's engine at batch 1 with and without n-gram speculation
+#           (bench_speculative.py, --quantization none: bf16 on the GPU) on SPEC_MODEL (default
+#           smollm2), first SPEC_LIMIT prompts of each set. The device has no model files and a call
+#           carries 64 MiB, less than SmolLM2's GGUF (101 MiB): the file must reach the machine first.
 # The earlier parts (attention, probe, model, peer: about 10 minutes together) were measured on an H200
 # on 2026-11-27 (benchmarks/results/h200-2026-11-27/); run them as a second call on the same warm machine
 # (the peer's compile alone takes about two minutes; docs/benchmarks.md says how those were taken).
@@ -53,6 +57,9 @@ if [[ $PARTS == *" forms "* ]]; then  # one process per batch: single stream's t
             --json "$OUT/forms_b$b.json" 2>&1 | tee "$OUT/forms_b$b.log"
     done
 fi
+[[ $PARTS == *" spec "* ]] && timeout "${SPEC_S:-200}" python3 benchmarks/bench_speculative.py --model "${SPEC_MODEL:-smollm2}" \
+    --quantization none --limit "${SPEC_LIMIT:-6}" --max-tokens 128 --no-aggregate --no-llama-cpp --json "$OUT/spec.json" \
+    2>&1 | tee "$OUT/spec.log"
 [[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-200}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --decode-splits ${DECODE_SPLITS:-1 8} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 if [[ $PARTS == *" probe "* ]]; then  # where a step's time goes, layers scanned and unrolled
     for unroll in false true; do
