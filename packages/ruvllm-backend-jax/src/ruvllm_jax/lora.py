@@ -271,3 +271,20 @@ def plan_adapters(
         slots_ += [cache.zeros(proj, plan.rank)] * (plan.slots - len(used))
         factors[proj] = tuple(slots_)
     return plan, token_slot, factors, weights
+
+
+def padding_planner(plan: LoraPlan, adapters: AdapterCache, num_layers: int) -> Callable[..., Any]:
+    """The adapter planner of a step precompiled for ``plan`` (a :data:`ruvllm_jax.step_inputs.AdapterPlanner`):
+    every slot empty (zero factors), every row on no adapter."""
+
+    def padding(
+        _chunks: Sequence[Any], _lens: list[int], t: int, _starts: np.ndarray, gathered: bool
+    ) -> tuple[LoraPlan, np.ndarray, LoraFactors, np.ndarray | None]:
+        gathered = gathered and not plan.weighted
+        weight = None
+        if plan.weighted:
+            layers = (num_layers, len(plan.projections)) if plan.weighted == 2 else ()
+            weight = np.zeros((*layers, t, plan.slots), np.float32)
+        return plan, np.full(t, -1, np.int32), adapters.padding(plan, gathered), weight
+
+    return padding

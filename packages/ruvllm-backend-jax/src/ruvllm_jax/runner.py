@@ -52,7 +52,7 @@ from ruvllm_jax.kv_cache import (
     kv_layout,
 )
 from ruvllm_jax.loading import DTYPES, WeightLoader
-from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, plan_adapters
+from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, padding_planner, plan_adapters
 from ruvllm_jax.model import (
     PROJECTIONS,
     LoraFactors,
@@ -78,6 +78,8 @@ from ruvllm_jax.options import (
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import make_mesh, replicated, shard_weights
 from ruvllm_jax.step_inputs import AdapterPlanner, StepRows, as_decode_rows, check_chunks, step_inputs
+from ruvllm_jax.step_outputs import merge_sampled as _merge_sampled
+from ruvllm_jax.step_outputs import to_host as _to_host  # a module global: profile_decode_step.py wraps it
 from ruvllm_jax.step_shapes import (
     DEFAULT_GPU_CORES,
     MIN_PREFILL_LEN,
@@ -563,43 +565,4 @@ class JaxModel:
 
     def _padding_adapters(self, plan: LoraPlan) -> AdapterPlanner:
         """Adapters of a step precompiled for ``plan``: every slot empty (zero factors)."""
-
-        def padding(
-            _chunks: Sequence[SequenceChunk], _lens: list[int], t: int, _starts: np.ndarray, gathered: bool
-        ) -> tuple[LoraPlan, np.ndarray, LoraFactors, np.ndarray | None]:
-            gathered = gathered and not plan.weighted
-            weight = None
-            if plan.weighted:
-                layers = (self.spec.num_layers, len(plan.projections)) if plan.weighted == 2 else ()
-                weight = np.zeros((*layers, t, plan.slots), np.float32)
-            return plan, np.full(t, -1, np.int32), self.adapters.padding(plan, gathered), weight
-
-        return padding
-
-
-def _to_host(a: jax.Array) -> np.ndarray:
-    """A step's output on this host: across processes (a mesh spanning several), sharded outputs are
-    gathered from all of them (every process runs this, as it runs the step)."""
-    if a.is_fully_addressable or a.is_fully_replicated:
-        return np.asarray(a)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-
-def _merge_sampled(parts: list[tuple[list[int], SampledRows]], n: int) -> SampledRows:
-    if len(parts) == 1 and parts[0][0] == list(range(n)):
-        return parts[0][1]
-    k = max(p.top_ids.shape[1] for _, p in parts)
-    out = SampledRows(
-        tokens=np.zeros(n, np.int32),
-        logprobs=np.zeros(n, np.float32),
-        top_ids=np.zeros((n, k), np.int32),
-        top_logprobs=np.full((n, k), -np.inf, np.float32),
-        finite=np.zeros(n, bool),
-    )
-    for idx, p in parts:
-        out.tokens[idx], out.logprobs[idx], out.finite[idx] = p.tokens, p.logprobs, p.finite
-        out.top_ids[idx, : p.top_ids.shape[1]] = p.top_ids
-        out.top_logprobs[idx, : p.top_ids.shape[1]] = p.top_logprobs
-    return out
+        return padding_planner(plan, self.adapters, self.spec.num_layers)
