@@ -7,7 +7,7 @@ newly chosen expert in from the file) read against the later ones. For a cold pa
 first as root (``sync; echo 1 > /proc/sys/vm/drop_caches``); a second run right after is warm.
 
     python benchmarks/moe_mmap_memory.py --mmap-experts true --tokens 32
-    python benchmarks/moe_mmap_memory.py --backend jax --quantization w4a8 --tokens 32
+    python benchmarks/moe_mmap_memory.py --backend jax --quantization w4a8 --mmap-experts true --tokens 32
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE)
     ap.add_argument("--backend", default="candle-compat")
-    ap.add_argument("--mmap-experts", default=None, help="auto, true or false (candle-compat)")
+    ap.add_argument("--mmap-experts", default=None, help="auto, true or false")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens (one prefill step)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy decode steps")
