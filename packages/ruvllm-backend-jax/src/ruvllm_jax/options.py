@@ -170,7 +170,7 @@ def enable_compilation_cache() -> Path | None:
 
 def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
     """What ``quantization="auto"`` means here: ``w4a8`` for a GGUF whose matrices are mostly blocks
-    the ``w4a8`` form holds exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on one CPU device
+    the ``w4a8`` form holds exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) on one CPU device
     with a vector variant of the native kernels (the file's own weights, multiplied the way
     llama.cpp multiplies them, and this backend's fastest CPU form), else ``none``."""
     tp = str(options.extra.get("tensor_parallel", 1))
