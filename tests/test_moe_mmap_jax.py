@@ -5,7 +5,8 @@ the model in ``w4a8`` as usual.
 Tolerances, as tests/test_moe_native.py states them against the float model of the file's weights:
 the median row's KL below ``1e-3`` nats and the mean below ``1e-2`` (the activations' int8 rounding,
 here per block of 256 inputs where the copied form rounds per 32, can tip a token's router between
-two experts near a tie); against the copied ``w4a8`` form the same bounds. A sequence's prefill logits
+two experts near a tie); against the copied ``w4a8`` form the same bounds (the gpt-oss file, MXFP4
+experts beside float matrices that ``w4a8`` rounds as Q4_1, against the copied form only). A sequence's prefill logits
 are the same bits alone and beside others, its decode logits within float rounding (XLA's router
 product), on every ISA variant this CPU runs (forced as ``RUVLLM_CPU_ISA`` does); the variants agree
 within float rounding (the stored-block kernel's rows are the same bits on all of them,
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _jax_fixtures import mean_kl
-from _moe_checkpoints import write_moe_checkpoint, write_moe_gguf
+from _moe_checkpoints import mxfp4_representable, write_gpt_oss_gguf, write_moe_checkpoint, write_moe_gguf
 
 from ruvllm.backend import ForwardBatch, LoadOptions, SequenceChunk
 from ruvllm.checkpoint import open_checkpoint
@@ -45,6 +46,10 @@ def files(tmp_path_factory) -> dict[tuple[str, str], object]:
         f32 = write_moe_gguf(write_moe_checkpoint(d / "hf", family, **shape), family, d / "f32.gguf")
         for kind in ("q4_k_m", "q8_0") if family == "mixtral" else ("q4_k_m", "q8_0", "q4_0"):
             out[family, kind] = _requantize(f32, d / f"{kind}.gguf", kind)
+    d = tmp_path_factory.mktemp("gpt_oss")  # MXFP4 experts, as llama.cpp writes gpt-oss
+    hf_dir = write_moe_checkpoint(d / "hf", "gpt_oss", swiglu_limit=7.0)
+    mxfp4_representable(hf_dir)
+    out["gpt_oss", "mxfp4"] = write_gpt_oss_gguf(hf_dir, d / "mxfp4.gguf", "MXFP4")
     return out
 
 
@@ -70,14 +75,19 @@ def _logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
 PROMPTS = [np.random.default_rng(s).integers(3, 101, size=n).tolist() for s, n in ((1, 11), (2, 6), (3, 9))]
 
 
-@pytest.mark.parametrize(("family", "kind"), [("qwen3_moe", "q4_k_m"), ("qwen3_moe", "q8_0"), ("mixtral", "q4_k_m")])
+@pytest.mark.parametrize(
+    ("family", "kind"), [("qwen3_moe", "q4_k_m"), ("qwen3_moe", "q8_0"), ("mixtral", "q4_k_m"), ("gpt_oss", "mxfp4")]
+)
 def test_mapped_experts_match_the_float_model_and_the_copied_form(files, family, kind) -> None:
     path = files[family, kind]
     mapped = _load(path, mmap_experts="true")
     assert mapped.options.extra["mmap_experts"] == "true"
     assert isinstance(mapped.weights.layers.expert_down, StoredExperts)
     got = np.concatenate(_logits(mapped, PROMPTS))
-    for other in (_load(path, "candle-compat", mmap_experts="false"), _load(path, mmap_experts="false")):
+    others = [_load(path, mmap_experts="false")]
+    if kind != "mxfp4":  # that file's other matrices are float, which w4a8 rounds as Q4_1: not the float model
+        others.append(_load(path, "candle-compat", mmap_experts="false"))
+    for other in others:
         want = np.concatenate(_logits(other, PROMPTS))
         kl = np.asarray([mean_kl(want[i : i + 1], got[i : i + 1]) for i in range(len(got))])
         assert np.median(kl) < 1e-3 and kl.mean() < 1e-2, (type(other).__name__, np.median(kl), kl.mean())
@@ -102,7 +112,7 @@ def test_a_sequence_alone_and_batched_on_every_variant(files) -> None:
 
 def test_mmap_experts_refusals_name_what_is_missing(files) -> None:
     with pytest.raises(
-        BackendError, match=r"mmap_experts=true needs experts in Q8_0, Q4_K, Q6_K \(this file's: Q4_0\)"
+        BackendError, match=r"mmap_experts=true needs experts in Q8_0, Q4_K, Q6_K, MXFP4 \(this file's: Q4_0\)"
     ):
         _load(files["qwen3_moe", "q4_0"], mmap_experts="true")
     assert _load(files["qwen3_moe", "q4_0"], mmap_experts="auto").options.extra["mmap_experts"] == "false"

@@ -1,7 +1,7 @@
 """The stored-block experts' kernel (``ruvllm_experts_stored``): a mixture of experts' (token, expert)
 rows, sorted by expert with a size per expert, each multiplied by its own expert's matrix read as the
-GGUF file stores it (Q4_K, Q6_K, Q8_0 rows of blocks, in a registered region such as the file's
-memory map), activations int8 per block of 256 (k-quants) or 32 (Q8_0).
+GGUF file stores it (Q4_K, Q6_K, Q8_0, MXFP4 rows of blocks, in a registered region such as the file's
+memory map), activations int8 per block of 256 (k-quants) or 32 (Q8_0, MXFP4).
 
 Each row is checked against float64 NumPy of the dequantized blocks (the ``gguf`` library's) times the
 int8-rounded activations, within ``1e-5`` of the sum of the terms' magnitudes (float32 sums per block,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels n
 _ARM = platform.machine().lower() in ("aarch64", "arm64")
 ISAS = [isa for isa in native.ISAS if isa == "scalar" or isa.startswith("neon") == _ARM]
 LAYERS, EXPERTS, OUT, K = 2, 5, 48, 512
-BLOCK = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+BLOCK = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256, "MXFP4": 32}
 
 
 def _stack(rng: np.random.Generator, ggml_type: str) -> np.ndarray:

@@ -45,7 +45,7 @@ EXPERTS_TARGET = "ruvllm_experts"
 EXPERTS_W8A8_TARGET = "ruvllm_experts_w8a8"
 EXPERTS_STORED_TARGET = "ruvllm_experts_stored"
 #: GGUF types the stored-block experts' kernel reads as stored, by ggml type id (cpu_kernels.h, StoredType).
-STORED_TYPES = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+STORED_TYPES = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "MXFP4": 39}
 DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"

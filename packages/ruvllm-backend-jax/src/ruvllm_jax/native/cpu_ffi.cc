@@ -507,7 +507,7 @@ ffi::Error ExpertsStoredImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, 
   thread_local StoredActsBuf acts32, acts256;
   ruvllm::StoredActs a32{}, a256{};
   bool need32 = false, need256 = false;
-  for (const auto& m : mats) (m.type == ruvllm::kStoredQ8_0 ? need32 : need256) = true;
+  for (const auto& m : mats) (ruvllm::stored_block_values(m.type) == 32 ? need32 : need256) = true;
   if (need32) a32 = acts32.quantize(x.typed_data(), live, K, 32);
   if (need256) a256 = acts256.quantize(x.typed_data(), live, K, 256);
   // Tasks: (output, expert with rows, 16 output rows); each y element is one task's.
@@ -518,7 +518,7 @@ ffi::Error ExpertsStoredImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, 
   };
   std::vector<Task> tasks;
   for (const auto& m : mats) {
-    const ruvllm::StoredActs& all = m.type == ruvllm::kStoredQ8_0 ? a32 : a256;
+    const ruvllm::StoredActs& all = ruvllm::stored_block_values(m.type) == 32 ? a32 : a256;
     const int64_t B = K / ruvllm::stored_block_values(m.type);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = first[e], rows = first[e + 1] - first[e];

@@ -163,19 +163,25 @@ struct GroupActsOut {
 // memory map), row-major, each row its blocks in order: Q8_0 34 bytes per 32 inputs (float16 d, 32
 // int8 codes), Q4_K 144 per 256 (float16 d and dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks
 // of 32, 128 bytes of 4-bit codes), Q6_K 210 per 256 (128 bytes of low nibbles, 64 of high bit pairs,
-// 16 int8 scales for sub-blocks of 16, float16 d). Activations are int8 per block of the type's size
+// 16 int8 scales for sub-blocks of 16, float16 d), MXFP4 17 per 32 (an E8M0 scale byte, 16 bytes of
+// 4-bit E2M1 codes: byte j's low nibble is value j, its high nibble value 16 + j). Activations are int8 per block of the type's size
 // (32: llama.cpp's q8_0; 256: q8_K), dx = max|x| / 127, code = nearbyint(x / dx). Each block's dot is an
 // exact int32 sum, then one float step per block, in block order (so a row's result is the same
 // whatever the other rows and whatever the variant):
 //   Q8_0: acc += (float)s * (d * dx),                 s = sum codes . xq
 //   Q4_K: acc += dx * (d * (float)s1 - dmin * (float)s2),  s1 = sum_j sc_j p_j, s2 = sum_j mn_j xs_j
 //   Q6_K: acc += dx * (d * (float)s),                 s = sum_j sc_j (p_j - 32 xs_j)
+//   MXFP4: acc += (float)s * (h * dx), s = sum 2 e2m1(code) . xq (doubled values, integers), h = 2^(e - 128)
 // (p_j: sub-block j's codes . xq, xs_j: the sum of its xq).
-enum StoredType : int { kStoredQ8_0 = 8, kStoredQ4_K = 12, kStoredQ6_K = 14 };  // ggml's type ids
+enum StoredType : int { kStoredQ8_0 = 8, kStoredQ4_K = 12, kStoredQ6_K = 14, kStoredMXFP4 = 39 };  // ggml's ids
 
-static inline int64_t stored_block_values(int type) { return type == kStoredQ8_0 ? 32 : 256; }
+static inline int64_t stored_block_values(int type) { return type == kStoredQ8_0 || type == kStoredMXFP4 ? 32 : 256; }
 static inline int64_t stored_block_bytes(int type) {
-  return type == kStoredQ8_0 ? 34 : type == kStoredQ4_K ? 144 : type == kStoredQ6_K ? 210 : 0;
+  return type == kStoredQ8_0    ? 34
+         : type == kStoredQ4_K  ? 144
+         : type == kStoredQ6_K  ? 210
+         : type == kStoredMXFP4 ? 17
+                                : 0;
 }
 
 struct StoredActs {
