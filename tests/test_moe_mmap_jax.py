@@ -123,3 +123,48 @@ def test_mmap_experts_refusals_name_what_is_missing(files) -> None:
         )
     with pytest.raises(BackendError, match="mmap_experts must be one of auto, true, false"):
         _load(path, mmap_experts="sometimes")
+
+
+def test_auto_maps_the_experts_when_their_float_copy_would_not_fit(files, monkeypatch) -> None:
+    from ruvllm import mapped_experts
+
+    path = files["qwen3_moe", "q4_k_m"]
+    need = mapped_experts.experts_float_bytes(open_checkpoint(path))
+    monkeypatch.setattr(mapped_experts, "available_memory", lambda: int(need / mapped_experts.AUTO_SHARE) - 1)
+    assert isinstance(_load(path).weights.layers.expert_gate, StoredExperts)
+    monkeypatch.setattr(mapped_experts, "available_memory", lambda: 4 * need)
+    assert _load(path).options.extra["mmap_experts"] == "false"
+
+
+def test_engine_steps_with_mapped_experts_are_precompiled_and_a_request_alone_matches_the_batch(files) -> None:
+    """Through the engine: every MoE step precompiled with the experts mapped (nothing compiles while
+    running), and each request's greedy tokens the same alone as beside the other."""
+    import tokenizers
+
+    from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
+    from ruvllm.runtime import load_model
+    from ruvllm.sampling import SamplingParams
+    from ruvllm.tokenizer import Tokenizer
+
+    options = LoadOptions(quantization="w4a8", extra={"mmap_experts": "true"})
+    llm = load_model(str(files["qwen3_moe", "q4_k_m"]), backend="jax", host=load_plugins(), options=options)
+    assert llm.model.options.extra["mmap_experts"] == "true"
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(101)}, unk_token="t0"))
+    engine = LLMEngine(
+        llm,
+        EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, num_blocks=64),
+        tokenizer=Tokenizer(inner, bos_token_id=None, eos_token_ids=()),
+    )
+    engine.precompile()
+    compiled = llm.model.compiled_steps.stats.count
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 101, size=n).tolist() for n in (15, 9)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def tokens(outs) -> list[list[int]]:
+        return [[t for o in out for d in o.deltas for t in d.token_ids] for out in outs]
+
+    together = tokens(engine.generate([GenerationRequest(list(p), params) for p in prompts]))
+    alone = [tokens(engine.generate([GenerationRequest(list(p), params)]))[0] for p in prompts]
+    assert together == alone and all(len(t) == 10 for t in together)
+    assert llm.model.compiled_steps.stats.count == compiled
