@@ -96,7 +96,8 @@ def native_isas() -> list[str]:
 
 
 def gguf_weights(path: Path) -> str:
-    """The file's type (``Q4_K_M``) and its matrices' block types (``Q4_K x186, Q6_K x25``)."""
+    """The file's type (``Q4_K_M``) and its matrices' block types (``Q4_K x186, Q6_K x25``); a mixture
+    of experts' stacks (three dimensions) count as one matrix tensor each."""
     if path.suffix != ".gguf":
         return "not a GGUF file"
     import gguf
@@ -110,7 +111,7 @@ def gguf_weights(path: Path) -> str:
             kind = gguf.LlamaFileType(code).name.removeprefix("MOSTLY_")
         except ValueError:
             kind = str(code)
-    counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
+    counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
     return f"{kind} ({', '.join(f'{k} x{n}' for k, n in counts.most_common())})"
 
 
