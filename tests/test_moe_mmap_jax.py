@@ -125,11 +125,11 @@ def test_mmap_experts_refusals_name_what_is_missing(files) -> None:
         _load(path, mmap_experts="sometimes")
 
 
-def test_auto_maps_the_experts_when_their_float_copy_would_not_fit(files, monkeypatch) -> None:
+def test_auto_maps_the_experts_when_their_w4a8_copy_would_not_fit(files, monkeypatch) -> None:
     from ruvllm import mapped_experts
 
     path = files["qwen3_moe", "q4_k_m"]
-    need = mapped_experts.experts_float_bytes(open_checkpoint(path))
+    need = mapped_experts.experts_file_bytes(open_checkpoint(path))  # the w4a8 copy's size, about
     monkeypatch.setattr(mapped_experts, "available_memory", lambda: int(need / mapped_experts.AUTO_SHARE) - 1)
     assert isinstance(_load(path).weights.layers.expert_gate, StoredExperts)
     monkeypatch.setattr(mapped_experts, "available_memory", lambda: 4 * need)

@@ -15,7 +15,7 @@ import jax
 from ruvllm.backend import LoadOptions
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError
-from ruvllm.mapped_experts import mmap_experts_option
+from ruvllm.mapped_experts import experts_file_bytes, mmap_experts_option
 from ruvllm_jax import native
 from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES
 from ruvllm_jax.loading import DTYPES, EXPERT_GGUF_TYPES
@@ -102,7 +102,9 @@ def mmap_experts_setting(checkpoint: Checkpoint, options: LoadOptions, tp: int) 
     """The ``mmap_experts`` option (:mod:`ruvllm.mapped_experts`) for this backend: experts left in the
     file need the native stored-block kernel, so ``w4a8`` on one CPU device with the native kernels and
     experts in Q4_K, Q6_K or Q8_0; ``true`` without them is refused by name, ``auto`` then copies."""
-    mapped = mmap_experts_option(options.extra.get("mmap_experts", "auto"), checkpoint, "jax backend")
+    # Its copy is the w4a8 form, about the file's bytes (not float32's four bytes a weight).
+    copy = experts_file_bytes(checkpoint) if checkpoint.format == "gguf" and checkpoint.config.num_experts else None
+    mapped = mmap_experts_option(options.extra.get("mmap_experts", "auto"), checkpoint, "jax backend", copy)
     if not mapped:
         return False
     why = None

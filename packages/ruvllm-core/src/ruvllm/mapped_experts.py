@@ -43,11 +43,23 @@ def experts_float_bytes(checkpoint: Checkpoint) -> int:
     return cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4
 
 
-def mmap_experts_option(value: Any, checkpoint: Checkpoint, backend: str) -> bool:
+def experts_file_bytes(checkpoint: Checkpoint) -> int:
+    """Bytes of every expert matrix as a GGUF file stores them (about what a backend that copies the
+    file's blocks into its own quantized form holds)."""
+    cfg = checkpoint.config
+    return sum(
+        checkpoint.raw_tensor(f"model.layers.{layer}.mlp.experts.0.{proj}.weight").data.nbytes * cfg.num_experts
+        for layer in range(cfg.num_layers)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
+def mmap_experts_option(value: Any, checkpoint: Checkpoint, backend: str, copy_bytes: int | None = None) -> bool:
     """Whether ``checkpoint``'s experts stay mapped for option value ``value`` (``auto``, ``true``,
-    ``false`` or a bool); ``auto``: when the file's blocks can be mapped and the experts' float32 copy
-    would take more than :data:`AUTO_SHARE` of :func:`available_memory`. Raises
-    :class:`BackendError` naming the option for a bad value, or ``true`` where nothing can be mapped."""
+    ``false`` or a bool); ``auto``: when the file's blocks can be mapped and the backend's copy of the
+    experts (``copy_bytes``; default their float32 size, :func:`experts_float_bytes`) would take more
+    than :data:`AUTO_SHARE` of :func:`available_memory`. Raises :class:`BackendError` naming the option
+    for a bad value, or ``true`` where nothing can be mapped."""
     text = ("true" if value else "false") if isinstance(value, bool) else str(value).strip().lower()
     if text not in MMAP_EXPERTS_VALUES:
         raise BackendError(f"{backend}: mmap_experts must be one of {', '.join(MMAP_EXPERTS_VALUES)}, got {value!r}")
@@ -55,7 +67,10 @@ def mmap_experts_option(value: Any, checkpoint: Checkpoint, backend: str) -> boo
         return False
     mappable = checkpoint.format == "gguf" and bool(checkpoint.config.num_experts)
     if text == "auto":
-        return mappable and experts_float_bytes(checkpoint) > AUTO_SHARE * available_memory()
+        if not mappable:
+            return False
+        need = experts_float_bytes(checkpoint) if copy_bytes is None else copy_bytes
+        return need > AUTO_SHARE * available_memory()
     if not checkpoint.config.num_experts:
         raise BackendError(f"{backend}: mmap_experts=true but {checkpoint.path} is not a mixture of experts")
     if not mappable:
