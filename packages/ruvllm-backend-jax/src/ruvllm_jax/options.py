@@ -87,7 +87,7 @@ def load_settings(checkpoint: Checkpoint, options: LoadOptions) -> LoadSettings:
         threads = native.parse_threads(options.extra["threads"], "jax backend: threads")
         if native.available():
             native.set_threads(threads)
-    keep = bool(options.extra.get("keep_gguf_blocks", False))
+    keep = bool_option(options.extra, "keep_gguf_blocks", False)
     if keep and options.quantization != "none":
         raise BackendError(
             "jax backend: keep_gguf_blocks keeps the file's quantization; use it with quantization='none'"
@@ -130,6 +130,20 @@ def _expert_types(checkpoint: Checkpoint) -> set[str]:
         for layer in range(checkpoint.config.num_layers)
         for proj in ("gate_proj", "up_proj", "down_proj")
     }
+
+
+def bool_option(extra: dict[str, Any], name: str, default: bool) -> bool:
+    """A yes/no option given as a bool or as text (``--backend-option keep_gguf_blocks=false`` gives
+    the string ``"false"``, which ``bool()`` would read as true); anything else is refused by name."""
+    value = extra.get(name, default)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise BackendError(f"jax backend: {name} must be true or false, got {value!r}")
 
 
 def native_option(options: LoadOptions, devices: int) -> bool:
@@ -181,7 +195,7 @@ def auto_quantization(checkpoint: Checkpoint, options: LoadOptions) -> str:
         and checkpoint.quantization in WXA8_GGUF_TYPES
         and options.dtype == "float32"
         and tp == "1"
-        and not options.extra.get("keep_gguf_blocks")
+        and not bool_option(options.extra, "keep_gguf_blocks", False)
         and options.extra.get("native", True) not in (False, "false", "0")
         and jax.devices()[0].platform == "cpu"
         and native.has_vector_path()  # the scalar loops are no faster than float32

@@ -17,12 +17,13 @@ earlier request left in a reused block cannot leak into a later one. A chunk may
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ruvllm.errors import BackendError
 from ruvllm.modeling import PROJECTIONS
 
 if TYPE_CHECKING:
@@ -485,3 +486,36 @@ def chunk_block_table(
             f"of {block_size} ({len(table) * block_size} slots)"
         )
     return table
+
+
+#: ``LoadOptions.extra`` keys with a flag of their own (``--threads``, ``--device``, ``--tensor-parallel``,
+#: a group's ``--coordinator`` / ``--num-processes``): ``--backend-option`` refuses them by name.
+OPTIONS_WITH_FLAGS = frozenset({"threads", "device", "tensor_parallel", "coordinator", "num_processes"})
+
+
+def parse_backend_options(items: Iterable[str] | str | Mapping[str, object] | None) -> dict[str, str]:
+    """``KEY=VALUE`` strings (``--backend-option mmap_experts=true``, repeatable; or one comma-separated
+    string, or a ``{key: value}`` table) -> ``{key: value}`` for ``LoadOptions.extra``. Values stay
+    strings: each backend reads and checks its own options, and refuses a key it does not know by
+    name. Raises :class:`BackendError` for an item without ``=`` or a key that has a flag of its own."""
+    if items is None:
+        return {}
+    if isinstance(items, Mapping):
+        pairs = [(str(k), str(v)) for k, v in items.items()]
+    else:
+        pairs = []
+        for item in items.split(",") if isinstance(items, str) else items:
+            if not str(item).strip():
+                continue
+            key, eq, value = str(item).strip().partition("=")
+            if not eq or not key.strip():
+                raise BackendError(f"backend option {item!r} must look like key=value (e.g. mmap_experts=true)")
+            pairs.append((key, value))
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        key = key.strip().replace("-", "_")
+        if key in OPTIONS_WITH_FLAGS:
+            flag = "--" + key.replace("_", "-")
+            raise BackendError(f"backend option {key!r} has a flag of its own: use {flag}")
+        out[key] = value.strip()
+    return out

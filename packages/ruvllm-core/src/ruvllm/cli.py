@@ -43,6 +43,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the device the backend runs on (mlx: auto, gpu or cpu; a backend without the choice refuses it)",
     )
+    p.add_argument(
+        "--backend-option",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a load option of the backend (repeatable), e.g. mmap_experts=true or attention=pallas on jax; "
+        "a backend refuses a key it does not know by name",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -74,9 +82,14 @@ def _sampling(args: argparse.Namespace):
     )
 
 
-def backend_extra(*, threads: int | None, device: str | None) -> dict[str, object]:
-    """The backend options the CLI's ``--threads`` and ``--device`` set (unset ones left out)."""
-    return {k: v for k, v in (("threads", threads), ("device", device)) if v is not None}
+def backend_extra(*, threads: int | None, device: str | None, options: list[str] | None = None) -> dict[str, object]:
+    """The backend options the CLI's ``--threads``, ``--device`` and ``--backend-option`` set (unset
+    ones left out)."""
+    from ruvllm.backend import parse_backend_options
+
+    extra: dict[str, object] = dict(parse_backend_options(options))
+    extra.update({k: v for k, v in (("threads", threads), ("device", device)) if v is not None})
+    return extra
 
 
 def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
@@ -86,7 +99,10 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
     return load_model(
         args.model,
         backend=args.backend,
-        options=LoadOptions(dtype=args.dtype, extra=backend_extra(threads=args.threads, device=args.device)),
+        options=LoadOptions(
+            dtype=args.dtype,
+            extra=backend_extra(threads=args.threads, device=args.device, options=args.backend_option),
+        ),
         host=host,
         cache_dir=args.cache_dir,
         quantization=args.quantization,

@@ -37,6 +37,14 @@ def _add_serve_parser(subparsers: Any) -> None:
         default=None,
         help="the device the backend runs on (mlx: auto, gpu or cpu; a backend without the choice refuses it)",
     )
+    p.add_argument(
+        "--backend-option",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a load option of the backend (repeatable), e.g. mmap_experts=true or attention=pallas on jax; "
+        "a backend refuses a key it does not know by name",
+    )
     p.add_argument("--tensor-parallel", type=int, default=None, help="devices to shard the model over (default 1)")
     p.add_argument(
         "--coordinator",
@@ -222,6 +230,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "dtype": args.dtype,
         "threads": args.threads,
         "device": args.device,
+        "backend_options": args.backend_option,
         "tensor_parallel": args.tensor_parallel,
         "coordinator": args.coordinator,
         "num_processes": args.num_processes,

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import tomllib
 
-from ruvllm.errors import RuvllmError
+from ruvllm.backend import parse_backend_options
+from ruvllm.errors import BackendError, RuvllmError
 
 
 class ServerConfigError(RuvllmError):
@@ -37,6 +38,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: The device the backend runs on (backend extra ``device``; mlx: ``auto``, ``gpu`` or ``cpu``).
     #: None: the backend's choice. A backend without the choice refuses it by name.
     device: str | None = None
+    #: Load options of the backend (``--backend-option mmap_experts=true``, TOML ``[backend_options]``,
+    #: ``RUVLLM_BACKEND_OPTIONS="key=value,key=value"``): ``LoadOptions.extra``, checked by the backend.
+    backend_options: dict[str, str] = {}
     #: Devices the model is sharded over (backend extra ``tensor_parallel``; jax: over every process's
     #: devices when ``num_processes`` > 1). 1: no sharding.
     tensor_parallel: Positive = 1
@@ -190,6 +194,11 @@ def _normalise(source: str, raw: Mapping[str, Any]) -> dict[str, Any]:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if name == "plugin_options":
             value = parse_plugin_options(value, source)
+        if name == "backend_options":
+            try:
+                value = parse_backend_options(value)
+            except BackendError as exc:
+                raise ServerConfigError(f"{source}: {exc}") from None
         out[name] = value
     return out
 

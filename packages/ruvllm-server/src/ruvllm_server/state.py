@@ -37,7 +37,9 @@ def load_model(settings: ServerSettings) -> LoadedModel:
 
     if not settings.model:
         raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
-    extra: dict[str, object] = {} if settings.threads is None else {"threads": settings.threads}
+    extra: dict[str, object] = dict(settings.backend_options)
+    if settings.threads is not None:
+        extra["threads"] = settings.threads
     if settings.device is not None:
         extra["device"] = settings.device
     if settings.tensor_parallel > 1:
