@@ -12,10 +12,13 @@ one interleaved run (issue 44's must-show): for each model, SmolLM2 (Q4_1) and G
                     this machine) on the same GGUF with the same threads: one stream
 
 The servers start once per model and stay up (idle between turns); every round measures each row
-once, in the order above, so a row's neighbours are seconds away. A stream's decode rate is its
+once, in the order above, so a row's neighbours are seconds away. Every server gets the same text
+completion (``/v1/completions``: no chat template, whose handling differs between the servers;
+llama_cpp.server falls back to Llama-2's for Gemma-3). A stream's decode rate is its
 tokens after the first over the time after the first (TTFT left out, as the raw forward leaves the
-prefill out); a level's figure is the median over its requests, and the aggregate at 32 streams is
-all tokens over the wall time of the requests' decode. Medians over rounds, each round's ratios.
+prefill out); a level's figure is the median over its requests, and the aggregate at 32 streams
+counts the tokens streamed while every stream had its first token and none had ended (the steady
+state the raw batch of 32 measures), over that window's time. Medians over rounds, each round's ratios.
 
     python benchmarks/bench_overhead.py --rounds 3 --json overhead.json
     python benchmarks/bench_overhead.py --models smollm2 --rounds 1 --max-tokens 64
@@ -38,11 +41,34 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_server import _free_port, _wait_ready, one_request
+from bench_server import RequestTiming, _free_port, _wait_ready
 from provenance import cpu_summary, llama_cpp_build, native_isa
 
 HERE = Path(__file__).resolve().parent
-PROMPT = "Write a long story about a lighthouse keeper, the sea and a storm that lasts three days."
+PROMPT = (
+    "The lighthouse keeper had lived alone on the island for eleven years when the storm came. "
+    "It lasted three days, and this is the story of those days.\n\nOn the first morning,"
+)
+
+
+async def one_completion(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestTiming:
+    """Stream one greedy text completion; the time of each event that carries text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices") or []:
+                if choice.get("text"):
+                    stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if not stamps:
+        return RequestTiming(end - start, [], end - start, 0)
+    # itls carries the events' times from the request's start (the steady-state window needs them).
+    return RequestTiming(stamps[0] - start, [t - start for t in stamps], end - start, len(stamps))
 
 
 class Server:
@@ -75,18 +101,22 @@ async def _streams(base: str, model: str, n: int, max_tokens: int) -> dict[str, 
     limits = httpx.Limits(max_connections=n + 4)
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=600) as client:
         t0 = time.perf_counter()
-        msgs = [[{"role": "user", "content": f"{i}. {PROMPT}"}] for i in range(n)]
-        timings = await asyncio.gather(*[one_request(client, model, i, max_tokens, msgs[i]) for i in range(n)])
+        prompts = [f"{i}. {PROMPT}" for i in range(n)]
+        timings = await asyncio.gather(*[one_completion(client, model, prompts[i], max_tokens) for i in range(n)])
         wall = time.perf_counter() - t0
     rates = [(t.tokens - 1) / (t.e2e - t.ttft) for t in timings if t.tokens > 1 and t.e2e > t.ttft]
     if not rates:
         raise RuntimeError(f"{base}: no stream produced two tokens")
-    first = min(t.ttft for t in timings)
-    tokens = sum(max(0, t.tokens - 1) for t in timings)
+    # The aggregate in the steady state: every stream has its first token (all prompts are in) and
+    # none has ended, as in the raw forward's batch of 32 decoding rows.
+    lo = max(t.ttft for t in timings)
+    hi = min(t.itls[-1] for t in timings if t.itls)
+    events = sum(1 for t in timings for stamp in t.itls if lo < stamp <= hi)
     return {
         "stream_tok_s": statistics.median(rates),
-        "aggregate_tok_s": tokens / (wall - first),
+        "aggregate_tok_s": events / (hi - lo) if hi > lo and events else float("nan"),
         "tokens": float(sum(t.tokens for t in timings)),
+        "wall_s": wall,
     }
 
 
@@ -197,7 +227,12 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench_overhead_"))
-    results = [run_model(m, args, log_dir) for m in args.models]
+    results = []
+    for m in args.models:
+        try:
+            results.append(run_model(m, args, log_dir))
+        except (RuntimeError, subprocess.CalledProcessError, httpx.HTTPError) as exc:  # the others still report
+            print(f"{m}: no figures: {exc} (logs: {log_dir})", file=sys.stderr)
     print(f"\ncpu: {cpu_summary()}; kernels: {native_isa()}; load average at the end: {os.getloadavg()}")
     if any("llama_server_b1_tok_s" in r["medians"] for r in results):
         print(f"llama.cpp: {llama_cpp_build()}")
