@@ -210,6 +210,34 @@ ffi::Error KxA8PanelImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
+// A grouped-experts call's rows: x [R, K] and, per expert, a count of consecutive rows (sorted by
+// expert, as ruvllm.modeling.moe_mlp builds them); layer [1] picks the layer of the stacked experts.
+struct ExpertGroups {
+  int64_t R = 0, K = 0, E = 0, l = 0;
+  std::vector<int64_t> first;  // expert e's rows are first[e] .. first[e + 1] - 1
+};
+
+// Reads and checks the operands every grouped-experts handler shares; an error names the handler.
+ffi::Error read_expert_groups(const std::string& who, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& layer,
+                              ffi::Buffer<ffi::S32>& sizes, ExpertGroups* g) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
+  g->R = xd[0];
+  g->K = xd[1];
+  g->E = static_cast<int64_t>(sizes.element_count());
+  if (g->E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
+  g->l = layer.typed_data()[0];
+  const int32_t* sz = sizes.typed_data();
+  g->first.assign(g->E + 1, 0);
+  for (int64_t e = 0; e < g->E; ++e) {
+    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
+    g->first[e + 1] = g->first[e] + sz[e];
+  }
+  if (g->first[g->E] > g->R)
+    return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
+  return ffi::Error::Success();
+}
+
 // ruvllm_experts: the grouped products of a mixture of experts. x [R, K] holds a step's (token, expert)
 // rows sorted by expert and sizes [E] how many rows each expert has (rows past their sum are padding
 // and get zeros). Each weight is a 5-tuple as ruvllm_kxa8_panel's (k-quant, or plain with sc and mn
@@ -220,21 +248,12 @@ ffi::Error KxA8PanelImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi:
 ffi::Error ExpertsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const std::string who = "ruvllm_experts";
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
-  const int64_t R = xd[0], K = xd[1];
+  ExpertGroups groups;
+  if (auto err = read_expert_groups(who, x, layer, sizes, &groups); err.failure()) return err;
+  const int64_t R = groups.R, K = groups.K, E = groups.E, l = groups.l;
+  const std::vector<int64_t>& first = groups.first;
   if (K % 32 != 0) return ffi::Error::InvalidArgument(who + ": input features must be a multiple of 32");
   const int64_t G = K / 32;
-  const int64_t E = static_cast<int64_t>(sizes.element_count());
-  if (E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
-  const int64_t l = layer.typed_data()[0];
-  const int32_t* sz = sizes.typed_data();
-  std::vector<int64_t> first(E + 1, 0);  // expert e's rows are first[e] .. first[e + 1] - 1
-  for (int64_t e = 0; e < E; ++e) {
-    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
-    first[e + 1] = first[e] + sz[e];
-  }
-  if (first[E] > R) return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
   if (weights.size() != 5 * outs.size() || outs.size() == 0)
     return ffi::Error::InvalidArgument(who + ": expected (codes, a, b, sc, mn) 5-tuples, one per output");
   // Per weight, its E matrices of layer l (reserved up front: items below point into them).
@@ -336,19 +355,10 @@ ffi::Error ExpertsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::B
 ffi::Error ExpertsW8A8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const std::string who = "ruvllm_experts_w8a8";
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
-  const int64_t R = xd[0], K = xd[1];
-  const int64_t E = static_cast<int64_t>(sizes.element_count());
-  if (E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
-  const int64_t l = layer.typed_data()[0];
-  const int32_t* sz = sizes.typed_data();
-  std::vector<int64_t> first(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) {
-    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
-    first[e + 1] = first[e] + sz[e];
-  }
-  if (first[E] > R) return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
+  ExpertGroups groups;
+  if (auto err = read_expert_groups(who, x, layer, sizes, &groups); err.failure()) return err;
+  const int64_t R = groups.R, K = groups.K, E = groups.E, l = groups.l;
+  const std::vector<int64_t>& first = groups.first;
   if (weights.size() != 2 * outs.size() || outs.size() == 0)
     return ffi::Error::InvalidArgument(who + ": expected (weight, scale) pairs, one per output");
   std::vector<RowMatrix> mats;  // per output, its E matrices of layer l
@@ -454,19 +464,10 @@ struct StoredActsBuf {
 ffi::Error ExpertsStoredImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                              ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs tables, ffi::RemainingRets outs) {
   const std::string who = "ruvllm_experts_stored";
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument(who + ": x must be [rows, features]");
-  const int64_t R = xd[0], K = xd[1];
-  const int64_t E = static_cast<int64_t>(sizes.element_count());
-  if (E == 0) return ffi::Error::InvalidArgument(who + ": no experts");
-  const int64_t l = layer.typed_data()[0];
-  const int32_t* sz = sizes.typed_data();
-  std::vector<int64_t> first(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) {
-    if (sz[e] < 0) return ffi::Error::InvalidArgument(who + ": a negative group size");
-    first[e + 1] = first[e] + sz[e];
-  }
-  if (first[E] > R) return ffi::Error::InvalidArgument(who + ": group sizes add up to more rows than x has");
+  ExpertGroups groups;
+  if (auto err = read_expert_groups(who, x, layer, sizes, &groups); err.failure()) return err;
+  const int64_t R = groups.R, K = groups.K, E = groups.E, l = groups.l;
+  const std::vector<int64_t>& first = groups.first;
   if (tables.size() != outs.size() || outs.size() == 0)
     return ffi::Error::InvalidArgument(who + ": expected one table per output");
   struct Out {
