@@ -11,6 +11,7 @@ verifier themselves live in :mod:`ruvllm.speculative`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ import numpy as np
 from ruvllm.backend import RewritesKVPositions, StepLimits
 from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.errors import BackendError
-from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, verify_draft
+from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, StepCosts, verify_draft
 from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class Speculation:
         self.max_model_len = max_model_len
         #: Drafted and accepted token counters.
         self.stats = SpeculationStats()
+        #: Decode-only steps' measured milliseconds by row count, which price the drafts.
+        self.costs = StepCosts(config.speculative_position_cost)
+        #: The last step's decoding rows (0: not a decode-only step) and when it started.
+        self._last_step: tuple[int, float] | None = None
         self._check()
         #: The draft model's proposer (``speculative="draft"``).
         self.drafter: DraftProposer | None = None
@@ -125,8 +130,11 @@ class Speculation:
 
     def propose(self) -> None:
         """Draft tokens for the decoding sequences, oldest first, while the step's decoding positions
-        (``speculative_step_tokens``) last: a step of many sequences drafts less, then nothing."""
+        (``speculative_step_tokens``) last, then only as many as their expected gain pays for at this
+        step's measured cost per row (:class:`~ruvllm.speculative.StepCosts`): a step of many
+        sequences drafts less, then nothing."""
         cfg = self.config
+        self._learn_last_step()
         decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
         room = cfg.speculative_step_tokens - len(decoding)
         wanted: list[tuple[Sequence, int]] = []
@@ -155,6 +163,15 @@ class Speculation:
                 seq.draft = index.propose(k)
             wanted.append((seq, k))
             room -= k if self.drafter is not None else len(seq.draft)
+        # What this load pays for (the n-gram drafts as found; the draft model's before it runs).
+        offered = [len(q.draft) if self.drafter is None else k for q, k in wanted]
+        rates = [q.speculation[1].rate if q.speculation is not None else 0.0 for q, _ in wanted]
+        keep = self.costs.allot(len(decoding), rates, offered)
+        wanted = [(q, n) for (q, _), n in zip(wanted, keep, strict=True)]
+        if self.drafter is None:
+            for seq, n in wanted:
+                seq.draft = seq.draft[:n]
+        wanted = [(q, n) for q, n in wanted if n > 0]
         if self.drafter is not None and wanted:
             live = {q.seq_id for q in self.scheduler.running}
             reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in wanted]
@@ -165,6 +182,21 @@ class Speculation:
             constraint = seq.sampler.constraint
             if seq.draft and constraint is not None and not constraint.allowed()[seq.draft[0]]:
                 seq.draft, seq.draft_q = [], None  # the grammar refuses it: cut at its first token
+        # A step of decoding rows only, unless a prompt may join it (then its time is not the rows').
+        # Timed from here: the rows' cost, not the proposing's (a draft model's passes are its own).
+        only_decode = bool(decoding) and len(decoding) == len(self.scheduler.running) and not self.scheduler.waiting
+        rows = len(decoding) + sum(len(q.draft) for q in decoding)
+        self._last_step = (rows if only_decode else 0, time.perf_counter())
+
+    def _learn_last_step(self) -> None:
+        """The last step ran from the end of its :meth:`propose` to this one: what its rows cost, when
+        it was a decode-only step (all of it, host work and verification included, is the rows')."""
+        if self._last_step is None:
+            return
+        rows, started = self._last_step
+        self._last_step = None
+        if rows > 0:
+            self.costs.observe(rows, 1000.0 * (time.perf_counter() - started))
 
     def verify(self, chunk: ScheduledChunk, rows: np.ndarray) -> None:
         """Keep the longest prefix of ``chunk``'s draft the target agrees with, plus its own next

@@ -7,12 +7,14 @@ verifier (:mod:`~ruvllm.speculative.verify`) keeps the longest prefix the target
 produced, plus one token of its own. The proposer knows nothing of the target; the verifier knows
 nothing of where a draft came from; rejection sampling (Leviathan et al., 2023) sits in one function,
 :func:`~ruvllm.speculative.rejection.accept_or_resample`. Per-sequence adaptivity (how many tokens
-to draft) is :mod:`~ruvllm.speculative.adaptive`.
+to draft) is :mod:`~ruvllm.speculative.adaptive`; what drafts cost at the step's load,
+:mod:`~ruvllm.speculative.step_cost`.
 """
 
 from ruvllm.speculative.adaptive import DraftLength
 from ruvllm.speculative.ngram import NgramIndex
 from ruvllm.speculative.rejection import accept_or_resample, rejection_sample
+from ruvllm.speculative.step_cost import StepCosts
 from ruvllm.speculative.verify import SpeculationStats, verify_draft
 
 #: Values of ``EngineConfig.speculative`` (None: off).
@@ -26,6 +28,7 @@ __all__ = [
     "DraftLength",
     "NgramIndex",
     "SpeculationStats",
+    "StepCosts",
     "accept_or_resample",
     "rejection_sample",
     "verify_draft",
