@@ -356,7 +356,7 @@ def test_engine_steps_equal_the_per_sequence_reference(smollm2_path, monkeypatch
 
     batched = generate()
 
-    def per_sequence(samplers, rows, *, return_exceptions=False):
+    def per_sequence(samplers, rows, *, return_exceptions=False, check_finite=False):
         return [s.sample(row) for s, row in zip(samplers, rows, strict=True)]
 
     monkeypatch.setattr(llm_engine, "sample_batch", per_sequence)

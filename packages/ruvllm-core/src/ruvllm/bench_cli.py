@@ -28,6 +28,7 @@ from ruvllm import __version__
 from ruvllm.backend import ForwardBatch, ReportsWeightBytes, SequenceChunk
 from ruvllm.engine.config import EngineConfig
 from ruvllm.errors import RuvllmError
+from ruvllm.sampling import argmax_rows
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -294,7 +295,7 @@ def run_benchmark(
         t0 = time.perf_counter()
         out = model.forward(ForwardBatch(chunks, bs), cache)
         t_prefill = time.perf_counter()
-        last = out.logits.argmax(-1).astype(np.int32)
+        last = argmax_rows(out.logits).astype(np.int32)
         t_first = time.perf_counter()
         step_times = []
         for step in range(settings.gen_length):
@@ -304,7 +305,7 @@ def run_benchmark(
             s0 = time.perf_counter()
             chunks = [SequenceChunk(last[i : i + 1], pos, tables[i]) for i in range(settings.batch)]
             out = model.forward(ForwardBatch(chunks, bs), cache)
-            last = out.logits.argmax(-1).astype(np.int32)
+            last = argmax_rows(out.logits).astype(np.int32)
             step_times.append(time.perf_counter() - s0)
         return IterationTiming(
             prefill_s=t_prefill - t0,

@@ -36,6 +36,7 @@ from ruvllm.engine.xlora import with_shadow
 from ruvllm.errors import BackendError, RequestError, RequestFailedError
 from ruvllm.inference import InferenceRequest
 from ruvllm.sampling import Sampler, SampleResult, SamplingParams, sample_batch
+from ruvllm.sampling.batch import NON_FINITE
 from ruvllm.speculative import SpeculationStats
 from ruvllm.speculative.draft import DraftProposer
 
@@ -444,19 +445,17 @@ class LLMEngine:
             error: Exception | None = None
             if isinstance(logits, DeviceRow):  # sampled in the step (one target: no fork there)
                 if not logits.finite:
-                    error = FloatingPointError("the model produced non-finite logits for this sequence")
+                    error = FloatingPointError(NON_FINITE)
                 else:
                     try:
                         on_device[id(seq)] = seq.sampler.commit(logits.token, logits.logprob, logits.top)
                     except Exception as exc:  # its grammar refused the token: this request fails alone
                         error = exc
-            elif not np.isfinite(logits).all():
-                error = FloatingPointError("the model produced non-finite logits for this sequence")
-            else:
+            else:  # (a row that is not all finite fails its request: sample_batch checks it)
                 samplers += [s.sampler for s in targets]
                 rows += [logits] * len(targets)
             sampled.append((st, targets, error))
-        samples = iter(sample_batch(samplers, rows, return_exceptions=True))
+        samples = iter(sample_batch(samplers, rows, return_exceptions=True, check_finite=True))
         for st, targets, error in sampled:
             rid = st.request.request_id
             picked: list[SampleResult | Exception]

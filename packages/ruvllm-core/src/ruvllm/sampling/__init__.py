@@ -21,6 +21,7 @@ from ruvllm.sampling.device import (
 )
 from ruvllm.sampling.params import SamplingParams
 from ruvllm.sampling.reference import Sampler, SampleResult, TokenObserver, log_softmax, top_ids
+from ruvllm.sampling.selection import argmax_rows
 
 __all__ = [
     "OVERLAY_WIDTHS",
@@ -29,6 +30,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "TokenObserver",
+    "argmax_rows",
     "device_row",
     "device_sampling",
     "log_softmax",

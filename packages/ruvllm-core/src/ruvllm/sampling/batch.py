@@ -19,9 +19,11 @@ from ruvllm.sampling.selection import (
     apply_masks,
     argmax_adjusted,
     canonical_order,
+    matrix_view,
     need,
     pad,
     top_candidates,
+    unlocked,
 )
 
 #: Candidates tried first for a top_p row without top_k (most nuclei are smaller).
@@ -30,6 +32,8 @@ _NUCLEUS_FIRST = 64
 _WHOLE_ROWS = 4
 #: Tokens per block of an unfiltered row's CDF.
 _BLOCK = 512
+#: What a row with an infinite or NaN logit gets under ``sample_batch(check_finite=True)``.
+NON_FINITE = "the model produced non-finite logits for this sequence"
 
 
 @dataclass(slots=True)
@@ -86,18 +90,30 @@ class _Pick:
 
 @overload
 def sample_batch(
-    samplers: Sequence[Sampler], logits: np.ndarray | Sequence[np.ndarray], *, return_exceptions: Literal[False] = ...
+    samplers: Sequence[Sampler],
+    logits: np.ndarray | Sequence[np.ndarray],
+    *,
+    return_exceptions: Literal[False] = ...,
+    check_finite: bool = ...,
 ) -> list[SampleResult]: ...
 
 
 @overload
 def sample_batch(
-    samplers: Sequence[Sampler], logits: np.ndarray | Sequence[np.ndarray], *, return_exceptions: Literal[True]
+    samplers: Sequence[Sampler],
+    logits: np.ndarray | Sequence[np.ndarray],
+    *,
+    return_exceptions: Literal[True],
+    check_finite: bool = ...,
 ) -> list[SampleResult | Exception]: ...
 
 
 def sample_batch(
-    samplers: Sequence[Sampler], logits: np.ndarray | Sequence[np.ndarray], *, return_exceptions: bool = False
+    samplers: Sequence[Sampler],
+    logits: np.ndarray | Sequence[np.ndarray],
+    *,
+    return_exceptions: bool = False,
+    check_finite: bool = False,
 ) -> list[SampleResult] | list[SampleResult | Exception]:
     """Sample one token for each sampler from its row of ``logits`` ([batch, vocab], or one row per
     sampler; rows may repeat), in one vectorised pass: the same tokens, logprobs and state updates as
@@ -107,38 +123,112 @@ def sample_batch(
     vocabulary); the entries penalties, bias and bans change are kept aside with the reference's
     float64 values, and probabilities are computed in float64 over the candidates (over whole rows
     only for rows without top_k, which normalise over the vocabulary). The draws then equal the
-    reference's for float32 (or narrower) logits, up to float64 rounding. Each sampler's random
-    draw and state update happen after the pass, so a pass that fails changes no sampler. With
-    ``return_exceptions`` an exception tied to one row (its constraint, its data) is returned in that
-    row's place and the other rows are sampled as usual; without it, it is raised.
+    reference's for float32 (or narrower) logits, up to float64 rounding. Greedy rows that nothing
+    adjusts and that ask for no logprobs take the argmax of their raw row, nothing more. Each
+    sampler's random draw and state update happen after the pass, so a pass that fails changes no
+    sampler. With ``return_exceptions`` an exception tied to one row (its constraint, its data) is
+    returned in that row's place and the other rows are sampled as usual; without it, it is raised.
+    With ``check_finite`` a row holding an infinite or NaN logit is such an exception
+    (FloatingPointError), found in the same pass over the row as its argmax.
     """
     n = len(samplers)
     if len(logits) != n:
         raise ValueError(f"{n} samplers but {len(logits)} logits rows")
     out: list[SampleResult | Exception | None] = [None] * n
+    vocab = int(np.shape(logits[0])[-1]) if n else 0
+    plain = [_plain_greedy(s, vocab) for s in samplers]
+    picks: dict[int, _Pick] = {}
+    if check_finite or any(plain):
+        for i, token in _scan(logits, plain, check_finite, vocab).items():
+            if token is None:
+                if not return_exceptions:
+                    raise FloatingPointError(NON_FINITE)
+                out[i] = FloatingPointError(NON_FINITE)
+            elif plain[i]:
+                picks[i] = _Pick(token=token)
     masks: list[np.ndarray | None] = [None] * n
     for i, s in enumerate(samplers):
-        if s.constraint is not None:
+        if s.constraint is not None and out[i] is None:
             try:
                 masks[i] = np.asarray(s.constraint.allowed(), dtype=bool)
             except Exception as exc:
                 if not return_exceptions:
                     raise
                 out[i] = exc
-    live = [i for i in range(n) if out[i] is None]
+    live = [i for i in range(n) if out[i] is None and i not in picks]
     if return_exceptions:
-        picks = _plan_isolating(samplers, logits, masks, live, out)
+        picks |= _plan_isolating(samplers, logits, masks, live, out)
     else:
         planned = _plan([samplers[i] for i in live], [logits[i] for i in live], [masks[i] for i in live])
-        picks = dict(zip(live, planned, strict=True))
-    for i, pick in picks.items():
+        picks |= dict(zip(live, planned, strict=True))
+    for i in sorted(picks):
         try:
-            out[i] = _draw(samplers[i], pick, logits[i])
+            out[i] = _draw(samplers[i], picks[i], logits[i])
         except Exception as exc:
             if not return_exceptions:
                 raise
             out[i] = exc
     return out  # type: ignore[return-value]  # every row is filled
+
+
+def _plain_greedy(sampler: Sampler, vocab: int) -> bool:
+    """A greedy row the reference takes the argmax of as it is: no penalty, bias, ban or grammar
+    changes it, and no logprobs are asked."""
+    p = sampler.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and sampler.constraint is None
+        and p.repetition_penalty == 1.0
+        and not (p.presence_penalty or p.frequency_penalty)
+        and not p.logit_bias
+        and (sampler.generated >= p.min_tokens or not sampler._banned(vocab))
+    )
+
+
+def _scan(
+    logits: np.ndarray | Sequence[np.ndarray], plain: list[bool], check_finite: bool, vocab: int
+) -> dict[int, int | None]:
+    """One pass over each row that is plain greedy (its argmax) or checked (whether it is all
+    finite), the row read once while it is in cache: row index -> its argmax (of a checked row that
+    is not plain, any int), or None for a checked row that is not all finite. A repeated row is read
+    once. Rows of another shape or dtype are left to the full pass (which refuses a bad shape), bar
+    the finite check."""
+    found: dict[int, int | None] = {}
+    wanted = [i for i in range(len(plain)) if plain[i] or check_finite]
+    if not wanted:
+        return found
+    rows: Sequence[np.ndarray] | np.ndarray = logits
+    if isinstance(logits, np.ndarray):
+        if logits.dtype == np.float32 and logits.ndim == 2 and logits.flags.c_contiguous:
+            rows = unlocked(logits)
+    else:
+        whole = matrix_view(list(logits)) if len(logits) and isinstance(logits[0], np.ndarray) else None
+        if whole is not None:
+            rows = whole  # (not read-only: NumPy's argmax would copy every row)
+    done: dict[int, int | None] = {}
+    for i in wanted:
+        # Rows of a list are the list's objects (a fork's repeat one); a matrix's are all distinct.
+        key = i if isinstance(logits, np.ndarray) else id(logits[i])
+        if key in done:
+            found[i] = done[key]
+            continue
+        row = rows[i]
+        if not (isinstance(row, np.ndarray) and row.dtype == np.float32 and row.shape == (vocab,)):
+            if check_finite and not np.isfinite(row).all():
+                done[key] = found[i] = None
+            elif plain[i]:
+                plain[i] = False  # the full pass samples it (and refuses a bad shape)
+            continue
+        if not row.flags.writeable:
+            row = unlocked(row)
+        token = int(row.argmax())
+        # The argmax is the first NaN if there is one, else +inf if there is one: with the minimum
+        # (-inf), every non-finite value is seen.
+        if check_finite and not (np.isfinite(row[token]) and np.isfinite(row.min())):
+            token = None
+        done[key] = found[i] = token
+    return found
 
 
 def _draw(sampler: Sampler, pick: _Pick, raw: np.ndarray) -> SampleResult:

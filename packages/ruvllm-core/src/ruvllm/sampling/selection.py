@@ -108,7 +108,7 @@ class Rows:
         """The first largest raw entry of each row in ``sel``."""
         if self.matrix is not None and len(sel) == len(self.rows):
             return self.matrix.argmax(axis=1)
-        return np.array([self.rows[j].argmax() for j in sel.tolist()], np.int64)
+        return np.array([unlocked(self.rows[j]).argmax() for j in sel.tolist()], np.int64)
 
     def replace(self, j: int, row: np.ndarray) -> None:
         self.rows[j] = row
@@ -153,8 +153,44 @@ def matrix_view(rows: list[np.ndarray]) -> np.ndarray | None:
             return None
         if not row.flags.c_contiguous:
             return None
-    # Not marked read-only (argmax of read-only arrays takes a path three times slower); never written.
-    return np.lib.stride_tricks.as_strided(first, shape=(len(rows), first.size), strides=(step, first.itemsize))
+    return unlocked(first, (len(rows), first.size), (step, first.itemsize))
+
+
+class _Unlocked:
+    """NumPy's array interface to ``array``'s memory, not marked read-only; it holds ``array`` (and
+    so the memory) for as long as a view made from it lives."""
+
+    def __init__(self, array: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        self.array = array
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": array.dtype.str,
+            "data": (array.ctypes.data, False),
+            "strides": strides,
+            "version": 3,
+        }
+
+
+def unlocked(
+    array: np.ndarray, shape: tuple[int, ...] | None = None, strides: tuple[int, ...] | None = None
+) -> np.ndarray:
+    """``array`` (or a view of its memory of ``shape`` and ``strides``) not marked read-only, and
+    never written. NumPy copies a read-only array before an argmax (the C-contiguous writeable
+    input its argmax asks for), and a backend's logits usually are read-only (jax's host arrays
+    are): a copy of every row, every step, three times the argmax itself."""
+    shape = array.shape if shape is None else shape
+    strides = array.strides if strides is None else strides
+    if array.flags.writeable and shape == array.shape and strides == array.strides:
+        return array
+    return np.asarray(_Unlocked(array, shape, strides))
+
+
+def argmax_rows(logits: np.ndarray) -> np.ndarray:
+    """The first largest entry of each row of ``logits`` ([rows, vocab]), as ``logits.argmax(-1)``
+    gives it, without NumPy's copy of a read-only array (see :func:`unlocked`)."""
+    if logits.ndim == 2 and logits.dtype == np.float32 and logits.flags.c_contiguous:
+        logits = unlocked(logits)
+    return np.asarray(logits).argmax(axis=-1)
 
 
 def row32(row: np.ndarray, vocab: int, width: int) -> np.ndarray:
