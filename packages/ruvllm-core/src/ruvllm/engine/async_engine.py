@@ -138,6 +138,14 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Yield ``request``'s output deltas until it finishes. Leaving the loop early (break,
         cancellation) aborts the request and frees its blocks."""
+        async for batch in self.generate_batches(request):
+            for item in batch:
+                yield item
+
+    async def generate_batches(self, request: GenerationRequest) -> AsyncIterator[list[RequestOutput]]:
+        """As :meth:`generate`, but every output that arrived while the caller was busy comes in one
+        list (in order), so a caller that is behind (a server writing many streams) handles them at
+        once: one write, not one a token. Leaving early aborts the request as ``generate`` does."""
         self.start()
         outputs = _OutputStream(asyncio.get_running_loop())
         await self._call("add", request, outputs)
@@ -147,13 +155,22 @@ class AsyncEngine:
             while True:
                 if not items:
                     await outputs.wait()
-                item = items.popleft()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                yield item
-                if item.finished:
-                    done = True
+                batch = []
+                while items:
+                    item = items[0]
+                    if isinstance(item, BaseException):
+                        if batch:  # what came before the failure is delivered first
+                            break
+                        items.popleft()
+                        done = True
+                        raise item
+                    items.popleft()
+                    batch.append(item)
+                    if item.finished:
+                        done = True
+                        break
+                yield batch
+                if done:
                     return
         finally:
             if not done:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ruvllm.engine.types import ChoiceDelta
 from ruvllm_server.errors import bad_request
 from ruvllm_server.generation.chat_tools import (
     ChoiceTools,
@@ -133,53 +134,76 @@ class ChatJob:
         n = run.requests[0].sampling.n
         want_logprobs = bool(self.req.logprobs)
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        setup, parser, call_id = self.tools, self.parser, self.named_call_id
-        tool_state = {i: ChoiceTools() for i in range(n)} if setup is not None else None
+        tool_state = {i: ChoiceTools() for i in range(n)} if self.tools is not None else None
         thinking: dict[int, Any] | None = {} if self.state.reasoning_parser is not None else None
         content_events: dict[int, TextEvent] = {}
+        # Outputs that arrived together go out as one write; the last ones wait for the usage
+        # chunk and [DONE], which follow at once, so a request's end is one write too.
+        tail = b""
         try:
             yield self._chunk(
                 [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
             )
-            async for _, out in run.outputs():
-                deltas = out.deltas
-                if len(deltas) == 1 and thinking is None and tool_state is None:
-                    d = deltas[0]
-                    if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
-                        event = content_events.get(d.index)
-                        if event is None:
-                            event = content_events[d.index] = self._content_event(d.index)
-                        yield event(d.text)
-                        continue
-                choices = []
-                for d in deltas:
-                    piece = d.text
-                    if thinking is not None:
-                        rp = thinking.get(d.index)
-                        if rp is None:
-                            rp = thinking[d.index] = self.state.reasoning_parser()  # type: ignore[misc]
-                        reasoning, piece = rp.feed(d.text, final=d.finish_reason is not None)
-                        if reasoning:
-                            choices.append(ChatChunkChoice(d.index, ChatDelta(reasoning_content=reasoning), None, None))
-                    if tool_state is not None:
-                        assert setup is not None  # tool_state is made only with tools
-                        st = tool_state.setdefault(d.index, ChoiceTools())
-                        choices.extend(tool_deltas(setup, parser, call_id, d.index, st, piece, d.finish_reason))
-                        continue
-                    if not piece and not d.finish_reason and not (want_logprobs and d.logprobs):
-                        continue
-                    choices.append(
-                        ChatChunkChoice(
-                            d.index,
-                            ChatDelta(content=piece) if piece else ChatDelta(),
-                            chat_logprobs(d.logprobs) if want_logprobs and d.logprobs else None,
-                            d.finish_reason,
-                        )
-                    )
-                if choices:
-                    yield self._chunk(choices)
+            async for batch in run.output_batches():
+                events: list[bytes] = []
+                for _, out in batch:
+                    deltas = out.deltas
+                    if len(deltas) == 1 and thinking is None and tool_state is None:
+                        d = deltas[0]
+                        if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                            event = content_events.get(d.index)
+                            if event is None:
+                                event = content_events[d.index] = self._content_event(d.index)
+                            events.append(event(d.text))
+                            continue
+                    choices = self._choices(deltas, want_logprobs, thinking, tool_state)
+                    if choices:
+                        events.append(self._chunk(choices))
+                if run.done:
+                    tail = b"".join(events)
+                elif events:
+                    yield b"".join(events)
             if include_usage:
-                yield self._chunk([], usage=run.usage())
+                tail += self._chunk([], usage=run.usage())
         except Exception as exc:  # the status line is sent: errors go into the stream
-            yield error_event(exc)
-        yield SSE_DONE
+            if tail:
+                yield tail
+            tail = error_event(exc)
+        yield tail + SSE_DONE
+
+    def _choices(
+        self,
+        deltas: list[ChoiceDelta],
+        want_logprobs: bool,
+        thinking: dict[int, Any] | None,
+        tool_state: dict[int, ChoiceTools] | None,
+    ) -> list[ChatChunkChoice]:
+        """The chunk's choices for one output's deltas: reasoning, tool-call deltas, content,
+        logprobs and finish reasons."""
+        setup, parser, call_id = self.tools, self.parser, self.named_call_id
+        choices: list[ChatChunkChoice] = []
+        for d in deltas:
+            piece = d.text
+            if thinking is not None:
+                rp = thinking.get(d.index)
+                if rp is None:
+                    rp = thinking[d.index] = self.state.reasoning_parser()  # type: ignore[misc]
+                reasoning, piece = rp.feed(d.text, final=d.finish_reason is not None)
+                if reasoning:
+                    choices.append(ChatChunkChoice(d.index, ChatDelta(reasoning_content=reasoning), None, None))
+            if tool_state is not None:
+                assert setup is not None  # tool_state is made only with tools
+                st = tool_state.setdefault(d.index, ChoiceTools())
+                choices.extend(tool_deltas(setup, parser, call_id, d.index, st, piece, d.finish_reason))
+                continue
+            if not piece and not d.finish_reason and not (want_logprobs and d.logprobs):
+                continue
+            choices.append(
+                ChatChunkChoice(
+                    d.index,
+                    ChatDelta(content=piece) if piece else ChatDelta(),
+                    chat_logprobs(d.logprobs) if want_logprobs and d.logprobs else None,
+                    d.finish_reason,
+                )
+            )
+        return choices

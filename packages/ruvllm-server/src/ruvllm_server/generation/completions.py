@@ -129,36 +129,47 @@ class CompletionJob:
         offsets: dict[int, int] = {}
         want_logprobs = self.req.logprobs is not None
         text_events: dict[int, TextEvent] = {}
+        # Outputs that arrived together go out as one write; the last ones wait for the usage
+        # chunk and [DONE], which follow at once, so a request's end is one write too.
+        tail = b""
         try:
             if self.req.echo:
                 echoes = [CompletionChoice(i, self._echo(i // n), None, None) for i in range(len(run.requests) * n)]
                 yield sse(Completion(self.id, self.created, self.state.model_name, echoes))
-            async for p, out in run.outputs():
-                deltas = out.deltas
-                if len(deltas) == 1:
-                    d = deltas[0]
-                    if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+            async for batch in run.output_batches():
+                events: list[bytes] = []
+                for p, out in batch:
+                    deltas = out.deltas
+                    if len(deltas) == 1:
+                        d = deltas[0]
+                        if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                            i = self._index(run, p, d.index)
+                            event = text_events.get(i)
+                            if event is None:
+                                event = text_events[i] = self._text_event(i)
+                            events.append(event(d.text))
+                            continue
+                    choices = []
+                    for d in deltas:
+                        if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
+                            continue
                         i = self._index(run, p, d.index)
-                        event = text_events.get(i)
-                        if event is None:
-                            event = text_events[i] = self._text_event(i)
-                        yield event(d.text)
-                        continue
-                choices = []
-                for d in deltas:
-                    if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
-                        continue
-                    i = self._index(run, p, d.index)
-                    lp = None
-                    if self.req.logprobs is not None and d.logprobs:
-                        start = offsets.get(i, len(self._echo(p)))
-                        lp = completion_logprobs(d.logprobs, start, self.req.logprobs)
-                        offsets[i] = start + sum(len(e.token) for e in d.logprobs)
-                    choices.append(CompletionChoice(i, d.text, lp, d.finish_reason))
-                if choices:
-                    yield sse(Completion(self.id, self.created, self.state.model_name, choices))
+                        lp = None
+                        if self.req.logprobs is not None and d.logprobs:
+                            start = offsets.get(i, len(self._echo(p)))
+                            lp = completion_logprobs(d.logprobs, start, self.req.logprobs)
+                            offsets[i] = start + sum(len(e.token) for e in d.logprobs)
+                        choices.append(CompletionChoice(i, d.text, lp, d.finish_reason))
+                    if choices:
+                        events.append(sse(Completion(self.id, self.created, self.state.model_name, choices)))
+                if run.done:
+                    tail = b"".join(events)
+                elif events:
+                    yield b"".join(events)
             if include_usage:
-                yield sse(Completion(self.id, self.created, self.state.model_name, [], usage=run.usage()))
+                tail += sse(Completion(self.id, self.created, self.state.model_name, [], usage=run.usage()))
         except Exception as exc:  # the status line is sent: errors go into the stream
-            yield error_event(exc)
-        yield SSE_DONE
+            if tail:
+                yield tail
+            tail = error_event(exc)
+        yield tail + SSE_DONE

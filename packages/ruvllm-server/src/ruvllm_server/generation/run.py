@@ -58,17 +58,29 @@ class Run:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(index of the engine request, output)`` as they arrive. Leaving early (client gone,
         error, cancellation) aborts what has not finished."""
+        async for batch in self.output_batches():
+            for item in batch:
+                yield item
+
+    async def output_batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """As :meth:`outputs`, every output that arrived while the caller was busy in one list (a
+        stream writes them at once)."""
         engine = self.state.engine
         assert engine is not None
         try:
             if len(self.requests) == 1:
-                async for out in engine.generate(self.requests[0]):
-                    yield self._note(0, out)
+                async for outs in engine.generate_batches(self.requests[0]):
+                    yield [self._note(0, out) for out in outs]
             else:
-                async for item in self._merged():
-                    yield self._note(*item)
+                async for batch in self._merged():
+                    yield [self._note(*item) for item in batch]
         finally:
             await self._abort_unfinished()
+
+    @property
+    def done(self) -> bool:
+        """Every engine request has finished (its final output was read)."""
+        return len(self.finished) == len(self.requests)
 
     def _note(self, i: int, out: RequestOutput) -> tuple[int, RequestOutput]:
         self.last[i] = out
@@ -80,15 +92,16 @@ class Run:
             )
         return i, out
 
-    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         engine = self.state.engine
         assert engine is not None
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(i: int, req: GenerationRequest) -> None:
             try:
-                async for out in engine.generate(req):
-                    queue.put_nowait((i, out))
+                async for outs in engine.generate_batches(req):
+                    for out in outs:
+                        queue.put_nowait((i, out))
                 queue.put_nowait(None)
             except Exception as exc:  # handed to the consumer, which re-raises it
                 queue.put_nowait(exc)
@@ -98,12 +111,21 @@ class Run:
             remaining = len(tasks)
             while remaining:
                 item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+                batch = []
+                while True:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        if batch:  # what came before the failure is delivered first
+                            yield batch
+                        raise item
+                    else:
+                        batch.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if batch:
+                    yield batch
         finally:
             for t in tasks:
                 t.cancel()
