@@ -25,6 +25,11 @@
 #           (bench_speculative.py, --quantization none: bf16 on the GPU) on SPEC_MODEL (default
 #           smollm2), first SPEC_LIMIT prompts of each set. The device has no model files and a call
 #           carries 64 MiB, less than SmolLM2's GGUF (101 MiB): the file must reach the machine first.
+#   invariant: (not by default) issue 44's --batch-invariant on INV_MODEL (default smollm2; its file must
+#           reach the machine first, as spec's), --quantization none (bf16): 24 greedy answers alone and
+#           together, and decode tok/s at batch 1 and 8 (bench_batch_invariant.py), without the option
+#           and with it, one process each (its XLA flags are read when the GPU backend starts), INV_S
+#           (default 120 s) each.
 # The earlier parts (attention, probe, model, peer: about 10 minutes together) were measured on an H200
 # on 2026-11-27 (benchmarks/results/h200-2026-11-27/); run them as a second call on the same warm machine
 # (the peer's compile alone takes about two minutes; docs/benchmarks.md says how those were taken).
@@ -60,6 +65,14 @@ fi
 [[ $PARTS == *" spec "* ]] && timeout "${SPEC_S:-200}" python3 benchmarks/bench_speculative.py --model "${SPEC_MODEL:-smollm2}" \
     --quantization none --limit "${SPEC_LIMIT:-6}" --max-tokens 128 --no-aggregate --no-llama-cpp --json "$OUT/spec.json" \
     2>&1 | tee "$OUT/spec.log"
+if [[ $PARTS == *" invariant "* ]]; then
+    for mode in off on; do
+        flag=""; [[ $mode == on ]] && flag="--batch-invariant"
+        timeout "${INV_S:-120}" python3 benchmarks/bench_batch_invariant.py --model "${INV_MODEL:-smollm2}" \
+            --quantization none $flag --prompts "${INV_PROMPTS:-24}" --max-tokens "${INV_TOKENS:-48}" \
+            --batches ${INV_BATCHES:-1 8} --json "$OUT/invariant_$mode.json" 2>&1 | tee "$OUT/invariant_$mode.log"
+    done
+fi
 [[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-200}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --decode-splits ${DECODE_SPLITS:-1 8} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 if [[ $PARTS == *" probe "* ]]; then  # where a step's time goes, layers scanned and unrolled
     for unroll in false true; do

@@ -75,3 +75,28 @@ def test_gpu_lease_parts_pass_bench_gpu_valid_arguments(tmp_path):
     logs = {p.name: p.read_text() for p in tmp_path.glob("*.log")}
     assert set(logs) == {"splits.log", "forms_b1.log", "forms_b256.log"}
     assert all("no CUDA device found" in text and "error:" not in text for text in logs.values()), logs
+
+
+def test_gpu_lease_invariant_part_runs_on_the_cpu(tmp_path, smollm2_path):
+    """The lease's invariant part (not default) at tiny sizes on this CPU's XLA path: both processes
+    (without and with --batch-invariant) report, and no answer changed with the option."""
+    lease = SCRIPT.parent / "gpu_lease.sh"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "OUT": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PARTS": "invariant",
+        "INV_MODEL": str(smollm2_path),
+        "INV_PROMPTS": "3",
+        "INV_TOKENS": "4",
+        "INV_BATCHES": "2",
+    }
+    proc = subprocess.run(
+        ["bash", str(lease)], capture_output=True, text=True, timeout=600, env=env, cwd=SCRIPT.parents[1]
+    )
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), proc.stdout[-3000:]
+    off, on = (json.loads((tmp_path / f"invariant_{m}.json").read_text()) for m in ("off", "on"))
+    assert (off["batch_invariant"], on["batch_invariant"]) == (False, True)
+    assert on["extra"] == {"batch_invariant": "true"} and on["changed"] == [] and on["prompts"] == 3
+    assert all(r["decode_tok_s"]["2"] > 0 for r in (off, on))

@@ -24,7 +24,7 @@ from ruvllm_jax.quant import QUANTIZATIONS
 ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
 KNOWN_EXTRA = {
     "tensor_parallel", "attention", "keep_gguf_blocks", "native", "threads", "unroll_layers", "decode_splits",
-    "mmap_experts",
+    "mmap_experts", "batch_invariant",
     # Process 0 of a group (``ruvllm serve --coordinator``): see :mod:`ruvllm_jax.distributed`.
     "coordinator", "num_processes",
 }  # fmt: skip
@@ -77,6 +77,7 @@ def load_settings(checkpoint: Checkpoint, options: LoadOptions) -> LoadSettings:
             f"(this model's is {checkpoint.config.head_dim}); use attention='reference'"
         )
     decode_splits_option(options.extra, attention)  # refused before anything loads
+    bool_option(options.extra, "batch_invariant", False)  # refused before anything loads
     try:
         tp = int(options.extra.get("tensor_parallel", 1))
     except (TypeError, ValueError):
@@ -242,10 +243,12 @@ def unroll_layers_option(extra: dict[str, Any], platform: str) -> bool:
 def decode_splits_option(extra: dict[str, Any], attention: str) -> int | None:
     """The ``decode_splits`` option: ``auto`` (the default, None here: each step's from its decode
     shape and the GPU's SM count, :func:`ruvllm_jax.step_shapes.decode_splits`; 1 on CPU) or a
-    positive integer forced on every decode step, which only the Pallas decode kernel takes."""
+    positive integer forced on every decode step, which only the Pallas decode kernel takes. Under
+    ``batch_invariant`` ``auto`` is one part for every step: a count chosen by the step's decode rows
+    would change a row's merge order with the load."""
     value = extra.get("decode_splits", "auto")
     if str(value).strip().lower() == "auto":
-        return None
+        return 1 if bool_option(extra, "batch_invariant", False) else None
     try:
         splits = int(value) if not isinstance(value, bool) and str(value).strip().isdigit() else 0
     except (TypeError, ValueError):

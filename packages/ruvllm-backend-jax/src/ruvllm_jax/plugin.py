@@ -46,7 +46,9 @@ class JaxBackend(Backend):
 
     def load(self, checkpoint: Checkpoint, options: LoadOptions) -> JaxModel:
         # Importing the runner imports jax: only a chosen jax backend pays for it.
-        from ruvllm_jax import distributed
+        from ruvllm_jax import batch_invariant, distributed
+
+        batch_invariant.prepare(options.extra)  # its XLA flags, before anything starts jax's backends
         from ruvllm_jax.runner import JaxModel
 
         if "coordinator" in options.extra and distributed.rank() is None:  # `ruvllm serve --coordinator`

@@ -51,6 +51,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="a load option of the backend (repeatable), e.g. mmap_experts=true or attention=pallas on jax; "
         "a backend refuses a key it does not know by name",
     )
+    add_batch_invariant_arg(p)
+
+
+def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
+    """``--batch-invariant`` (here and on ``ruvllm serve``): the backend option ``batch_invariant=true``."""
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
+
+
+BATCH_INVARIANT_HELP = (
+    "a sequence's tokens the same whatever else runs beside it (backend option batch_invariant=true; jax: "
+    "on a GPU fixed kernels, XLA flags and one decode-attention part, at some speed; on a CPU already so "
+    "by default, at no cost; docs/jax-backend.md). Other backends refuse it by name"
+)
+
+
+def with_batch_invariant(options: list[str] | None, on: bool) -> list[str] | None:
+    """``--backend-option`` items with ``batch_invariant=true`` added when ``--batch-invariant`` is on."""
+    return [*(options or []), "batch_invariant=true"] if on else options
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -101,7 +119,11 @@ def _load(args: argparse.Namespace, host: PluginHost) -> LoadedModel:
         backend=args.backend,
         options=LoadOptions(
             dtype=args.dtype,
-            extra=backend_extra(threads=args.threads, device=args.device, options=args.backend_option),
+            extra=backend_extra(
+                threads=args.threads,
+                device=args.device,
+                options=with_batch_invariant(args.backend_option, args.batch_invariant),
+            ),
         ),
         host=host,
         cache_dir=args.cache_dir,

@@ -45,6 +45,9 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="a load option of the backend (repeatable), e.g. mmap_experts=true or attention=pallas on jax; "
         "a backend refuses a key it does not know by name",
     )
+    from ruvllm.cli import add_batch_invariant_arg
+
+    add_batch_invariant_arg(p)
     p.add_argument("--tensor-parallel", type=int, default=None, help="devices to shard the model over (default 1)")
     p.add_argument(
         "--coordinator",
@@ -215,6 +218,7 @@ def register_commands(subparsers: Any) -> None:
 def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
     import uvicorn
 
+    from ruvllm.cli import with_batch_invariant
     from ruvllm.errors import RuvllmError
     from ruvllm.log_setup import configure_logging
     from ruvllm_server.app import create_app
@@ -230,7 +234,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "dtype": args.dtype,
         "threads": args.threads,
         "device": args.device,
-        "backend_options": args.backend_option,
+        "backend_options": with_batch_invariant(args.backend_option, args.batch_invariant),
         "tensor_parallel": args.tensor_parallel,
         "coordinator": args.coordinator,
         "num_processes": args.num_processes,

@@ -1,0 +1,64 @@
+"""The ``batch_invariant`` load option (``ruvllm serve --batch-invariant``): a sequence's tokens the
+same whatever else the step runs (issue 44; Thinking Machines, "Defeating Nondeterminism in LLM
+Inference", 2025). What a row's result may depend on is fixed apart from the other rows:
+
+- the decode attention's parts: one for every step (:func:`ruvllm_jax.options.decode_splits_option`),
+  where ``auto`` would cut a sequence's keys into more parts at small batches on a GPU;
+- on a GPU, XLA's choice of algorithm: :data:`GPU_XLA_FLAGS` (deterministic reductions, no
+  autotuning, which times candidate kernels and may pick another for the next compile). They are
+  read once, when jax's GPU backend starts: :func:`set_xla_flags` adds them to ``XLA_FLAGS`` before
+  the load first asks jax for a device, and a process whose backend already started without them
+  is refused by name.
+
+On the CPU the option costs nothing and changes no compiled step: the native kernels (``w4a8``,
+``w8a8``) are batch invariant by default, and XLA's CPU path (``native=false``) gives a row the same
+numbers at every row count (``tests/test_jax_batch_invariant.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+from ruvllm.errors import BackendError
+
+#: XLA flags the option needs on a GPU (``XLA_FLAGS``, read when the backend starts).
+GPU_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
+
+
+def _missing(flags: str) -> list[str]:
+    given = {f.split("=", 1)[0] for f in flags.split()}
+    return [f for f in GPU_XLA_FLAGS if f.split("=", 1)[0] not in given]
+
+
+def set_xla_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Add :data:`GPU_XLA_FLAGS` to ``XLA_FLAGS`` in ``environ`` (default ``os.environ``); a flag the
+    user set (to any value) is left as set. Returns the flags added."""
+    env = os.environ if environ is None else environ
+    missing = _missing(env.get("XLA_FLAGS", ""))
+    if missing:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *missing]).strip()
+    return missing
+
+
+def prepare(extra: dict[str, object]) -> None:
+    """Before a load with ``extra``: with ``batch_invariant`` on, the GPU flags set while jax's
+    backends have not started; if they have (something in this process asked jax for a device
+    first) and run a GPU without the flags, :class:`BackendError`."""
+    from ruvllm_jax.options import bool_option
+
+    if not bool_option(extra, "batch_invariant", False):
+        return
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        set_xla_flags()
+        return
+    import jax
+
+    missing = _missing(os.environ.get("XLA_FLAGS", ""))
+    if jax.devices()[0].platform == "gpu" and missing:
+        raise BackendError(
+            f"jax backend: batch_invariant needs XLA_FLAGS {' '.join(missing)} from the start, and jax's GPU "
+            "backend started before this load: set them in the environment before the process starts"
+        )
