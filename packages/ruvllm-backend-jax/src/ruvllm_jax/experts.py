@@ -131,6 +131,19 @@ def native_project_experts(stacked: LayerWeights, layer: jax.Array) -> ProjectEx
     return project
 
 
+def router_product(h: jax.Array, w: object) -> jax.Array:
+    """The router's scores ``h @ w.T`` in float32: on the CPU with the native library each score summed in one fixed
+    order (:func:`ruvllm_jax.native.float_product`), so a row's routing is the same alone and in a
+    batch (XLA's dot sums a one-row step in another order than a larger one); elsewhere XLA's."""
+
+    def xla(h: jax.Array, w: jax.Array) -> jax.Array:
+        return linear(h, w).astype(jnp.float32)
+
+    if isinstance(w, QuantArray) or not native.available():
+        return xla(h, w)
+    return jax.lax.platform_dependent(h, w, cpu=native.float_product, default=xla)
+
+
 def xla_quantized_experts(w: QuantArray, x: jax.Array, expert_of_row: jax.Array, gather: bool) -> jax.Array:
     """Rows of ``x`` times their experts of one layer's quantized experts ``w`` ``[experts, out, in]``
     in XLA, through :func:`~ruvllm_jax.quant.linear` (activations quantized as the native kernel

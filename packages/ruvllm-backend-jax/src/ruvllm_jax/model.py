@@ -147,6 +147,7 @@ def forward_step(
             attend=attend,
             adapt=adapt,
             project_experts=projector.experts_at(lw, layer, gather_rows) if spec.num_experts else None,
+            live_rows=inp.live_tokens,
         )
         return (x, kv, kvl, layer + 1), None
 

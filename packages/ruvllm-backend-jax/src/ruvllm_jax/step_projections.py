@@ -14,7 +14,7 @@ from jax import lax
 
 from ruvllm.modeling import EXPERT_FIELDS, PROJECTION_GROUPS, LayerWeights
 from ruvllm_jax import native
-from ruvllm_jax.experts import native_experts, native_project_experts, xla_quantized_experts
+from ruvllm_jax.experts import native_experts, native_project_experts, router_product, xla_quantized_experts
 from ruvllm_jax.quant import QuantArray, linear
 from ruvllm_jax.step_types import StepInputs, StepPlan
 
@@ -97,6 +97,8 @@ class Projector:
         def project(h: jax.Array, group: tuple[str, ...]) -> list[jax.Array]:
             if self.native and group[0] in _NATIVE_FIELDS:  # the router (float) is XLA's
                 return native_projections(h, [getattr(self.stacked, p) for p in group], layer, self.live_tokens)
+            if group == ("router",):  # in a fixed order: a row's routing does not depend on the batch
+                return [router_product(h, lw.router)]
             return [linear(h, getattr(lw, p)) for p in group]
 
         return project

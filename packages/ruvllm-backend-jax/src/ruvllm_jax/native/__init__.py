@@ -50,6 +50,7 @@ DECODE_TARGET = "ruvllm_paged_decode"
 PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"
 MEAN_SQUARE_TARGET = "ruvllm_mean_square"
+FLOAT_PRODUCT_TARGET = "ruvllm_float_product"
 #: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
 
@@ -163,6 +164,7 @@ def _load() -> None:
         (PREFILL_TARGET, lib.RuvllmPagedPrefill),
         (LORA_TARGET, lib.RuvllmLora),
         (MEAN_SQUARE_TARGET, lib.RuvllmMeanSquare),
+        (FLOAT_PRODUCT_TARGET, lib.RuvllmFloatProduct),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     log.info(
@@ -475,3 +477,11 @@ def mean_square(x: jax.Array) -> jax.Array:
     _lib()
     call = jax.ffi.ffi_call(MEAN_SQUARE_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], 1), jnp.float32))
     return call(x.astype(jnp.float32))
+
+
+def float_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` in float32 for ``x`` ``[T, K]`` and ``w`` ``[N, K]``, every output summed in one fixed
+    order (16 lane sums, folded as a fixed tree) whatever ``T``: batch invariant (a router's scores)."""
+    _lib()
+    call = jax.ffi.ffi_call(FLOAT_PRODUCT_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), w.astype(jnp.float32))

@@ -75,11 +75,14 @@ def decoder_layer(
     attend: Attend,
     adapt: Adapt = _no_adapt,
     project_experts: ProjectExperts | None = None,
+    live_rows: Any = None,
 ) -> tuple[Any, LayerActivations]:
     """One pre-norm decoder layer over ``x [T, hidden]`` with RoPE ``cos``/``sin`` ``[T, head_dim // 2]``:
     attention (biases, QK-norm and output norms where the model has them) and the gated MLP, or the
     mixture of experts (``project_experts`` multiplies its groups; ``project`` gets the ``router``),
-    each added to the residual stream. Returns the new residual stream and the layer's activations."""
+    each added to the residual stream. ``live_rows``: the count of real rows of ``x`` (padding after),
+    so the mixture of experts routes no padding row. Returns the new residual stream and the layer's
+    activations."""
     t = x.shape[0]
     nh, nkv, hd, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps
     norm, rope, activation = _elementwise(namespace(x), eps, shape)
@@ -104,7 +107,7 @@ def decoder_layer(
     if shape.num_experts:
         if project_experts is None:
             raise ValueError("a mixture-of-experts layer needs project_experts")
-        down, _, _ = moe_mlp(h2, lw, shape, project=project, project_experts=project_experts)
+        down, _, _ = moe_mlp(h2, lw, shape, project=project, project_experts=project_experts, live_rows=live_rows)
         if shape.output_norms:
             down = norm(down, lw.mlp_output_norm)
         return mid + down, LayerActivations(h, q, k, v, a, mid, h2, None, None, None)

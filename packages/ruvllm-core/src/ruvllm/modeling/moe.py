@@ -23,6 +23,21 @@ if TYPE_CHECKING:
 ProjectExperts = Callable[[Any, Any, tuple[str, ...]], Sequence[Any]]
 
 
+def fixed_order_sum(x: Any) -> Any:
+    """``sum(x, axis=-1, keepdims=True)`` in one order whatever ``x``'s other dimensions: the row padded
+    with zeros to a power of two and halved by elementwise adds (a library's reduction may pick its
+    order from the whole shape: XLA's summed a router softmax of one row unlike one of 64)."""
+    xp = namespace(x)
+    n = x.shape[-1]
+    width = 1 << max(0, n - 1).bit_length()
+    if width != n:
+        x = xp.concat([x, xp.zeros((*x.shape[:-1], width - n), dtype=x.dtype)], axis=-1)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def route(logits: Any, shape: LayerShape) -> tuple[Any, Any]:
     """The router's choice for router logits ``[T, experts]``: (weights ``[T, k]`` float32, experts
     ``[T, k]``), the experts by falling weight. ``softmax_topk`` (qwen3_moe, mixtral): a float32
@@ -36,15 +51,15 @@ def route(logits: Any, shape: LayerShape) -> tuple[Any, Any]:
         experts = xp.argsort(-z, axis=-1, stable=True)[:, :k]
         top = xp.take_along_axis(z, experts, axis=-1)
         top = xp.exp(top - xp.max(top, axis=-1, keepdims=True))
-        return top / xp.sum(top, axis=-1, keepdims=True), experts
+        return top / fixed_order_sum(top), experts
     if shape.routing != "softmax_topk":
         raise ValueError(f"unknown routing {shape.routing!r}")
     z = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
-    probs = z / xp.sum(z, axis=-1, keepdims=True)
+    probs = z / fixed_order_sum(z)
     experts = xp.argsort(-probs, axis=-1, stable=True)[:, :k]
     weights = xp.take_along_axis(probs, experts, axis=-1)
     if shape.norm_topk_prob:
-        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / fixed_order_sum(weights)
     return weights, experts
 
 
@@ -55,34 +70,49 @@ class ExpertGroups(NamedTuple):
     rows: Any  # [T * k] token of each sorted pair
     sizes: Any  # [experts] int32
     inverse: Any  # [T * k] sorted position of pair (t, j) at t * k + j
-    experts: Any  # [T * k] expert of each sorted pair
+    experts: Any  # [T * k] expert of each sorted pair (a padding pair's: the last one, in range)
 
 
-def expert_groups(experts: Any, num_experts: int) -> ExpertGroups:
-    """Group the ``[T, k]`` chosen experts by expert (stable: within a group, in token order)."""
+def expert_groups(experts: Any, num_experts: int, live_rows: Any = None) -> ExpertGroups:
+    """Group the ``[T, k]`` chosen experts by expert (stable: within a group, in token order). With
+    ``live_rows``, tokens from that index on are padding: their pairs sort after every group and no
+    group counts them, so no expert is read for them (the backend's products for those rows are never
+    used); the live pairs' groups are the same as without the padding."""
     xp = namespace(experts)
-    k = experts.shape[1]
+    t, k = experts.shape
+    if live_rows is not None:  # padding pairs take expert num_experts, past every group
+        padding = xp.arange(t, dtype=xp.int32)[:, None] >= xp.astype(xp.asarray(live_rows), xp.int32)
+        experts = xp.where(padding, xp.asarray(num_experts, dtype=experts.dtype), experts)
     flat = xp.reshape(experts, (-1,))
     order = xp.argsort(flat, stable=True)
     ids = xp.arange(num_experts, dtype=flat.dtype)
     sizes = xp.sum(xp.astype(flat[None, :] == ids[:, None], xp.int32), axis=1)
-    return ExpertGroups(order // k, sizes, xp.argsort(order, stable=True), xp.take(flat, order, axis=0))
+    chosen = xp.minimum(xp.take(flat, order, axis=0), xp.asarray(num_experts - 1, dtype=flat.dtype))
+    return ExpertGroups(order // k, sizes, xp.argsort(order, stable=True), chosen)
 
 
 def moe_mlp(
-    h2: Any, lw: LayerWeights, shape: LayerShape, *, project: Project, project_experts: ProjectExperts
+    h2: Any,
+    lw: LayerWeights,
+    shape: LayerShape,
+    *,
+    project: Project,
+    project_experts: ProjectExperts,
+    live_rows: Any = None,
 ) -> tuple[Any, Any, Any]:
     """A mixture of experts over ``h2 [T, hidden]``: the router's ``k`` experts per token, each
     expert's gated MLP over its group of tokens, and per token the weighted sum of its ``k`` outputs
-    (in the router's order, so a row's sum does not depend on the batch). Returns (output, router
-    weights ``[T, k]``, experts ``[T, k]``)."""
+    (in the router's order, so a row's sum does not depend on the batch). ``live_rows``: the count of
+    real rows, padding after them; padding rows are routed to no expert (a decode step padded to its
+    bucket reads only its live tokens' experts) and their output is not meaningful.
+    Returns (output, router weights ``[T, k]``, experts ``[T, k]``)."""
     xp = namespace(h2)
     t, k = h2.shape[0], shape.experts_per_token
     (logits,) = project(h2, ("router",))
     if lw.router_bias is not None:
         logits = logits + lw.router_bias.astype(logits.dtype)
     weights, experts = route(logits, shape)
-    groups = expert_groups(experts, shape.num_experts)
+    groups = expert_groups(experts, shape.num_experts, live_rows)
     x = xp.take(h2, groups.rows, axis=0)
     gate, up = project_experts(x, groups.sizes, ("gate_proj", "up_proj"))
 
