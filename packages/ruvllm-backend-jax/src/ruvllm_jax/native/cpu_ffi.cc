@@ -434,6 +434,7 @@ bool region_of(int32_t handle, Region& out) {
 struct StoredActsBuf {
   std::vector<int8_t> q;
   std::vector<float> dx;
+  std::vector<int32_t> xs;
   ruvllm::StoredActs quantize(const float* x, int64_t M, int64_t K, int64_t bv) {
     const int64_t B = K / bv;
     q.resize(static_cast<size_t>(M * K));
@@ -452,7 +453,16 @@ struct StoredActsBuf {
         dx[static_cast<size_t>(m * B + b)] = d;
       }
     }
-    return ruvllm::StoredActs{q.data(), dx.data(), M, K};
+    if (bv != 256) return ruvllm::StoredActs{q.data(), dx.data(), M, K, nullptr};
+    // The k-quants' terms of their mins (Q4_K) and offsets (Q6_K) need only these sums: once per call,
+    // not once per weight row.
+    xs.resize(static_cast<size_t>(M * K / 16));
+    for (int64_t i = 0; i < M * K / 16; ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[static_cast<size_t>(16 * i + j)];
+      xs[static_cast<size_t>(i)] = sum;
+    }
+    return ruvllm::StoredActs{q.data(), dx.data(), M, K, xs.data()};
   }
 };
 
@@ -524,7 +534,7 @@ ffi::Error ExpertsStoredImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, 
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = first[e], rows = first[e + 1] - first[e];
       if (rows == 0) continue;  // an expert no row chose is never read
-      ruvllm::StoredActs xe{all.q + r0 * K, all.dx + r0 * B, rows, K};
+      ruvllm::StoredActs xe{all.q + r0 * K, all.dx + r0 * B, rows, K, all.xs ? all.xs + r0 * K / 16 : nullptr};
       ruvllm::StoredMatrix we{m.w + e * m.N * m.row_bytes, m.row_bytes, m.type, m.y + r0 * m.N, m.N};
       for (int64_t n = 0; n < m.N; n += 16) tasks.push_back(Task{xe, we, n, std::min(m.N, n + 16)});
     }

@@ -185,9 +185,10 @@ static inline int64_t stored_block_bytes(int type) {
 }
 
 struct StoredActs {
-  const int8_t* q;  // [M, K] codes
-  const float* dx;  // [M, K / block]
+  const int8_t* q;    // [M, K] codes
+  const float* dx;    // [M, K / block]
   int64_t M, K;
+  const int32_t* xs;  // [M, K / 16] the codes' sums per 16 (k-quants' mins and offsets), else null
 };
 
 struct StoredMatrix {
