@@ -3,7 +3,8 @@ the model's own w4a8 form) against the same engine without it and against
 llama.cpp (llama-cpp-python, same GGUF, when installed): single-stream decode tok/s on the
 input-grounded prompts kept in ``benchmarks/prompts/speculative_grounded.jsonl`` (rewrite or continue
 a given code file, extract fields from a given text, summarize with quotes) and on open-ended ones
-(``speculative_open.jsonl``), and aggregate decode tok/s with many streams at once.
+(``speculative_open.jsonl``), and aggregate tok/s with many streams at once (by wall clock and by
+CPU seconds; the two engines take turns, ``--aggregate-rounds`` runs each).
 
     python benchmarks/bench_speculative.py                      # SmolLM2 on jax, every prompt
     python benchmarks/bench_speculative.py --limit 3 --max-tokens 64 --no-aggregate   # a smoke run
@@ -35,6 +36,8 @@ from provenance import cpu_summary
 
 PROMPTS = Path(__file__).parent / "prompts"
 SETS = {"grounded": PROMPTS / "speculative_grounded.jsonl", "open": PROMPTS / "speculative_open.jsonl"}
+#: A verification chunk's most positions past the context (k + 1 for k at most 16).
+MAX_SPECULATIVE_POSITIONS = 17
 
 
 @dataclass
@@ -50,10 +53,20 @@ class Run:
 
 
 @dataclass
+class Aggregate:
+    """One many-stream run: each stream's tokens, its wall and CPU seconds."""
+
+    tokens: list[list[int]]
+    wall_s: float
+    cpu_s: float
+
+
+@dataclass
 class Figures:
     name: str
     runs: dict[str, list[Run]] = field(default_factory=dict)  # prompt set -> one run per prompt
     aggregate_tok_s: dict[str, float] = field(default_factory=dict)
+    aggregate_cpu_tok_s: dict[str, float] = field(default_factory=dict)  # tokens per CPU second
     acceptance: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -63,13 +76,18 @@ def load_prompts(tokenizer: Any, which: str, limit: int | None) -> list[list[int
     return [tokenizer.encode(t) for t in texts]
 
 
-def ruvllm_engine(model: Any, speculative: str | None, args: argparse.Namespace, streams: int) -> Any:
+def ruvllm_engine(
+    model: Any, speculative: str | None, args: argparse.Namespace, streams: int, longest: int = 2048
+) -> Any:
+    """An engine for ``streams`` sequences of prompts up to ``longest`` tokens (KV blocks for that:
+    two aggregate engines live at once; precompiling needs one sequence's whole context)."""
     from ruvllm.engine import EngineConfig, LLMEngine
 
+    per_stream = -(-(longest + args.max_tokens + MAX_SPECULATIVE_POSITIONS) // 16)
     config = EngineConfig(
         max_num_seqs=streams,
         max_model_len=2048,
-        num_blocks=streams * (2048 // 16),
+        num_blocks=max(streams * per_stream, 2048 // 16) + 8,
         speculative=speculative,
         num_speculative_tokens=args.k,
         draft_model=args.draft_model if speculative == "draft" else None,
@@ -95,8 +113,9 @@ def ruvllm_single(engine: Any, prompt: list[int], max_tokens: int) -> Run:
     return Run(tokens, time.perf_counter() - first)
 
 
-def ruvllm_aggregate(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> float:
-    """Total tokens per second with ``streams`` requests at once (the prompts repeated)."""
+def ruvllm_aggregate(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> Aggregate:
+    """``streams`` requests at once (the prompts repeated): their tokens, wall and CPU seconds (CPU
+    seconds of this process, its threads included: what the step cost on a shared machine)."""
     from ruvllm.engine import GenerationRequest
     from ruvllm.sampling import SamplingParams
 
@@ -104,10 +123,10 @@ def ruvllm_aggregate(engine: Any, prompts: list[list[int]], streams: int, max_to
         GenerationRequest(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, temperature=0.0))
         for i in range(streams)
     ]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(reqs)
-    seconds = time.perf_counter() - t0
-    return sum(len(d.token_ids) for out in outs for o in out for d in o.deltas) / seconds
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return Aggregate([[t for o in out for d in o.deltas for t in d.token_ids] for out in outs], wall, cpu)
 
 
 def llama_cpp_single(path: Path, threads: int) -> Callable[[list[int], int], Run] | None:
@@ -167,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (a smoke run)")
     p.add_argument("--streams", type=int, default=32, help="streams of the aggregate figure")
     p.add_argument("--no-aggregate", action="store_true")
+    p.add_argument("--aggregate-rounds", type=int, default=3, help="many-stream runs per engine, taking turns")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the usable CPUs)")
     p.add_argument("--json", type=Path, default=None)
@@ -215,10 +235,34 @@ def main(argv: list[str] | None = None) -> int:
             (after.spec_accepted_tokens - before.spec_accepted_tokens) / drafted if drafted else None
         )
         if not args.no_aggregate:
-            for fig, speculative in ((plain, None), (spec, args.speculative)):
-                engine = ruvllm_engine(model, speculative, args, args.streams)
+            # Both engines at once, taking turns run by run (order rotated each round), as above.
+            longest = max(len(x) for x in prompts)
+            many = {
+                "plain": ruvllm_engine(model, None, args, args.streams, longest),
+                "spec": ruvllm_engine(model, args.speculative, args, args.streams, longest),
+            }
+            totals = {name: [0, 0.0, 0.0] for name in many}  # tokens, wall, CPU seconds
+            for engine in many.values():
                 ruvllm_aggregate(engine, prompts, args.streams, args.max_tokens)  # warm-up
-                fig.aggregate_tok_s[which] = ruvllm_aggregate(engine, prompts, args.streams, args.max_tokens)
+            for r in range(args.aggregate_rounds):
+                got_many = {}
+                for name in ["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]:
+                    time.sleep(0.05)
+                    got_many[name] = run = ruvllm_aggregate(many[name], prompts, args.streams, args.max_tokens)
+                    totals[name][0] += sum(len(t) for t in run.tokens)
+                    totals[name][1] += run.wall_s
+                    totals[name][2] += run.cpu_s
+                    print(
+                        f"{which} {args.streams} streams, round {r}: {name} {run.wall_s:.2f} s, {run.cpu_s:.2f} CPU s",
+                        file=sys.stderr,
+                    )
+                if got_many["spec"].tokens != got_many["plain"].tokens:
+                    mismatches += 1
+            for fig, name in ((plain, "plain"), (spec, "spec")):
+                tokens, wall, cpu = totals[name]
+                fig.aggregate_tok_s[which] = tokens / wall
+                fig.aggregate_cpu_tok_s[which] = tokens / cpu
+            del many
 
     def total(runs: list[Run]) -> float:
         return sum(len(r.tokens) - 1 for r in runs) / sum(r.decode_s for r in runs) if runs else 0.0
@@ -248,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         if which in spec.aggregate_tok_s:
             row[f"aggregate_{args.streams}_plain_tok_s"] = plain.aggregate_tok_s[which]
             row[f"aggregate_{args.streams}_spec_tok_s"] = spec.aggregate_tok_s[which]
+            row[f"aggregate_{args.streams}_plain_cpu_tok_s"] = plain.aggregate_cpu_tok_s[which]
+            row[f"aggregate_{args.streams}_spec_cpu_tok_s"] = spec.aggregate_cpu_tok_s[which]
         report["sets"][which] = row
         line = (
             f"{which:9s} {row['prompts']:2d} prompts: plain {row['plain_tok_s']:.1f} tok/s, "
@@ -258,9 +304,13 @@ def main(argv: list[str] | None = None) -> int:
             line += f", llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s"
         if which in spec.aggregate_tok_s:
             a, b = spec.aggregate_tok_s[which], plain.aggregate_tok_s[which]
-            line += f"; {args.streams} streams {a:.1f} vs {b:.1f} tok/s ({a / b:.2f}x)"
+            ca, cb = spec.aggregate_cpu_tok_s[which], plain.aggregate_cpu_tok_s[which]
+            line += (
+                f"; {args.streams} streams {a:.1f} vs {b:.1f} tok/s ({a / b:.2f}x), "
+                f"by CPU seconds {ca:.1f} vs {cb:.1f} ({ca / cb:.2f}x)"
+            )
         lines.append(line)
-    lines.append(f"greedy outputs differing between spec and plain: {mismatches}")
+    lines.append(f"greedy outputs differing between spec and plain (prompts and many-stream runs): {mismatches}")
     print("\n".join(lines))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))

@@ -74,7 +74,8 @@ class EngineConfig:
     speculative_min_acceptance: float = 0.1
     #: What one more position costs a decoding step, relative to the step: a sequence drafts only
     #: as many tokens as its acceptance rate pays for (CPU decoding reads the weights once for all
-    #: positions: measured ~0.17 for SmolLM2 on jax w4a8, 2 Zen 5 cores).
+    #: positions: measured ~0.17 for SmolLM2 on jax w4a8, 2 Zen 5 cores). The prior only: a step's
+    #: drafts are then priced by its rows' measured cost (:mod:`ruvllm.speculative.step_cost`).
     speculative_position_cost: float = 0.2
     #: ``speculative="draft"``: the draft model (a reference ``load_model`` resolves, or ``same``: the
     #: target's own checkpoint) and its quantization (e.g. ``w4a8`` under a float target; None: auto).
