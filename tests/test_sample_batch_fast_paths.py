@@ -117,3 +117,10 @@ def test_check_finite_leaves_other_dtypes_to_the_full_pass():
     )
     assert got[0].token_id == got[1].token_id == int(ok.argmax())
     assert isinstance(got[2], FloatingPointError)
+
+
+def test_unlocked_leaves_other_dtypes_locked():
+    x = read_only(np.arange(12, dtype=np.int32).reshape(3, 4))
+    view = unlocked(x, (3, 2), (16, 4))
+    assert not view.flags.writeable
+    np.testing.assert_array_equal(view, x[:, :2])

@@ -26,6 +26,7 @@ from ruvllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from ruvllm.engine.xlora import scaling_pass
 from ruvllm.errors import BackendError
 from ruvllm.sampling import Sampler, device_sampling
+from ruvllm.sampling.selection import unlocked
 
 if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
@@ -152,6 +153,11 @@ class StepExecutor:
                 attempt([i for i in indices if chunks[i].seq.state.request.request_id not in first])
                 return
             got = result.sampled
+            logits = result.logits
+            if got is None and isinstance(logits, np.ndarray):
+                # The step's logits as the sampler reads them: NumPy copies a read-only array (jax's
+                # host arrays are) before each argmax; the rows are the step's own, never written.
+                logits = unlocked(logits)
             for row, i in enumerate(indices):
                 c = chunks[i]
                 if got is not None:
@@ -160,7 +166,7 @@ class StepExecutor:
                     top = list(zip(ids, lps, strict=True))
                     out[i] = (c, DeviceRow(int(got.tokens[row]), float(got.logprobs[row]), top, bool(got.finite[row])))
                 else:
-                    out[i] = (c, np.asarray(result.logits[row]))
+                    out[i] = (c, np.asarray(logits[row]))
                 rows = result.all_logits.get(row)
                 if c.draft:  # (rows the backend left out fail the request when it is verified)
                     out[i] = (c, np.asarray(rows) if rows is not None else np.empty((0, 0), np.float32))

@@ -19,7 +19,6 @@ from ruvllm.sampling.selection import (
     apply_masks,
     argmax_adjusted,
     canonical_order,
-    matrix_view,
     need,
     pad,
     top_candidates,
@@ -198,14 +197,9 @@ def _scan(
     wanted = [i for i in range(len(plain)) if plain[i] or check_finite]
     if not wanted:
         return found
-    rows: Sequence[np.ndarray] | np.ndarray = logits
-    if isinstance(logits, np.ndarray):
-        if logits.dtype == np.float32 and logits.ndim == 2 and logits.flags.c_contiguous:
-            rows = unlocked(logits)
-    else:
-        whole = matrix_view(list(logits)) if len(logits) and isinstance(logits[0], np.ndarray) else None
-        if whole is not None:
-            rows = whole  # (not read-only: NumPy's argmax would copy every row)
+    # Read-only rows are read through writeable aliases (NumPy's argmax would copy each first); the
+    # engine's rows are writeable already (see StepExecutor.run).
+    rows = unlocked(logits) if isinstance(logits, np.ndarray) else logits
     done: dict[int, int | None] = {}
     for i in wanted:
         # Rows of a list are the list's objects (a fork's repeat one); a matrix's are all distinct.

@@ -156,6 +156,9 @@ def matrix_view(rows: list[np.ndarray]) -> np.ndarray | None:
     return unlocked(first, (len(rows), first.size), (step, first.itemsize))
 
 
+_PLAIN_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 class _Unlocked:
     """NumPy's array interface to ``array``'s memory, not marked read-only; it holds ``array`` (and
     so the memory) for as long as a view made from it lives."""
@@ -182,6 +185,8 @@ def unlocked(
     strides = array.strides if strides is None else strides
     if array.flags.writeable and shape == array.shape and strides == array.strides:
         return array
+    if array.dtype not in _PLAIN_FLOATS:  # (an extension dtype's typestr does not name it): left locked
+        return np.lib.stride_tricks.as_strided(array, shape, strides)
     return np.asarray(_Unlocked(array, shape, strides))
 
 
