@@ -168,7 +168,7 @@ class _Unlocked:
         self.__array_interface__ = {
             "shape": shape,
             "typestr": array.dtype.str,
-            "data": (array.ctypes.data, False),
+            "data": (array.__array_interface__["data"][0], False),  # (C-level: .ctypes runs Python)
             "strides": strides,
             "version": 3,
         }
