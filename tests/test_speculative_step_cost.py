@@ -58,9 +58,9 @@ def test_unmeasured_larger_steps_are_priced_by_the_prior_and_explored_now_and_th
     assert cut[-1] == [4] * 16  # one step in EXPLORE_EVERY measures what all of it costs
 
 
-def test_outliers_are_not_learnt_and_old_measurements_are_forgotten() -> None:
+def test_delays_are_not_learnt_and_old_measurements_are_forgotten() -> None:
     costs = measured(lambda r: 10.0, [4])
-    costs.observe(4, 1000.0)  # a compile, a paused process
+    costs.observe(4, 1000.0)  # a compile, a paused process: the least recent time stands
     assert costs.estimate(4) == 10.0
     for _ in range(FRESH_STEPS + 1):
         costs.observe(8, 12.0)

@@ -5,9 +5,10 @@ token) in a way no constant captures: on a CPU a few rows share one read of the 
 costs a fraction of a one-row step), a step of a dozen rows is compute-bound (a row costs about
 what each other row does), and a backend that pads rows to compiled shapes (jax: powers of two)
 makes rows free up to the next shape and then dear. So the engine measures it: :class:`StepCosts`
-keeps the recent milliseconds of decode-only steps per row count (an exponential average, forgotten
-after :data:`FRESH_STEPS` steps: costs drift as contexts grow; a row count's first step, which may
-have compiled its shape, and outliers are not learnt), and estimates a row count it has not
+keeps the last :data:`RECENT` milliseconds of decode-only steps per row count and takes the least
+(other work on a shared CPU only ever adds to a step; a row count's first step, which may have
+compiled its shape, is not learnt; measurements are forgotten after :data:`FRESH_STEPS` steps: costs
+drift as contexts grow), and estimates a row count it has not
 measured from its measured neighbours (linearly between two; beyond the last one by the prior
 ``1 + position_cost * (rows - 1)``: a row costs ``position_cost`` of a one-row step).
 
@@ -21,13 +22,12 @@ target emits never depends on what was drafted.
 from __future__ import annotations
 
 import math
+from collections import deque
 
-#: An averaged row count's time is used for this many steps after it was last measured.
+#: A row count's measurements are used for this many steps after they were taken.
 FRESH_STEPS = 256
-#: Weight of a new measurement in a row count's average.
-ALPHA = 0.25
-#: A step slower than this many times its row count's average (a compile, a paused process) is not learnt.
-OUTLIER = 10.0
+#: Measurements kept per row count; the least of them is its cost (a shared CPU only adds delays).
+RECENT = 8
 #: Drafting must promise this much more tokens per millisecond than a plain step (measurements are noisy).
 MIN_GAIN = 0.02
 #: Every this many steps whose drafts were cut, one takes all it wanted (measuring the larger row count).
@@ -40,8 +40,8 @@ class StepCosts:
 
     def __init__(self, position_cost: float) -> None:
         self.position_cost = position_cost
-        #: rows -> (averaged milliseconds, step at which it was last measured)
-        self._ms: dict[int, tuple[float, int]] = {}
+        #: rows -> the recent (milliseconds, step) measured
+        self._ms: dict[int, deque[tuple[float, int]]] = {}
         #: Row counts stepped at least once (a row count's first step is not learnt).
         self._seen: set[int] = set()
         self.steps = 0
@@ -58,37 +58,52 @@ class StepCosts:
         if rows not in self._seen:  # its first step may have compiled its shape
             self._seen.add(rows)
             return
-        old = self._ms.get(rows)
-        if old is not None and self.steps - old[1] <= FRESH_STEPS:
-            if ms > OUTLIER * old[0]:
-                return
-            ms = old[0] + ALPHA * (ms - old[0])
-        self._ms[rows] = (ms, self.steps)
+        self._ms.setdefault(rows, deque(maxlen=RECENT)).append((ms, self.steps))
+
+    def _fresh(self) -> list[tuple[int, float]]:
+        """(rows, milliseconds) of every row count measured within :data:`FRESH_STEPS`, ascending."""
+        since = self.steps - FRESH_STEPS
+        out = []
+        for rows, seen in self._ms.items():
+            ms = [m for m, at in seen if at >= since]
+            if ms:
+                out.append((rows, min(ms)))
+        return sorted(out)
 
     def measured(self, rows: int) -> bool:
         """Whether ``rows`` rows' time was measured within the last :data:`FRESH_STEPS` steps."""
-        got = self._ms.get(rows)
-        return got is not None and self.steps - got[1] <= FRESH_STEPS
+        seen = self._ms.get(rows)
+        return seen is not None and seen[-1][1] >= self.steps - FRESH_STEPS
 
     def estimate(self, rows: int) -> float:
-        """Milliseconds of a decode-only step of ``rows`` rows (0: nothing measured yet). Never less
-        than a measured smaller row count's (more rows do not run faster; noise says otherwise)."""
-        fresh = sorted((r, ms) for r, (ms, at) in self._ms.items() if self.steps - at <= FRESH_STEPS)
+        """Milliseconds of a decode-only step of ``rows`` rows (0: nothing measured yet)."""
+        return self._curve(self._fresh(), rows, rows)[0]
+
+    def _curve(self, fresh: list[tuple[int, float]], lo: int, hi: int) -> list[float]:
+        """Estimated milliseconds for ``lo..hi`` rows from the ``fresh`` measurements: linear between
+        two measured row counts, by the prior beyond them, and never less than a measured smaller
+        row count's (more rows do not run faster; noise may say otherwise)."""
         if not fresh:
-            return 0.0
-        below = [(r, ms) for r, ms in fresh if r <= rows]
-        above = [(r, ms) for r, ms in fresh if r >= rows]
-        floor = max((ms for _, ms in below), default=0.0)
-        if below and above:
-            (r0, t0), (r1, t1) = below[-1], above[0]
-            est = t0 if r1 == r0 else t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
-        elif below:
-            r0, t0 = below[-1]
-            est = t0 * self._prior(rows) / self._prior(r0)
-        else:
-            r1, t1 = above[0]
-            est = t1 * self._prior(rows) / self._prior(r1)
-        return max(est, floor)
+            return [0.0] * (hi - lo + 1)
+        out, j, floor = [], 0, 0.0
+        for rows in range(lo, hi + 1):
+            while j < len(fresh) and fresh[j][0] <= rows:
+                floor = max(floor, fresh[j][1])
+                j += 1
+            below = fresh[j - 1] if j > 0 else None
+            above = fresh[j] if j < len(fresh) else None
+            if below is not None and below[0] == rows:
+                est = below[1]
+            elif below is not None and above is not None:
+                (r0, t0), (r1, t1) = below, above
+                est = t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+            elif below is not None:
+                est = below[1] * self._prior(rows) / self._prior(below[0])
+            else:
+                assert above is not None
+                est = above[1] * self._prior(rows) / self._prior(above[0])
+            out.append(max(est, floor))
+        return out
 
     def allot(self, num_decode: int, rates: list[float], lengths: list[int]) -> list[int]:
         """Draft tokens each of ``num_decode`` decoding sequences' drafts keeps this step: sequence
@@ -105,11 +120,12 @@ class StepCosts:
             ((rates[i] ** j, j, i) for i in range(len(lengths)) for j in range(1, lengths[i] + 1)),
             key=lambda o: (-o[0], o[1]),
         )
-        plain = num_decode / self.estimate(num_decode)
+        cost = self._curve(self._fresh(), num_decode, num_decode + len(offers))
+        plain = num_decode / cost[0]
         best_d, best, gain = 0, plain * (1.0 + MIN_GAIN), 0.0
         for d, (g, _, _) in enumerate(offers, 1):
             gain += g
-            rate = (num_decode + gain) / self.estimate(num_decode + d)
+            rate = (num_decode + gain) / cost[d]
             if rate > best:
                 best_d, best = d, rate
         if best_d < wanted:
