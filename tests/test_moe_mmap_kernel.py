@@ -132,3 +132,28 @@ def test_blocks_outside_the_region_or_unknown_types_are_refused(weights) -> None
     bad[:, 3] = 2  # Q4_0: not read as stored
     with pytest.raises(Exception, match="ggml type 2 is not read as stored"):
         native.experts_stored_group(x, np.int32(0), np.asarray([1, 0, 0, 0, 0], np.int32), [(bad, OUT)])
+
+
+def test_output_rows_past_the_eight_row_blocks_give_the_same_bits_on_every_variant() -> None:
+    """Q4_K rows are read 8 at a time on x86 variants: 20 outputs (two blocks of 8 and a tail of 4)
+    against float64 and the same bits on every variant."""
+    rng = np.random.default_rng(3)
+    out = 20
+    stack = np.stack([quantize(rng.standard_normal((out, K)).astype(np.float32), "Q4_K") for _ in range(2)])
+    region = np.ascontiguousarray(stack.reshape(-1))
+    handle = native.register_region(region)
+    table = np.asarray([[handle, 0, 0, native.STORED_TYPES["Q4_K"], stack.shape[-1]]], np.int32)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    sizes = np.asarray([2, 1], np.int32)
+    xs = _quantized(x, 256)
+    runs = []
+    for isa in [i for i in ISAS if i in native.supported_isas()]:
+        with native.use_isa(isa):
+            (y,) = native.experts_stored_group(x, np.int32(0), sizes, [(table, out)])
+        runs.append(np.asarray(y))
+    for r, e in ((0, 0), (1, 0), (2, 1)):
+        w = gguf.quants.dequantize(stack[e], gguf.GGMLQuantizationType.Q4_K).astype(np.float64)
+        bound = np.abs(xs[r]) @ np.abs(w).T
+        assert np.all(np.abs(runs[0][r] - xs[r] @ w.T) <= 1e-5 * bound + 1e-30)
+    for other in runs[1:]:
+        np.testing.assert_array_equal(other, runs[0])
