@@ -135,7 +135,7 @@ def test_blocks_outside_the_region_or_unknown_types_are_refused(weights) -> None
 
 
 def test_output_rows_past_the_eight_row_blocks_give_the_same_bits_on_every_variant() -> None:
-    """Q4_K rows are read 8 at a time on x86 variants: 20 outputs (two blocks of 8 and a tail of 4)
+    """20 Q4_K outputs (not a whole number of 8- or 16-row blocks, as kernels split them)
     against float64 and the same bits on every variant."""
     rng = np.random.default_rng(3)
     out = 20
