@@ -7,20 +7,37 @@ are added to ``XLA_FLAGS``; and the CLI's flag (``generate``, ``benchmark``, ``s
 from __future__ import annotations
 
 import pytest
-from test_batch_invariance_default import _alone_and_together
+from test_batch_invariance_default import PROMPTS, _tokens
 from test_cli_errors import assert_one_line_error, run_cli
 
+from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
 from ruvllm.errors import BackendError
+from ruvllm.sampling import SamplingParams
 
 
-def test_xla_path_greedy_answers_do_not_change_under_load(smollm2_path):
+def test_xla_path_one_token_count_and_greedy_answers_do_not_change_under_load(smollm2_path):
+    """Every step compiled before traffic has one token count (the products' row count: a GPU's
+    matrix-multiply library picks one kernel for every batch), none compiles while serving, and
+    greedy answers alone equal those together. Small limits: every step computes the largest
+    shape's rows (here 68), slow on a CPU."""
     from ruvllm.backend import LoadOptions
     from ruvllm.runtime import load_model
 
     extra = {"native": "false", "batch_invariant": "true"}
     llm = load_model(str(smollm2_path), backend="jax", options=LoadOptions(quantization="none", extra=extra))
     assert llm.options.dtype == "float32"
-    _alone_and_together(llm)
+    engine = LLMEngine(llm, EngineConfig(num_blocks=128, max_num_seqs=4, max_num_batched_tokens=16))
+    engine.precompile()
+    model = llm.model
+    plans = model.compiled_steps.stats.plans
+    assert len(plans) > 1 and {p.num_tokens for p in plans} == {model.step_tokens} == {68}
+    compiled = len(model.compiled_steps)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    alone = [_tokens(engine.generate([GenerationRequest(p, params)])[0]) for p in prompts]
+    together = [_tokens(o) for o in engine.generate([GenerationRequest(p, params) for p in prompts])]
+    assert alone == together and all(len(a) == 8 for a in alone)
+    assert len(model.compiled_steps) == compiled  # prompts of 2 chunks, 4 sequences: all precompiled
 
 
 def test_bad_value_is_refused_by_name(smollm2_path):

@@ -62,3 +62,24 @@ def prepare(extra: dict[str, object]) -> None:
             f"jax backend: batch_invariant needs XLA_FLAGS {' '.join(missing)} from the start, and jax's GPU "
             "backend started before this load: set them in the environment before the process starts"
         )
+
+
+def step_tokens(
+    extra: dict[str, object], native: bool, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
+) -> int | None:
+    """The one token count every step is padded to with ``batch_invariant`` on XLA's path (a GPU, or
+    the CPU without the native kernels, ``native``: they are loaded), so that a matrix-multiply
+    library sees the same row count, and picks the same kernel, whatever the batch: the largest
+    step shape within the limits (the engine's defaults where None; :meth:`JaxModel.precompile`
+    sets the served ones). None: the option is off, or the native kernels run (invariant at every
+    row count already)."""
+    from ruvllm_jax.options import bool_option
+    from ruvllm_jax.step_shapes import fixed_tokens
+
+    if native or not bool_option(extra, "batch_invariant", False):
+        return None
+    if max_num_seqs is None or max_num_batched_tokens is None:
+        from ruvllm.engine.config import EngineConfig
+
+        max_num_seqs, max_num_batched_tokens = EngineConfig.max_num_seqs, EngineConfig.max_num_batched_tokens
+    return fixed_tokens(max_num_seqs, max_num_batched_tokens)

@@ -37,7 +37,7 @@ from ruvllm.backend import (
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm.sampling import overlay_widths
-from ruvllm_jax import native
+from ruvllm_jax import batch_invariant, native
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.compiled_steps import CompiledCache, CompileStats, compile_step
 from ruvllm_jax.host_memory import huge_pages, keep_large_buffers
@@ -161,11 +161,14 @@ class JaxModel:
     decode_splits: int | None = field(init=False, default=None)
     #: The GPU's streaming multiprocessors (None on CPU, where decode steps keep one part).
     gpu_cores: int | None = field(init=False, default=None)
+    #: Option ``batch_invariant`` on XLA's path: every step's tokens (:func:`batch_invariant.step_tokens`).
+    step_tokens: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.native = native_option(self.options, self.mesh.size)
         self.unroll_layers = unroll_layers_option(self.options.extra, "cuda" if on_cuda() else "cpu")
         self.decode_splits = decode_splits_option(self.options.extra, self.attention)
+        self.step_tokens = batch_invariant.step_tokens(self.options.extra, self.native)
         if on_cuda():
             self.gpu_cores = getattr(jax.devices()[0], "core_count", None) or DEFAULT_GPU_CORES
         sharding = replicated(self.mesh) if self.mesh.size > 1 else None
@@ -399,7 +402,9 @@ class JaxModel:
         self.table_tokens = max_model_len
         done: list[tuple[str, float]] = []
         # Verification chunks' positions run as decoding rows: up to draft_tokens more of them.
-        shapes = step_shapes(max_num_seqs + limits.draft_tokens, max_num_batched_tokens)
+        seqs = max_num_seqs + limits.draft_tokens
+        self.step_tokens = batch_invariant.step_tokens(self.options.extra, self.native, seqs, max_num_batched_tokens)
+        shapes = step_shapes(seqs, max_num_batched_tokens, self.step_tokens)
         copies = powers_of_two(1, bucket(max_num_seqs))
         self.precompiled = False  # (compiling again, for other limits)
         self.fixed_lora = None
@@ -428,7 +433,7 @@ class JaxModel:
             if limits.device_sampling and self.capabilities.device_sampling
             else []
         )
-        logit_rows = sorted({shape.decode_seqs + shape.prefill_seqs for shape in shapes}) if samplers else []
+        logit_rows = sorted({self.step_tokens or s.decode_seqs + s.prefill_seqs for s in shapes}) if samplers else []
         total = len(shapes) * len(variants) + len(copies) + len(logit_rows) * len(samplers)
         table = np.zeros(-(-max_model_len // bs), np.int32)
         for shape in shapes:
@@ -479,7 +484,10 @@ class JaxModel:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
 
         done = []
-        for shape in step_shapes(limits.max_num_seqs, limits.max_num_batched_tokens):
+        self.step_tokens = batch_invariant.step_tokens(
+            self.options.extra, self.native, limits.max_num_seqs, limits.max_num_batched_tokens
+        )
+        for shape in step_shapes(limits.max_num_seqs, limits.max_num_batched_tokens, self.step_tokens):
             for hidden in (False, True):
                 inputs, plan, _, lora = self._prepare(shape_chunks(shape, table, hidden), cache, plan_only=True)
                 if attention is not None:
@@ -537,6 +545,7 @@ class JaxModel:
             hot=cache.hot,
             local_hot=cache.local_hot,
             plan_only=plan_only,
+            tokens=self.step_tokens,
         )
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))

@@ -8,7 +8,10 @@ never while serving:
 - a step with prompt chunks runs them as one group of 1 chunk (its length padded to a power of two,
   at least :data:`MIN_PREFILL_LEN`) or of :data:`SHORT_GROUP` chunks of at most :data:`SHORT_PREFILL`
   tokens, beside the decoding sequences padded to a power of four; chunks that fit no group together
-  run as further parts of the same call, one forward pass each.
+  run as further parts of the same call, one forward pass each;
+- with a fixed token count (option ``batch_invariant`` on XLA's path, see
+  :mod:`ruvllm_jax.batch_invariant`) every shape's decode rows are padded to that count less its
+  prompt group, so every product has the same number of rows whatever the batch.
 
 Policy only: chunk lengths in, shapes and index lists out; the arrays are built by
 :mod:`ruvllm_jax.step_inputs`.
@@ -91,8 +94,32 @@ class StepShape:
         return f"decode {self.decode_seqs} + prefill {self.prefill_seqs}x{self.prefill_len}"
 
 
-def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
-    """Every shape a step within these limits is padded to (see the module docstring)."""
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, tokens: int | None = None) -> list[StepShape]:
+    """Every shape a step within these limits is padded to (see the module docstring); ``tokens``:
+    each padded to that many tokens (at least :func:`fixed_tokens` of the limits)."""
+    shapes = _step_shapes(max_num_seqs, max_num_batched_tokens)
+    if tokens is None:
+        return shapes
+    return list(dict.fromkeys(pad_to(s, tokens) for s in shapes))
+
+
+def fixed_tokens(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The fewest tokens that every shape within these limits fits: one token count for every step."""
+    return max(s.num_tokens for s in _step_shapes(max_num_seqs, max_num_batched_tokens))
+
+
+def pad_to(shape: StepShape, tokens: int) -> StepShape:
+    """``shape`` with its decode rows padded so that it has ``tokens`` tokens."""
+    sd = tokens - shape.prefill_seqs * shape.prefill_len
+    if sd < shape.decode_seqs:
+        raise BackendError(
+            f"jax backend: a step of {shape} ({shape.num_tokens} tokens) exceeds the fixed {tokens} tokens of "
+            "batch_invariant: precompile for the limits served"
+        )
+    return dataclasses.replace(shape, decode_seqs=sd)
+
+
+def _step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
     shapes = []
     sd = 1
     while sd <= bucket(min(max_num_seqs, max_num_batched_tokens)):
@@ -126,9 +153,17 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
     return out
 
 
-def shape_of(lens: Sequence[int]) -> StepShape:
+def shape_of(lens: Sequence[int], tokens: int | None = None) -> StepShape:
     """The shape one forward pass over chunks of these lengths (one part of :func:`partition`) is
-    padded to."""
+    padded to; ``tokens``: padded to that many tokens (:func:`pad_to`; the decode rows need only fit).
+    """
+    shape = _shape_of(lens)
+    if tokens is None:
+        return shape
+    return pad_to(dataclasses.replace(shape, decode_seqs=sum(1 for n in lens if n == 1)), tokens)
+
+
+def _shape_of(lens: Sequence[int]) -> StepShape:
     decode = sum(1 for n in lens if n == 1)
     prompts = [n for n in lens if n > 1]
     if not prompts:
