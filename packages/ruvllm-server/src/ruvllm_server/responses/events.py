@@ -196,19 +196,22 @@ async def response_events(
     chat_stream: AsyncIterator[bytes], events: ResponseEvents
 ) -> AsyncIterator[tuple[bytes, ResponseObject | None]]:
     """``(event bytes, the finished response or None)`` for each event, read from the chat path's
-    SSE stream (its chunks decoded again: the chat path stays the one place that streams a run)."""
+    SSE stream (its chunks decoded again: the chat path stays the one place that streams a run).
+    One piece of that stream may hold several events (outputs that arrived together)."""
     for b in events.start():
         yield b, None
-    async for raw in chat_stream:
-        data = raw.removeprefix(b"data: ").strip()
-        if data == b"[DONE]":
-            continue
-        obj = msgspec.json.decode(data)
-        if "error" in obj:
-            yield events.error(obj), None
-            return
-        for b in events.chunk(msgspec.convert(obj, ChatCompletionChunk)):
-            yield b, None
+    async for piece in chat_stream:
+        # JSON escapes newlines, so a blank line ends an event and nothing else.
+        for raw in piece.split(b"\n\n"):
+            data = raw.removeprefix(b"data: ").strip()
+            if not data or data == b"[DONE]":
+                continue
+            obj = msgspec.json.decode(data)
+            if "error" in obj:
+                yield events.error(obj), None
+                return
+            for b in events.chunk(msgspec.convert(obj, ChatCompletionChunk)):
+                yield b, None
     closing, response = events.finish()
     for b in closing[:-1]:
         yield b, None
