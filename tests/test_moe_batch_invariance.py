@@ -68,6 +68,9 @@ def test_the_native_float_product_is_batch_invariant_and_exact_to_rounding():
         np.testing.assert_array_equal(got[:5], alone[:rows], err_msg=f"{rows} rows")
     want = x.astype(np.float64) @ w.astype(np.float64).T
     got = np.asarray(run(x, w))
+    for isa in [i for i in native.ISAS if i in native.supported_isas()]:  # each variant's build: same bits
+        with native.use_isa(isa):
+            np.testing.assert_array_equal(np.asarray(jax.jit(native.float_product)(x, w)), got, err_msg=isa)
     bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
     assert np.all(np.abs(got - want) <= bound)
 

@@ -898,23 +898,10 @@ ffi::Error MeanSquareImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> o
   return ffi::Error::Success();
 }
 
-// One output of a float product, x_row . w_row over n values, in the order of
-// fixed_order_mean_square: 16 lane sums, then a fixed tree. It depends on n only, never on the rows.
-float fixed_order_dot(const float* x, const float* w, int64_t n) {
-  constexpr int kLanes = 16;
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * w[i + l];
-  for (int l = 0; i + l < n; ++l) acc[l] += x[i + l] * w[i + l];
-  for (int h = kLanes / 2; h >= 1; h /= 2)
-    for (int l = 0; l < h; ++l) acc[l] += acc[l + h];
-  return acc[0];
-}
-
 // ruvllm_float_product: y [T, N] = x [T, K] times w [N, K] transposed, float32, every output summed in
-// fixed_order_dot's order (a mixture of experts' router: XLA's dot sums a row of one-row step in
-// another order than a row of a larger one, which changed a sequence's routing weights with the batch).
+// one fixed order (KernelTable.float_rows, the same bits on every variant). For a mixture of experts'
+// router: XLA's dot sums a row of a one-row step in another order than a row of a larger one, which
+// changed a sequence's routing weights with the batch.
 // Split across threads by output columns; a split never changes an output's order.
 ffi::Error FloatProductImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -926,10 +913,8 @@ ffi::Error FloatProductImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ff
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  auto columns = [&](int64_t n0, int64_t n1) {
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t n = n0; n < n1; ++n) yp[t * N + n] = fixed_order_dot(xp + t * K, wp + n * K, K);
-  };
+  const KernelTable* kt = kernels();
+  auto columns = [&](int64_t n0, int64_t n1) { kt->float_rows(xp, wp, yp, T, N, K, n0, n1); };
   Pool& pool = Pool::get();
   // A decode step's router (one row, 128 x 2048 weights) is a few microseconds' work: one thread.
   const int parts = T * N * K < (int64_t{1} << 22) ? 1 : static_cast<int>(std::min<int64_t>(pool.threads(), N));

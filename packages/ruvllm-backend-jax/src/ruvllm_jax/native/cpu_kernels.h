@@ -225,6 +225,10 @@ struct KernelTable {
   void (*lora_rows)(const LoraJob& j, int64_t t0, int64_t t1);
   // y[:, n0:n1] of one matrix of GGUF blocks as stored (StoredMatrix); x quantized for its block size.
   void (*stored_rows)(const StoredActs& x, const StoredMatrix& w, int64_t n0, int64_t n1);
+  // y[t, n] = x[t, :K] . w[n, :K] for every row t < T and n0 <= n < n1 (float32, y's rows N long), each
+  // in one fixed order (16 lane sums, then a fixed tree): the same bits on every variant and batch.
+  void (*float_rows)(const float* x, const float* w, float* y, int64_t T, int64_t N, int64_t K, int64_t n0,
+                     int64_t n1);
 };
 
 // The factor m = zero * d of a symmetric group (GroupMatrix.mn null).

@@ -344,8 +344,28 @@ void kpanel_vec(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1) { 
 
 #include "cpu_kernels_stored.inc"
 
+// KernelTable.float_rows: plain loops, so each variant's flags vectorise the 16 lane sums (independent
+// lanes: no reassociation) and every variant adds in the same order (-ffp-contract=off: no FMA).
+void float_rows(const float* x, const float* w, float* y, int64_t T, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int kLanes = 16;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * K;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* wr = w + n * K;
+      float acc[kLanes] = {};
+      int64_t i = 0;
+      for (; i + kLanes <= K; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) acc[l] += xr[i + l] * wr[i + l];
+      for (int l = 0; i + l < K; ++l) acc[l] += xr[i + l] * wr[i + l];
+      for (int h = kLanes / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) acc[l] += acc[l + h];
+      y[t * N + n] = acc[0];
+    }
+  }
+}
+
 const KernelTable kTable = {RUVLLM_STR(RUVLLM_VARIANT), quantize_groups_vec, w8a8_vec, group_vec, panel_vec,
-                            kpanel_vec, decode_one, decode_part, prefill_tile, lora_rows, stored_rows};
+                            kpanel_vec, decode_one, decode_part, prefill_tile, lora_rows, stored_rows, float_rows};
 
 }  // namespace
 
