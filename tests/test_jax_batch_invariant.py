@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from test_batch_invariance_default import PROMPTS, _tokens
 from test_cli_errors import assert_one_line_error, run_cli
+from test_speculative_engine import PROMPTS as SPEC_PROMPTS
 
 from ruvllm.engine import EngineConfig, GenerationRequest, LLMEngine
 from ruvllm.errors import BackendError
@@ -38,6 +39,35 @@ def test_xla_path_one_token_count_and_greedy_answers_do_not_change_under_load(sm
     together = [_tokens(o) for o in engine.generate([GenerationRequest(p, params) for p in prompts])]
     assert alone == together and all(len(a) == 8 for a in alone)
     assert len(model.compiled_steps) == compiled  # prompts of 2 chunks, 4 sequences: all precompiled
+
+
+def test_xla_path_speculation_and_device_sampling_keep_one_token_count(smollm2_path):
+    """With the option on XLA's path, an n-gram speculation engine sampling on the device
+    precompiles one token count (its verification rows counted in), compiles nothing while it runs,
+    and gives the plain engine's greedy tokens."""
+    from ruvllm.backend import LoadOptions
+    from ruvllm.runtime import load_model
+
+    extra = {"native": "false", "batch_invariant": "true"}
+    llm = load_model(str(smollm2_path), backend="jax", options=LoadOptions(quantization="none", extra=extra))
+    cfg = dict(max_num_seqs=2, max_num_batched_tokens=32, num_blocks=64, max_model_len=512, sampling="device")
+    prompt = llm.tokenizer.encode(SPEC_PROMPTS[0])  # code to rewrite: n-grams of the prompt come back
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(llm, EngineConfig(**cfg))
+    plain.precompile()
+    plain_tokens = llm.model.step_tokens
+    want = _tokens(plain.generate([GenerationRequest(prompt, params)])[0])
+    model = llm.model
+    before = len(model.compiled_steps.stats.plans)
+    engine = LLMEngine(llm, EngineConfig(speculative="ngram", num_speculative_tokens=4, **cfg))
+    done = engine.precompile()
+    assert any(name.startswith("sampling") for name, _ in done)
+    assert model.step_tokens > plain_tokens  # the verification rows counted in
+    assert {p.num_tokens for p in model.compiled_steps.stats.plans[before:]} == {model.step_tokens}
+    compiled = len(model.compiled_steps), len(model.compiled_samplers)
+    assert _tokens(engine.generate([GenerationRequest(prompt, params)])[0]) == want
+    assert engine.stats().spec_accepted_tokens > 0
+    assert (len(model.compiled_steps), len(model.compiled_samplers)) == compiled
 
 
 def test_bad_value_is_refused_by_name(smollm2_path):
