@@ -10,9 +10,12 @@ Inference", 2025). What a row's result may depend on is fixed apart from the oth
   the load first asks jax for a device, and a process whose backend already started without them
   is refused by name.
 
-On the CPU the option costs nothing and changes no compiled step: the native kernels (``w4a8``,
-``w8a8``) are batch invariant by default, and XLA's CPU path (``native=false``) gives a row the same
-numbers at every row count (``tests/test_jax_batch_invariant.py``).
+- on XLA's path (a GPU, or the CPU with ``native=false``), the products' row count: every step is
+  padded to one token count (:func:`step_tokens`), so a matrix-multiply library picks one kernel
+  whatever the batch, at the cost of a batch-1 decode computing that many rows.
+
+With the native CPU kernels (``w4a8``, ``w8a8``) the option changes no step: they are batch invariant
+by default, at no cost (``tests/test_batch_invariance_default.py``).
 """
 
 from __future__ import annotations

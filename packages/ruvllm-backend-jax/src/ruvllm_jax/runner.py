@@ -545,7 +545,7 @@ class JaxModel:
             hot=cache.hot,
             local_hot=cache.local_hot,
             plan_only=plan_only,
-            tokens=self.step_tokens,
+            step_tokens=self.step_tokens,
         )
         if self.mesh.size > 1:
             inputs = jax.device_put(inputs, replicated(self.mesh))

@@ -56,7 +56,7 @@ def step_inputs(
     hot: HotSlots | None = None,
     local_hot: HotSlots | None = None,
     plan_only: bool = False,
-    tokens: int | None = None,
+    step_tokens: int | None = None,
 ) -> tuple[StepInputs, StepPlan, StepRows, LoraFactors | None]:
     """Inputs, plan, result rows and adapter factors of one forward pass over ``chunks`` on a cache of
     ``num_blocks`` blocks of ``block_size`` (``local_blocks``: a hybrid cache's windowed pool; ``hot``,
@@ -64,7 +64,7 @@ def step_inputs(
     ``plan_only``). Block tables are ``table_tokens`` wide at least. ``native``: the model's native
     kernels are loaded (whether this step runs them follows from its size and ``quantization``).
     ``adapters``: plans the step's adapters (None: the chunks' adapters are not looked at).
-    ``tokens``: every step padded to that many tokens, and its logit rows to as many (twice as many
+    ``step_tokens``: every step padded to that many tokens, and its logit rows to as many (twice as many
     when a chunk asks for every position's): option ``batch_invariant`` on XLA's path."""
     bs, nb = block_size, num_blocks
     lens = [len(c.token_ids) for c in chunks]
@@ -74,7 +74,7 @@ def step_inputs(
     decode = [i for i, n in enumerate(lens) if n == 1 or rows_of[i]]
     prefill = [i for i, n in enumerate(lens) if n > 1 and not rows_of[i]]
     decode_rows = [(i, j) for i in decode for j in range(lens[i])]
-    shape = shape_of([1] * len(decode_rows) + [lens[i] for i in prefill], tokens)
+    shape = shape_of([1] * len(decode_rows) + [lens[i] for i in prefill], step_tokens)
     sd, sp, qb, t = shape.decode_seqs, shape.prefill_seqs, shape.prefill_len, shape.num_tokens
     starts = np.zeros(len(chunks), np.int64)
     nxt = 0
@@ -140,7 +140,7 @@ def step_inputs(
             rows.hidden[i] = slice(int(starts[i]), int(starts[i]) + lens[i])
     # A step that returns every position's logits returns as many rows as the shape can need (one
     # per chunk and one per token): one such variant per shape, which precompile can compile.
-    if tokens is not None:  # the LM head's rows fixed too: 2 counts, whatever the batch
+    if step_tokens is not None:  # the LM head's rows fixed too: 2 counts, whatever the batch
         g = 2 * t if any(c.all_logits for c in chunks) else t
     else:
         g = sd + sp if len(logit_rows) <= sd + sp else sd + sp + t
