@@ -166,7 +166,9 @@ class Speculation:
         # What this load pays for (the n-gram drafts as found; the draft model's before it runs).
         offered = [len(q.draft) if self.drafter is None else k for q, k in wanted]
         rates = [q.speculation[1].rate if q.speculation is not None else 0.0 for q, _ in wanted]
-        keep = self.costs.allot(len(decoding), rates, offered)
+        # One decoding sequence: its step reads the weights whatever it verifies, so its drafts are
+        # not priced (and a seeded request alone drafts the same whatever the clock says).
+        keep = offered if len(decoding) <= 1 else self.costs.allot(len(decoding), rates, offered)
         wanted = [(q, n) for (q, _), n in zip(wanted, keep, strict=True)]
         if self.drafter is None:
             for seq, n in wanted:
