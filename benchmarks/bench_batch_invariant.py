@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per answer")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="decode rates at these batch sizes")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="the engine's limit (at least the largest batch)")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=256,
+        help="the engine's token budget: with the option every step computes about this many rows",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -67,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     device = dev.device_kind if dev.platform != "cpu" else cpu_summary()
     label = f"{'on' if args.batch_invariant else 'off'} ({llm.options.quantization}, {llm.options.dtype}, {extra})"
     print(f"batch_invariant {label} on {device}", flush=True)
-    engine = LLMEngine(llm, EngineConfig(num_blocks=512, max_num_seqs=32))
+    limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(llm, EngineConfig(num_blocks=512, **limits))
     engine.precompile()  # the one token count of these limits, compiled before anything is timed
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
 
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "extra": extra,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
+        "limits": limits,
         "changed": changed,
         "first_difference": [first[i] for i in changed],
         "decode_tok_s": rates,

@@ -29,7 +29,8 @@
 #           reach the machine first, as spec's), --quantization none (bf16): 24 greedy answers alone and
 #           together, and decode tok/s at batch 1 and 8 (bench_batch_invariant.py), without the option
 #           and with it, one process each (its XLA flags are read when the GPU backend starts), INV_S
-#           (default 120 s) each.
+#           (default 120 s) each, the engine limited to INV_SEQS sequences (8) and INV_STEP_TOKENS tokens a
+#           step (256): with the option every step computes about that many rows.
 # The earlier parts (attention, probe, model, peer: about 10 minutes together) were measured on an H200
 # on 2026-11-27 (benchmarks/results/h200-2026-11-27/); run them as a second call on the same warm machine
 # (the peer's compile alone takes about two minutes; docs/benchmarks.md says how those were taken).
@@ -70,7 +71,9 @@ if [[ $PARTS == *" invariant "* ]]; then
         flag=""; [[ $mode == on ]] && flag="--batch-invariant"
         timeout "${INV_S:-120}" python3 benchmarks/bench_batch_invariant.py --model "${INV_MODEL:-smollm2}" \
             --quantization none $flag --prompts "${INV_PROMPTS:-24}" --max-tokens "${INV_TOKENS:-48}" \
-            --batches ${INV_BATCHES:-1 8} --json "$OUT/invariant_$mode.json" 2>&1 | tee "$OUT/invariant_$mode.log"
+            --batches ${INV_BATCHES:-1 8} --max-num-seqs "${INV_SEQS:-8}" \
+            --max-num-batched-tokens "${INV_STEP_TOKENS:-256}" \
+            --decode-tokens "${INV_DECODE_TOKENS:-64}" --json "$OUT/invariant_$mode.json" 2>&1 | tee "$OUT/invariant_$mode.log"
     done
 fi
 [[ $PARTS == *" attention "* ]] && timeout "${ATTN_S:-200}" $BENCH --no-model --attn-shapes llama3-8b smollm2 --decode-splits ${DECODE_SPLITS:-1 8} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"

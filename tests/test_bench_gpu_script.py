@@ -91,6 +91,9 @@ def test_gpu_lease_invariant_part_runs_on_the_cpu(tmp_path, smollm2_path):
         "INV_PROMPTS": "3",
         "INV_TOKENS": "4",
         "INV_BATCHES": "2",
+        "INV_SEQS": "2",
+        "INV_STEP_TOKENS": "16",
+        "INV_DECODE_TOKENS": "4",
     }
     proc = subprocess.run(
         ["bash", str(lease)], capture_output=True, text=True, timeout=600, env=env, cwd=SCRIPT.parents[1]
