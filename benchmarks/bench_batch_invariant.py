@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="the engine's limit (at least the largest batch)")
     ap.add_argument(
-        "--max-num-batched-tokens", type=int, default=256,
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
         help="the engine's token budget: with the option every step computes about this many rows",
     )
     ap.add_argument("--json", type=Path, default=None)
