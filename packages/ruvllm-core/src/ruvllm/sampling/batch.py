@@ -135,7 +135,7 @@ def sample_batch(
         raise ValueError(f"{n} samplers but {len(logits)} logits rows")
     out: list[SampleResult | Exception | None] = [None] * n
     vocab = int(np.shape(logits[0])[-1]) if n else 0
-    plain = [_plain_greedy(s, vocab) for s in samplers]
+    plain = [s.raw_argmax(vocab) for s in samplers]
     picks: dict[int, _Pick] = {}
     if check_finite or any(plain):
         for i, token in _scan(logits, plain, check_finite, vocab).items():
@@ -168,21 +168,6 @@ def sample_batch(
                 raise
             out[i] = exc
     return out  # type: ignore[return-value]  # every row is filled
-
-
-def _plain_greedy(sampler: Sampler, vocab: int) -> bool:
-    """A greedy row the reference takes the argmax of as it is: no penalty, bias, ban or grammar
-    changes it, and no logprobs are asked."""
-    p = sampler.params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and sampler.constraint is None
-        and p.repetition_penalty == 1.0
-        and not (p.presence_penalty or p.frequency_penalty)
-        and not p.logit_bias
-        and (sampler.generated >= p.min_tokens or not sampler._banned(vocab))
-    )
 
 
 def _scan(

@@ -101,6 +101,21 @@ class Sampler:
         n = len(self._slot)
         return self._ids[:n], self._cnt[:n]
 
+    def raw_argmax(self, vocab: int | None = None) -> bool:
+        """Whether this row's choice is the raw logits' argmax: greedy, and no penalty, bias,
+        grammar or logprobs changes or reads it; nor a min_tokens ban, still to apply (with
+        ``vocab``: one that bans a token of the vocabulary)."""
+        p = self.params
+        return (
+            p.greedy
+            and p.logprobs is None
+            and self.constraint is None
+            and p.repetition_penalty == 1.0
+            and not (p.presence_penalty or p.frequency_penalty)
+            and not p.logit_bias
+            and (self.generated >= p.min_tokens or (vocab is not None and not self._banned(vocab)))
+        )
+
     def _banned(self, vocab: int) -> list[int]:
         """The tokens min_tokens bans (eos and stop tokens inside the vocabulary)."""
         return [t for t in (*self.eos_token_ids, *self.params.stop_token_ids) if 0 <= t < vocab]

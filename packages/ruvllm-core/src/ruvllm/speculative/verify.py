@@ -48,23 +48,6 @@ def _result(sampler: Sampler, row: np.ndarray, token: int) -> SampleResult:
     return SampleResult(token, chosen, top)
 
 
-def _argmax_only(sampler: Sampler) -> bool:
-    """Whether ``sampler``'s choice is the raw row's argmax whatever it produced before: greedy with
-    no penalty, bias, min_tokens ban still to apply, grammar or logprobs. Then every row's choice is
-    taken in one pass (the float32 rows' argmax is the float64 copy's :meth:`Sampler.sample` takes)."""
-    p = sampler.params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and sampler.constraint is None
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-        and not p.logit_bias
-        and sampler.generated >= p.min_tokens
-    )
-
-
 def verify_draft(
     sampler: Sampler, rows: np.ndarray, draft: list[int], q_rows: np.ndarray | None = None
 ) -> Iterator[tuple[SampleResult, bool]]:
@@ -73,7 +56,8 @@ def verify_draft(
     all kept, the bonus token from the last row (``accepted`` False). ``rows``: ``[len(draft) + 1,
     vocab]`` logits; ``q_rows``: the draft's probabilities at its positions (None: a deterministic
     draft). The caller stops iterating once the sequence finishes; nothing past that is recorded."""
-    if _argmax_only(sampler):  # a sample per row costs more than the step's own sampling
+    # The float32 rows' argmax is the float64 copy's Sampler.sample takes.
+    if sampler.raw_argmax():  # a sample per row costs more than the step's own sampling
         picks = np.argmax(rows[: len(draft) + 1], axis=-1)
         for i in range(len(draft) + 1):
             token = int(picks[i])
