@@ -319,6 +319,31 @@ def test_the_prompt_budget_follows_the_measured_step_cost():
     assert b.prefill_budget(0) == 2048  # nothing decodes: no stream to keep moving
 
 
+def test_the_running_fit_equals_a_least_squares_fit_of_the_window():
+    """The fit comes from running sums of the normal equations, taken in and out as the window
+    moves; checked against the ridge least squares of the window's steps in float64 NumPy, built
+    from scratch, at every point of several passes of the window (the sums rebuilt between)."""
+    b = StepBudget(target_ms=100.0, max_tokens=2048)
+    rng = np.random.default_rng(7)
+    seen: list[tuple[int, int, float]] = []
+    for i in range(3 * WINDOW + 17):
+        d, p = int(rng.integers(0, 33)), int(rng.choice([0, 0, 16, 64, 256]))
+        ms = 5 + 0.7 * d + (12 + 0.2 * p if p else 0)
+        ms *= rng.uniform(0.9, 1.1)
+        b.observe(d, p, ms)
+        seen.append((d, p if p > 1 else 0, ms))
+        if i < 32 or (i % 29 and i != 3 * WINDOW + 16):  # from a window that determines the fit
+            continue
+        window = np.array(seen[-WINDOW:], np.float64)
+        n, pt, t = window[:, 0], window[:, 1], window[:, 2]
+        x = np.stack([np.ones_like(n), n, (pt > 0).astype(np.float64), pt], axis=1)
+        ridge = np.sqrt(np.array([1e-6, 1e-6, 1e-2, 1e-6]) * len(t))
+        xa = np.vstack([x, np.diag(ridge)])
+        ta = np.concatenate([t, np.zeros(4)])
+        want = np.maximum(np.linalg.lstsq(xa, ta, rcond=None)[0], 0.0)
+        np.testing.assert_allclose(b._fit(), want, rtol=1e-6, atol=1e-9)
+
+
 def test_a_ratio_target_bounds_prompt_steps_by_a_multiple_of_the_decode_step():
     b = StepBudget(target_ms=1000.0, max_tokens=2048, ratio=3.0)
     _steps(b, np.random.default_rng(1), 100)

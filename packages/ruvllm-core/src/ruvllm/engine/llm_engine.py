@@ -380,8 +380,16 @@ class LLMEngine:
     def _run_step(self) -> list[RequestOutput]:
         budget = None
         if self.step_budget is not None:
-            decoding = sum(1 for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1)
-            budget = self.step_budget.prefill_budget(decoding)
+            # A prompt budget only where some prompt has tokens left to compute: a step of decoding
+            # sequences alone carries no prompt tokens whatever the budget.
+            decoding, prompting = 0, bool(self.scheduler.waiting)
+            for q in self.scheduler.running:
+                if len(q.token_ids) - q.num_computed == 1:
+                    decoding += 1
+                else:
+                    prompting = True
+            if prompting:
+                budget = self.step_budget.prefill_budget(decoding)
         if self.speculator is not None:
             self.speculator.propose()
         sched = self.scheduler.schedule(budget)

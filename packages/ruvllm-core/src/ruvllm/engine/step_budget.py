@@ -6,7 +6,9 @@ steps it ran: a linear model of the step's milliseconds,
 
     ms = a + b * decoding sequences + (c + d * prompt tokens if the step carries prompt tokens)
 
-fitted by least squares over the last :data:`WINDOW` steps. The prompt step's own fixed cost ``c``
+fitted by least squares over the last :data:`WINDOW` steps (from running sums of the normal
+equations, so a step's refit is one 4x4 solve; the sums are rebuilt from the window every
+:data:`WINDOW` steps, so rounding cannot build up). The prompt step's own fixed cost ``c``
 is only told apart from ``a`` by decode-only steps, so when streams decode but every recent step
 also carried prompt tokens, one step in :data:`PROBE_EVERY` is decode-only (a budget of 0). While
 some sequence decodes, the prompt budget is the largest power of two of tokens whose predicted step
@@ -36,6 +38,8 @@ WINDOW = 128
 OUTLIER = 10.0
 #: Steps with prompt tokens in a row after which one decode-only step measures what decoding costs.
 PROBE_EVERY = 32
+#: The ridge penalty per step in the window, on a, b, c and d.
+_PENALTY = np.diag([1e-6, 1e-6, 1e-2, 1e-6])
 
 
 class StepBudget:
@@ -51,20 +55,36 @@ class StepBudget:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._coef: np.ndarray | None = None  # a, b, c, d of the module docstring
         self._prompt_steps_in_a_row = 0
+        # The normal equations' sums over the window (x'x, x'ms), the window's steps with prompt
+        # tokens, and the appends left before the sums are rebuilt from the window.
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
+        self._prompt_steps = 0
+        self._until_rebuild = WINDOW
+
+    @staticmethod
+    def _row(num_decode: int, prompt_tokens: int) -> np.ndarray:
+        return np.array([1.0, num_decode, 1.0 if prompt_tokens > 0 else 0.0, prompt_tokens])
+
+    def _account(self, step: tuple[int, int, float], sign: float) -> None:
+        n, p, ms = step
+        x = self._row(n, p)
+        self._xtx += sign * np.outer(x, x)
+        self._xty += (sign * ms) * x
+        self._prompt_steps += int(sign) if p > 0 else 0
 
     # -- the model -----------------------------------------------------------------------------------
     def _fit(self) -> np.ndarray | None:
-        if self._coef is not None or not any(p > 0 for _, p, _ in self._steps):
+        if self._coef is not None or self._prompt_steps == 0:
             return self._coef
-        obs = np.array(self._steps, np.float64)
-        n, p, ms = obs[:, 0], obs[:, 1], obs[:, 2]
-        x = np.stack([np.ones_like(n), n, (p > 0).astype(np.float64), p], axis=1)
         # Ridge, strongest on c: without decode-only steps it is not identifiable from a, and the
         # fit then puts the fixed cost into a (which only makes the decode estimate err high).
-        penalty = np.diag([1e-6, 1e-6, 1e-2, 1e-6]) * len(ms)
-        coef = np.linalg.solve(x.T @ x + penalty, x.T @ ms)
+        penalty = _PENALTY * len(self._steps)
+        coef = np.linalg.solve(self._xtx + penalty, self._xty)
         self._coef = np.maximum(coef, 0.0)
         if self._coef[3] <= 0:  # a prompt token always costs something
+            obs = np.array(self._steps, np.float64)
+            p, ms = obs[:, 1], obs[:, 2]
             self._coef[3] = max(float(np.median((ms[p > 0]) / p[p > 0])), 1e-6)
         return self._coef
 
@@ -127,5 +147,16 @@ class StepBudget:
         if predicted > 0 and ms > OUTLIER * predicted:
             return
         self._prompt_steps_in_a_row = self._prompt_steps_in_a_row + 1 if prompt_tokens else 0
-        self._steps.append((num_decode, prompt_tokens, ms))
+        step = (num_decode, prompt_tokens, ms)
+        if len(self._steps) == WINDOW:
+            self._account(self._steps[0], -1.0)
+        self._steps.append(step)
+        self._until_rebuild -= 1
+        if self._until_rebuild <= 0:
+            self._xtx[:], self._xty[:], self._prompt_steps = 0.0, 0.0, 0
+            for kept in self._steps:
+                self._account(kept, 1.0)
+            self._until_rebuild = WINDOW
+        else:
+            self._account(step, 1.0)
         self._coef = None
