@@ -38,6 +38,8 @@ WINDOW = 128
 OUTLIER = 10.0
 #: Steps with prompt tokens in a row after which one decode-only step measures what decoding costs.
 PROBE_EVERY = 32
+#: Steps observe's outlier test may use one fit for (the budget itself always refits).
+REFIT_EVERY = 16
 #: The ridge penalty per step in the window, on a, b, c and d.
 _PENALTY = np.diag([1e-6, 1e-6, 1e-2, 1e-6])
 
@@ -61,6 +63,9 @@ class StepBudget:
         self._xty = np.zeros(4)
         self._prompt_steps = 0
         self._until_rebuild = WINDOW
+        # The last fit, and the steps observed since: what observe's outlier test uses.
+        self._checked_with: np.ndarray | None = None
+        self._since_fit = 0
 
     @staticmethod
     def _row(num_decode: int, prompt_tokens: int) -> np.ndarray:
@@ -81,7 +86,8 @@ class StepBudget:
         # fit then puts the fixed cost into a (which only makes the decode estimate err high).
         penalty = _PENALTY * len(self._steps)
         coef = np.linalg.solve(self._xtx + penalty, self._xty)
-        self._coef = np.maximum(coef, 0.0)
+        self._coef = self._checked_with = np.maximum(coef, 0.0)
+        self._since_fit = 0
         if self._coef[3] <= 0:  # a prompt token always costs something
             obs = np.array(self._steps, np.float64)
             p, ms = obs[:, 1], obs[:, 2]
@@ -143,9 +149,20 @@ class StepBudget:
         """Record a step's cost. Outliers (a shape compiled during the step, a paused process) are
         kept out: a step slower than :data:`OUTLIER` times its prediction is not learnt."""
         prompt_tokens = prompt_tokens if prompt_tokens > 1 else 0
-        predicted = self.estimate(num_decode, prompt_tokens)
-        if predicted > 0 and ms > OUTLIER * predicted:
-            return
+        # Once half a window is in, the outlier test takes a fit up to REFIT_EVERY steps old rather
+        # than refitting every step (a stall is ten times its prediction: a few steps' drift cannot
+        # hide one, and a fit of half a window no longer swings with each step).
+        stale_ok = len(self._steps) >= WINDOW // 2 and self._since_fit < REFIT_EVERY
+        if self._coef is None and self._checked_with is not None and stale_ok:
+            coef = self._checked_with
+        else:
+            coef = self._fit()
+        self._since_fit += 1
+        if coef is not None:
+            extra = coef[2] + coef[3] * prompt_tokens if prompt_tokens > 0 else 0.0
+            predicted = float(coef[0] + coef[1] * num_decode + extra)
+            if predicted > 0 and ms > OUTLIER * predicted:
+                return
         self._prompt_steps_in_a_row = self._prompt_steps_in_a_row + 1 if prompt_tokens else 0
         step = (num_decode, prompt_tokens, ms)
         if len(self._steps) == WINDOW:
