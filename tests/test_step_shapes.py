@@ -342,6 +342,17 @@ def test_the_running_fit_equals_a_least_squares_fit_of_the_window():
         ta = np.concatenate([t, np.zeros(4)])
         want = np.maximum(np.linalg.lstsq(xa, ta, rcond=None)[0], 0.0)
         np.testing.assert_allclose(b._fit(), want, rtol=1e-6, atol=1e-9)
+    # Between refits the outlier test takes the last fit: a stall is still kept out.
+    for _ in range(5):
+        b.observe(4, 0, 8.0)
+    b.observe(4, 0, 1e6)
+    assert b._steps[-1] == (4, 0, 8.0)
+    # Once no step with prompt tokens is left in the window there is no model, stale or fresh.
+    for _ in range(WINDOW):
+        b.observe(4, 0, 8.0)
+    assert b.estimate(4, 64) == 0.0
+    b.observe(4, 0, 1e6)  # nothing to call it an outlier against: learnt
+    assert b._steps[-1] == (4, 0, 1e6)
 
 
 def test_a_ratio_target_bounds_prompt_steps_by_a_multiple_of_the_decode_step():

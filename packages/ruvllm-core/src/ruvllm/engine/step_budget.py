@@ -44,6 +44,14 @@ REFIT_EVERY = 16
 _PENALTY = np.diag([1e-6, 1e-6, 1e-2, 1e-6])
 
 
+def _predict(coef: np.ndarray | None, num_decode: int, prompt_tokens: int) -> float:
+    """Milliseconds the model ``coef`` (a, b, c, d) predicts for a step (0 without a model)."""
+    if coef is None:
+        return 0.0
+    extra = coef[2] + coef[3] * prompt_tokens if prompt_tokens > 0 else 0.0
+    return float(coef[0] + coef[1] * num_decode + extra)
+
+
 class StepBudget:
     """A cost model of steps, fitted on the steps observed, and the prompt budget it gives."""
 
@@ -103,11 +111,7 @@ class StepBudget:
 
     def estimate(self, num_decode: int, prompt_tokens: int) -> float:
         """Predicted milliseconds of a step (0 before a step with prompt tokens ran)."""
-        coef = self._fit()
-        if coef is None:
-            return 0.0
-        extra = coef[2] + coef[3] * prompt_tokens if prompt_tokens > 0 else 0.0
-        return float(coef[0] + coef[1] * num_decode + extra)
+        return _predict(self._fit(), num_decode, prompt_tokens)
 
     @property
     def ms_per_prompt_token(self) -> float | None:
@@ -158,11 +162,9 @@ class StepBudget:
         else:
             coef = self._fit()
         self._since_fit += 1
-        if coef is not None:
-            extra = coef[2] + coef[3] * prompt_tokens if prompt_tokens > 0 else 0.0
-            predicted = float(coef[0] + coef[1] * num_decode + extra)
-            if predicted > 0 and ms > OUTLIER * predicted:
-                return
+        predicted = _predict(coef, num_decode, prompt_tokens)
+        if predicted > 0 and ms > OUTLIER * predicted:
+            return
         self._prompt_steps_in_a_row = self._prompt_steps_in_a_row + 1 if prompt_tokens else 0
         step = (num_decode, prompt_tokens, ms)
         if len(self._steps) == WINDOW:
@@ -177,3 +179,5 @@ class StepBudget:
         else:
             self._account(step, 1.0)
         self._coef = None
+        if self._prompt_steps == 0:  # no model until a step with prompt tokens is in the window again
+            self._checked_with = None
