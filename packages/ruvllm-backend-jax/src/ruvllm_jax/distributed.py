@@ -152,6 +152,10 @@ class Leader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
+    def prepare_step(self, batch: ForwardBatch, cache: JaxKVCache) -> None:
+        """Every step of a group goes through :meth:`forward` (its followers run it too)."""
+        return None
+
     def _send(self, *message: Any) -> None:
         for i, conn in enumerate(self._conns, start=1):
             try:

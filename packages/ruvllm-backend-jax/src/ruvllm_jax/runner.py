@@ -75,6 +75,7 @@ from ruvllm_jax.options import (
     on_cuda,
     unroll_layers_option,
 )
+from ruvllm_jax.prepared_step import PreparedDecode, prepare_decode
 from ruvllm_jax.quant import QUANTIZATIONS, weight_nbytes
 from ruvllm_jax.sharding import make_mesh, replicated, shard_weights
 from ruvllm_jax.step_inputs import AdapterPlanner, StepRows, as_decode_rows, check_chunks, step_inputs
@@ -351,6 +352,10 @@ class JaxModel:
         if ds is not None:
             out.sampled = _merge_sampled(sampled, len(chunks))
         return out
+
+    def prepare_step(self, batch: ForwardBatch, cache: JaxKVCache) -> PreparedDecode | None:
+        """:class:`ruvllm.backend.PreparesSteps`: see :func:`ruvllm_jax.prepared_step.prepare_decode`."""
+        return prepare_decode(self, batch, cache)
 
     def _sampling_inputs(self, ds: DeviceSampling, plan: StepPlan) -> device_sampling.SamplingInputs:
         rows, vocab = plan.logit_rows, self.spec.vocab_size

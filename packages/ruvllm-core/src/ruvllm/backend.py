@@ -414,6 +414,30 @@ class RewritesKVPositions(Protocol):
         ...
 
 
+class PreparedStep(Protocol):
+    """A step of decoding chunks (one token each) built before its tokens are known
+    (:class:`PreparesSteps`)."""
+
+    def launch(self, tokens: np.ndarray) -> Callable[[], ForwardOutput]:
+        """Start the step with chunk ``i``'s token ``tokens[i]`` (int32 ``[len(chunks)]``) and return at
+        once, the step still running; calling what it returns waits for the step's output. Call it once,
+        and launch the next step on the cache only after this one's output was asked for."""
+        ...
+
+
+@runtime_checkable
+class PreparesSteps(Protocol):
+    """A model whose steps run asynchronously on their device, so the engine can build step N+1 (its
+    schedule, block tables and inputs) while step N runs and hand it step N's tokens once sampled.
+    Without it: every step runs as :meth:`BackendModel.forward` does."""
+
+    def prepare_step(self, batch: ForwardBatch, cache: Any) -> PreparedStep | None:
+        """``batch`` (decoding chunks of one token each, their token ids not yet known) ready to
+        launch on ``cache``; None for a batch this model runs through :meth:`BackendModel.forward` only
+        (block copies, device sampling, adapters, all-position logits or hidden states, several parts)."""
+        ...
+
+
 #: The optional features, for documentation and conformance checks.
 OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (
     ReservesKV,
@@ -421,6 +445,7 @@ OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (
     ReportsDeviceMemory,
     ReportsWeightBytes,
     RewritesKVPositions,
+    PreparesSteps,
 )
 
 

@@ -20,6 +20,8 @@ from ruvllm.backend import (
     ForwardBatch,
     ForwardOutput,
     LoadOptions,
+    PreparedStep,
+    PreparesSteps,
     ReportsHealth,
     ReservesKV,
     StepLimits,
@@ -109,6 +111,13 @@ class LoadedModel:
 
     def forward(self, batch: ForwardBatch, cache: Any) -> ForwardOutput:
         return self.model.forward(batch, cache)
+
+    def prepare_step(self, batch: ForwardBatch, cache: Any) -> PreparedStep | None:
+        """``batch`` (decoding chunks, tokens not yet known) prepared to launch asynchronously, where
+        the backend model can (:class:`ruvllm.backend.PreparesSteps`); None otherwise."""
+        if not isinstance(self.model, PreparesSteps):
+            return None
+        return self.model.prepare_step(batch, cache)
 
     def health(self) -> str | None:
         """Why the backend model can no longer run steps (a process of its group is gone, say), or

@@ -149,6 +149,15 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="most draft tokens a stream offers per step, 1..16 (default 4)",
     )
     p.add_argument(
+        "--no-pipeline-decode",
+        dest="pipeline_decode",
+        action="store_const",
+        const=False,
+        default=None,
+        help="make each decoding step's outputs before launching the next (by default the next step is "
+        "launched first where the backend runs steps asynchronously; outputs are the same either way)",
+    )
+    p.add_argument(
         "--precompile-prompt-logprobs",
         action="store_const",
         const=True,
@@ -258,6 +267,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "max_step_ratio": args.max_step_ratio,
         "precompile": args.precompile,
         "precompile_prompt_logprobs": args.precompile_prompt_logprobs,
+        "pipeline_decode": args.pipeline_decode,
         "speculative": args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
         "draft_model": args.draft_model,

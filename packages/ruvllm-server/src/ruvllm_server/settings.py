@@ -102,6 +102,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Precompile also the steps that return every position's logits (``prompt_logprobs``, ``echo``
     #: with logprobs): twice the shapes; without it such requests' first steps compile while serving.
     precompile_prompt_logprobs: bool = False
+    #: Launch the next decoding step before this one's outputs are made, where the backend runs steps
+    #: asynchronously (jax); outputs are the same either way.
+    pipeline_decode: bool = True
     #: Speculative decoding: ``ngram`` (prompt lookup over each request's own prompt and output);
     #: None: off. Greedy output is unchanged; a request may opt out (``"speculative": false``).
     speculative: Literal["ngram", "draft"] | None = None

@@ -264,6 +264,7 @@ class ServerState:
             kv_cache_options=kv_cache_options(s),
             sampling=s.sampling,
             precompile_all_logits=s.precompile_prompt_logprobs,
+            pipeline_decode=s.pipeline_decode,
             speculative=s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,
             draft_model=s.draft_model,

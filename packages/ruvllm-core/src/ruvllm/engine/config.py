@@ -55,6 +55,10 @@ class EngineConfig:
     #: its step: only token ids and asked-for log-probabilities leave the device; backends with
     #: ``Capabilities.device_sampling``), ``auto``: device where the backend prefers it (GPUs).
     sampling: str = "auto"
+    #: Launch the next decoding step before this one's outputs are made (its schedule and inputs
+    #: built while this one runs) where the backend runs steps asynchronously
+    #: (:class:`ruvllm.backend.PreparesSteps`). Outputs are the same either way.
+    pipeline_decode: bool = True
     #: :meth:`LLMEngine.precompile` also compiles the steps that return every position's logits
     #: (prompt logprobs, echo); without it their first steps compile while serving.
     precompile_all_logits: bool = False

@@ -5,7 +5,8 @@ cache, the scheduler picks each step's chunks, the step executor (:mod:`~ruvllm.
 runs them with failures isolated per request, the batch sampler picks the tokens and the output
 processor (:mod:`~ruvllm.engine.output_processor`) turns them into text and outputs. X-LoRA's shadow
 sequences are handled in :mod:`~ruvllm.engine.xlora`, adapter routers in :mod:`~ruvllm.engine.routing`,
-speculative decoding's drafts and their verification in :mod:`~ruvllm.engine.speculation`.
+speculative decoding's drafts and their verification in :mod:`~ruvllm.engine.speculation`, the
+launch of a decoding step before the previous one's outputs are made in :mod:`~ruvllm.engine.pipeline`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ruvllm.block_manager import BlockManager, HybridBlockManager
 from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.engine.kv_plan import plan_kv_cache
 from ruvllm.engine.output_processor import OutputProcessor
+from ruvllm.engine.pipeline import DecodePipeline
 from ruvllm.engine.routing import AdapterRouter
 from ruvllm.engine.scheduler import ScheduledChunk, Scheduler
 from ruvllm.engine.sequence import RequestState, Sequence
@@ -46,6 +48,9 @@ if TYPE_CHECKING:
     from ruvllm.tokenizer import Tokenizer
 
 log = structlog.get_logger("ruvllm.engine")
+
+#: A request's picks from one step: its state, the sequences they go to and one pick (or error) each.
+Drawn = tuple[RequestState, list[Sequence], list[SampleResult | Exception]]
 
 
 class LLMEngine:
@@ -127,6 +132,8 @@ class LLMEngine:
             fail=self._fail,
             fail_all=self._fail_all,
         )
+        #: Steps launched while the step before them runs (``EngineConfig.pipeline_decode``).
+        self.pipeline = DecodePipeline(self)
         #: Steps that ran the model and their seconds (EngineStats.steps / step_seconds).
         self._steps = 0
         self._step_seconds = 0.0
@@ -281,6 +288,7 @@ class LLMEngine:
             steps=self._steps,
             step_seconds=self._step_seconds,
             forward_seconds=self.executor.forward_seconds,
+            pipelined_steps=self.pipeline.steps,
         )
 
     def precompile(self, progress: Callable[[int, int, str, float], None] | None = None) -> list[tuple[str, float]]:
@@ -378,6 +386,11 @@ class LLMEngine:
                 self._step_seconds += time.perf_counter() - started
 
     def _run_step(self) -> list[RequestOutput]:
+        if self.pipeline.flight is not None:
+            outputs = self.pipeline.advance()
+            if outputs or self.pipeline.flight is not None:
+                return outputs
+            # (every row of the collected step was dropped: a step is scheduled as usual)
         budget = None
         if self.step_budget is not None:
             # A prompt budget only where some prompt has tokens left to compute: a step of decoding
@@ -393,6 +406,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose()
         sched = self.scheduler.schedule(budget)
+        self.pipeline.pay_owed_copies(sched)
         for c in sched.chunks:
             c.seq.draft = []  # the chunk holds what runs
         if not sched.chunks:
@@ -411,6 +425,8 @@ class LLMEngine:
                 st.metrics.cached_tokens = seq.num_cached_tokens or 0
         t0 = time.perf_counter()
         sampling = self.executor.sampling_rows(sched)
+        if sampling is None and self.pipeline.launch(sched):
+            return self.pipeline.advance()
         logits_of = self.executor.run(sched, sampling)
         if self.broken is not None:
             return []
@@ -428,7 +444,12 @@ class LLMEngine:
         """Sample the next token of every chunk in ``ran`` that completes its sequence and append it;
         returns the requests that progressed. All host rows are sampled in one batch (the choices of
         a fork share their row); an error stays with its request, which fails alone."""
-        progressed: dict[str, RequestState] = {}
+        return self._commit(self._draw(ran))
+
+    def _draw(self, ran: list[tuple[ScheduledChunk, np.ndarray | DeviceRow]]) -> list[Drawn]:
+        """:meth:`_sample`'s first half: each request's picks (or its error), nothing appended yet
+        (a verified draft is appended here: its request's entry has no targets)."""
+        drawn: list[Drawn] = []
         sampled: list[tuple[RequestState, list[Sequence], Exception | None]] = []
         samplers: list[Sampler] = []
         rows: list[np.ndarray] = []
@@ -441,10 +462,9 @@ class LLMEngine:
                 try:
                     self.speculator.verify(chunk, np.asarray(logits))
                 except Exception as exc:  # tied to this request: it fails alone
-                    self._fail(st.request.request_id, exc)
-                    progressed.pop(st.request.request_id, None)
+                    drawn.append((st, [], [exc]))
                     continue
-                progressed[st.request.request_id] = st
+                drawn.append((st, [], []))
                 continue
             if not st.forked and st.sampling.n > 1:
                 targets = self._fork(seq)
@@ -465,7 +485,6 @@ class LLMEngine:
             sampled.append((st, targets, error))
         samples = iter(sample_batch(samplers, rows, return_exceptions=True, check_finite=True))
         for st, targets, error in sampled:
-            rid = st.request.request_id
             picked: list[SampleResult | Exception]
             if error:
                 picked = [error]
@@ -473,7 +492,17 @@ class LLMEngine:
                 picked = [on_device[id(targets[0])]]
             else:
                 picked = [next(samples) for _ in targets]
+            drawn.append((st, targets, picked))
+        return drawn
+
+    def _commit(self, drawn: list[Drawn]) -> list[RequestState]:
+        """:meth:`_sample`'s second half: append the picks; returns the requests that progressed."""
+        progressed: dict[str, RequestState] = {}
+        for st, targets, picked in drawn:
+            rid = st.request.request_id
             try:
+                if not targets and picked and isinstance(picked[0], Exception):  # a draft verification failed
+                    raise picked[0]
                 for s, sample in zip(targets, picked, strict=False):
                     if isinstance(sample, Exception):
                         raise sample

@@ -132,14 +132,14 @@ class Scheduler:
                 i += 1
                 continue
             draft = seq.draft[: budget - 1] if remaining == 1 else []
-            if draft and self._allocate(seq, seq.num_computed, 1 + len(draft)):
+            if draft and self.allocate(seq, seq.num_computed, 1 + len(draft)):
                 # A draft runs only where its blocks are free: it never preempts anyone.
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1 + len(draft), list(draft)))
                 budget -= 1 + len(draft)
                 i += 1
                 continue
             num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
-            while not self._allocate(seq, seq.num_computed, num_new):
+            while not self.allocate(seq, seq.num_computed, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -165,7 +165,7 @@ class Scheduler:
             if remaining > 1 and prompt_left <= 0:
                 break
             num_new = min(remaining, budget, prompt_left) if remaining > 1 else 1
-            if not self._allocate(seq, computed, num_new, hit):
+            if not self.allocate(seq, computed, num_new, hit):
                 self._free(seq)  # a shadow that got its blocks gives them back
                 break
             self.waiting.pop(0)
@@ -222,7 +222,7 @@ class Scheduler:
         self._requeue(seq)
         self.preemptions += 1
 
-    def _allocate(
+    def allocate(
         self, seq: Sequence, computed: int, num_new: int, hit: PrefixHit | HybridPrefixHit | None = None
     ) -> bool:
         """:meth:`BlockManager.allocate_slots` for ``seq`` and its shadow (first; the shadow never

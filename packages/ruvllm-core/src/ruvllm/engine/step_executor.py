@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from ruvllm.backend import DeviceSampling
+from ruvllm.backend import DeviceSampling, ForwardOutput, PreparedStep
 from ruvllm.block_manager import BlockManager, HybridBlockManager
 from ruvllm.engine.batch import forward_batch
 from ruvllm.engine.output_processor import OutputProcessor
@@ -49,6 +49,20 @@ class DeviceRow:
 
 #: Chunk index -> (chunk, its logits row or what device sampling picked for it), for the chunks that ran.
 StepRows = dict[int, tuple[ScheduledChunk, "np.ndarray | DeviceRow"]]
+
+
+def _never(_: ScheduledChunk) -> bool:
+    return False
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A step launched on the backend and not yet collected (:meth:`StepExecutor.launch`)."""
+
+    sched: SchedulerOutput
+    wait: Callable[[], ForwardOutput]
+    #: ``time.perf_counter()`` when it was launched.
+    started: float
 
 
 class StepExecutor:
@@ -100,6 +114,48 @@ class StepExecutor:
         except Exception as exc:  # a row's grammar failed: the host sampler fails that request alone
             log.warning("device sampling rows failed; sampling this step on the host", error=repr(exc))
             return None
+
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep | None:
+        """``sched`` (decoding chunks whose tokens the running step is about to sample) prepared to
+        launch (see :class:`ruvllm.backend.PreparesSteps`); None where the backend runs it through
+        ``forward`` only, or could not prepare it (the step then runs as every step does)."""
+        batch = forward_batch(sched, self.block_manager, {}, _never, _never, placeholder=True)
+        try:
+            return self.model.prepare_step(batch, self.cache)
+        except Exception as exc:
+            log.warning("preparing the next step failed; it runs as usual", error=repr(exc))
+            return None
+
+    def launch(self, sched: SchedulerOutput, prepared: PreparedStep, tokens: np.ndarray) -> InFlight | None:
+        """Start ``prepared`` with ``tokens``; None when it could not start (run ``sched`` then)."""
+        started = time.perf_counter()
+        try:
+            wait = prepared.launch(tokens)
+        except Exception as exc:
+            log.warning("launching a prepared step failed; it runs as usual", error=repr(exc))
+            return None
+        finally:
+            self.forward_seconds += time.perf_counter() - started
+        return InFlight(sched, wait, started)
+
+    def collect(self, flight: InFlight, live: list[int]) -> list[tuple[ScheduledChunk, np.ndarray | DeviceRow]]:
+        """The rows of a launched step's chunks at indices ``live`` (the others' rows are dropped),
+        once it is done. Should it fail, those chunks run again through :meth:`run` (a failure then
+        stays with its request)."""
+        chunks = flight.sched.chunks
+        started = time.perf_counter()
+        try:
+            result = flight.wait()
+        except Exception as exc:
+            log.warning("a launched step failed; running it again", error=repr(exc), chunks=len(live))
+            if not live:
+                return []
+            return [row for _, row in sorted(self.run(SchedulerOutput(chunks=[chunks[i] for i in live])).items())]
+        finally:
+            self.forward_seconds += time.perf_counter() - started
+        logits = unlocked(result.logits) if isinstance(result.logits, np.ndarray) else result.logits
+        self._failed_steps = 0
+        return [(chunks[i], np.asarray(logits[i])) for i in live]
 
     def _all_logits(self, c: ScheduledChunk) -> bool:
         """A chunk returns every position's logits for its prompt's logprobs or to verify its draft."""

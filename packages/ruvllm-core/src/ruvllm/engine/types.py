@@ -108,6 +108,9 @@ class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
+    #: Steps launched while the step before them still ran (the pipelined decode step: their
+    #: schedule and inputs were built, and the step before's outputs made, while the model ran).
+    pipelined_steps: int = 0
 
     @property
     def engine_seconds(self) -> float:
