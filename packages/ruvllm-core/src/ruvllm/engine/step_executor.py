@@ -132,10 +132,9 @@ class StepExecutor:
         try:
             wait = prepared.launch(tokens)
         except Exception as exc:
+            self.forward_seconds += time.perf_counter() - started
             log.warning("launching a prepared step failed; it runs as usual", error=repr(exc))
             return None
-        finally:
-            self.forward_seconds += time.perf_counter() - started
         return InFlight(sched, wait, started)
 
     def collect(self, flight: InFlight, live: list[int]) -> list[tuple[ScheduledChunk, np.ndarray | DeviceRow]]:
@@ -143,7 +142,6 @@ class StepExecutor:
         once it is done. Should it fail, those chunks run again through :meth:`run` (a failure then
         stays with its request)."""
         chunks = flight.sched.chunks
-        started = time.perf_counter()
         try:
             result = flight.wait()
         except Exception as exc:
@@ -152,7 +150,8 @@ class StepExecutor:
                 return []
             return [row for _, row in sorted(self.run(SchedulerOutput(chunks=[chunks[i] for i in live])).items())]
         finally:
-            self.forward_seconds += time.perf_counter() - started
+            # Launch to logits: the step's time, the host's work meanwhile (it ran beside the step) included.
+            self.forward_seconds += time.perf_counter() - flight.started
         logits = unlocked(result.logits) if isinstance(result.logits, np.ndarray) else result.logits
         self._failed_steps = 0
         return [(chunks[i], np.asarray(logits[i])) for i in live]

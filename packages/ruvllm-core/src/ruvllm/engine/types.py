@@ -103,8 +103,10 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
     #: Steps that ran a forward, the seconds they took in all, and the seconds of those spent in the
-    #: model's forward (the backend's step). The difference is the engine's own work: scheduling,
-    #: step inputs, sampling, detokenizing, drafting.
+    #: model's forward (the backend's step; a launched step's from its launch to its logits, the work
+    #: the engine did beside it included). The difference is the engine's own work outside the
+    #: forward: scheduling, step inputs, sampling, detokenizing, drafting (with the pipelined decode
+    #: step, only what the next step waits for).
     steps: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
