@@ -25,16 +25,16 @@ def forward_batch(
     all_logits: Callable[[ScheduledChunk], bool],
     hidden_states: Callable[[ScheduledChunk], bool],
     *,
-    placeholder: bool = False,
+    tokens_pending: bool = False,
 ) -> ForwardBatch:
     """The batch of ``sched``'s chunks, each with its request's adapter unless ``adapters`` has one
     for its index (X-LoRA's mix); ``all_logits`` and ``hidden_states`` say which chunks return
-    every position's logits and their hidden states. ``placeholder``: decoding chunks whose token is
-    not sampled yet (token id 0 stands in until the step is launched)."""
+    every position's logits and their hidden states. ``tokens_pending``: decoding chunks whose token
+    is sampled later and given at launch (:class:`ruvllm.backend.PreparedStep`); their ids read 0 here."""
     hybrid = isinstance(bm, HybridBlockManager)
     chunks = [
         SequenceChunk(
-            token_ids=np.zeros(1, np.int32) if placeholder else np.asarray(c.token_ids, dtype=np.int32),
+            token_ids=np.zeros(1, np.int32) if tokens_pending else np.asarray(c.token_ids, dtype=np.int32),
             start_pos=c.start,
             block_table=block_table(bm.block_table(c.seq.seq_id)),
             adapter=adapters.get(i, c.seq.state.adapter),

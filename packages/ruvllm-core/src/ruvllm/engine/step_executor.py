@@ -119,7 +119,7 @@ class StepExecutor:
         """``sched`` (decoding chunks whose tokens the running step is about to sample) prepared to
         launch (see :class:`ruvllm.backend.PreparesSteps`); None where the backend runs it through
         ``forward`` only, or could not prepare it (the step then runs as every step does)."""
-        batch = forward_batch(sched, self.block_manager, {}, _never, _never, placeholder=True)
+        batch = forward_batch(sched, self.block_manager, {}, _never, _never, tokens_pending=True)
         try:
             return self.model.prepare_step(batch, self.cache)
         except Exception as exc:
