@@ -101,13 +101,13 @@ class DecodePipeline:
             and len(seq.token_ids) == c.start + 1
         )
 
-    def plan_next(self, sched: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after ``sched`` (launched, its tokens not sampled yet): its live sequences one
-        position on, their blocks allocated; those that finish on this token (``max_tokens``, the
-        model's length) are left out. None when the next step must be scheduled as usual: requests
-        wait, a sequence needs a block none is free for, or the chunks are not every running sequence."""
+    def plan_next(self, live: list[ScheduledChunk]) -> SchedulerOutput | None:
+        """The step after the launched one whose :meth:`live` chunks are ``live`` (their tokens not
+        sampled yet): their sequences one position on, their blocks allocated; those that finish on
+        this token (``max_tokens``, the model's length) are left out. None when the next step must be
+        scheduled as usual: requests wait, a sequence needs a block none is free for, or the chunks are
+        not every running sequence."""
         e = self.engine
-        live = [c for c in sched.chunks if self.live(c)]
         if e.scheduler.waiting or len(live) != len(e.scheduler.running):
             return None
         nxt = SchedulerOutput()
@@ -132,9 +132,9 @@ class DecodePipeline:
         and prepared while this one ran) and only then append the tokens and build the outputs."""
         e, flight, self.flight = self.engine, self.flight, None
         assert flight is not None
-        nxt = self.plan_next(flight.sched)
-        prepared = e.executor.prepare(nxt) if nxt is not None else None
         live = [i for i, c in enumerate(flight.sched.chunks) if self.live(c)]
+        nxt = self.plan_next([flight.sched.chunks[i] for i in live])
+        prepared = e.executor.prepare(nxt) if nxt is not None else None
         ran = e.executor.collect(flight, live)
         if e.broken is not None:
             return []
