@@ -33,7 +33,6 @@ from ruvllm_server.schemas import (
     ChatResponseMessage,
     FunctionCall,
     ToolCallOut,
-    Usage,
 )
 from ruvllm_server.tools import ToolCall, ToolParser, template_knows_tools
 
@@ -116,8 +115,12 @@ class ChatJob:
             choices.append(ChatChoice(i, message, chat_logprobs(a.logprobs) if want_logprobs else None, reason))
         return ChatCompletion(self.id, self.created, self.state.model_name, choices, run.usage())
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, choices, usage=usage))
+    def _chunk(self, choice: ChatChunkChoice) -> bytes:
+        """The chunk of one choice entry. A chunk carries exactly one, as OpenAI's do: the wire has at
+        most one entry per choice index in a chunk, and clients (the openai SDK's users, LangChain,
+        litellm) read only ``choices[0]``; a choice's several entries for one output (reasoning,
+        tool-call deltas, finish reason), and n choices, are several chunks of one write."""
+        return sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, [choice]))
 
     def _content_event(self, index: int) -> TextEvent:
         """The chunk of choice ``index`` that carries only content (most tokens' chunk)."""
@@ -137,68 +140,62 @@ class ChatJob:
         tool_state = {i: ChoiceTools() for i in range(n)} if self.tools is not None else None
         thinking: dict[int, Any] | None = {} if self.state.reasoning_parser is not None else None
         content_events: dict[int, TextEvent] = {}
+        # Without a reasoning parser or tools, a delta of text alone is a content chunk as it is.
+        plain = thinking is None and tool_state is None
         # Outputs that arrived together go out as one write; the last ones wait for the usage
         # chunk and [DONE], which follow at once, so a request's end is one write too.
         tail = b""
         try:
-            yield self._chunk(
-                [ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None) for i in range(n)]
+            yield b"".join(
+                self._chunk(ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None)) for i in range(n)
             )
             async for batch in run.output_batches():
                 events: list[bytes] = []
                 for _, out in batch:
-                    deltas = out.deltas
-                    if len(deltas) == 1 and thinking is None and tool_state is None:
-                        d = deltas[0]
-                        if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                    for d in out.deltas:
+                        if plain and d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                             event = content_events.get(d.index)
                             if event is None:
                                 event = content_events[d.index] = self._content_event(d.index)
                             events.append(event(d.text))
-                            continue
-                    choices = self._choices(deltas, want_logprobs, thinking, tool_state)
-                    if choices:
-                        events.append(self._chunk(choices))
+                        else:
+                            events += map(self._chunk, self._entries(d, want_logprobs, thinking, tool_state))
                 if run.done:
                     tail = b"".join(events)
                 elif events:
                     yield b"".join(events)
             if include_usage:
-                tail += self._chunk([], usage=run.usage())
+                tail += sse(ChatCompletionChunk(self.id, self.created, self.state.model_name, [], usage=run.usage()))
         except Exception as exc:  # the status line is sent: errors go into the stream
             if tail:
                 yield tail
             tail = error_event(exc)
         yield tail + SSE_DONE
 
-    def _choices(
+    def _entries(
         self,
-        deltas: list[ChoiceDelta],
+        d: ChoiceDelta,
         want_logprobs: bool,
         thinking: dict[int, Any] | None,
         tool_state: dict[int, ChoiceTools] | None,
     ) -> list[ChatChunkChoice]:
-        """The chunk's choices for one output's deltas: reasoning, tool-call deltas, content,
-        logprobs and finish reasons."""
-        setup, parser, call_id = self.tools, self.parser, self.named_call_id
-        choices: list[ChatChunkChoice] = []
-        for d in deltas:
-            piece = d.text
-            if thinking is not None:
-                rp = thinking.get(d.index)
-                if rp is None:
-                    rp = thinking[d.index] = self.state.reasoning_parser()  # type: ignore[misc]
-                reasoning, piece = rp.feed(d.text, final=d.finish_reason is not None)
-                if reasoning:
-                    choices.append(ChatChunkChoice(d.index, ChatDelta(reasoning_content=reasoning), None, None))
-            if tool_state is not None:
-                assert setup is not None  # tool_state is made only with tools
-                st = tool_state.setdefault(d.index, ChoiceTools())
-                choices.extend(tool_deltas(setup, parser, call_id, d.index, st, piece, d.finish_reason))
-                continue
-            if not piece and not d.finish_reason and not (want_logprobs and d.logprobs):
-                continue
-            choices.append(
+        """The entries of choice ``d.index`` for one engine delta, in order: reasoning, tool-call
+        deltas, content, logprobs and finish reason (several, each then a chunk of its own)."""
+        piece = d.text
+        entries: list[ChatChunkChoice] = []
+        if thinking is not None:
+            rp = thinking.get(d.index)
+            if rp is None:
+                rp = thinking[d.index] = self.state.reasoning_parser()  # type: ignore[misc]
+            reasoning, piece = rp.feed(d.text, final=d.finish_reason is not None)
+            if reasoning:
+                entries.append(ChatChunkChoice(d.index, ChatDelta(reasoning_content=reasoning), None, None))
+        if tool_state is not None:
+            assert self.tools is not None  # tool_state is made only with tools
+            st = tool_state.setdefault(d.index, ChoiceTools())
+            entries += tool_deltas(self.tools, self.parser, self.named_call_id, d.index, st, piece, d.finish_reason)
+        elif piece or d.finish_reason or (want_logprobs and d.logprobs):
+            entries.append(
                 ChatChunkChoice(
                     d.index,
                     ChatDelta(content=piece) if piece else ChatDelta(),
@@ -206,4 +203,4 @@ class ChatJob:
                     d.finish_reason,
                 )
             )
-        return choices
+        return entries

@@ -129,9 +129,9 @@ def tool_deltas(
     piece: str,
     finish_reason: str | None,
 ) -> list[ChatChunkChoice]:
-    """Stream chunks for one engine delta of a choice when the request has tools: content as it
-    comes, except what is (or may become) a tool call, which goes out as tool-call deltas (id and
-    name first, then argument fragments)."""
+    """The stream's entries of choice ``index`` (a chunk each) for one engine delta when the request
+    has tools: content as it comes, except what is (or may become) a tool call, which goes out as
+    tool-call deltas (id and name first, then argument fragments)."""
     st.text += piece
     out: list[ChatChunkChoice] = []
 

@@ -115,6 +115,11 @@ class CompletionJob:
             choices.append(CompletionChoice(i, echo + "".join(a.text), lp, a.finish_reason, plp))
         return Completion(self.id, self.created, self.state.model_name, choices, usage=run.usage())
 
+    def _chunk(self, choice: CompletionChoice) -> bytes:
+        """The chunk of one choice: a chunk carries exactly one, as OpenAI's do (clients read only
+        ``choices[0]``); the choices of outputs that came together are several chunks of one write."""
+        return sse(Completion(self.id, self.created, self.state.model_name, [choice]))
+
     def _text_event(self, index: int) -> TextEvent:
         """The chunk of choice ``index`` that carries only text (most tokens' chunk)."""
         return TextEvent(
@@ -134,34 +139,27 @@ class CompletionJob:
         tail = b""
         try:
             if self.req.echo:
-                echoes = [CompletionChoice(i, self._echo(i // n), None, None) for i in range(len(run.requests) * n)]
-                yield sse(Completion(self.id, self.created, self.state.model_name, echoes))
+                indexes = range(len(run.requests) * n)
+                yield b"".join(self._chunk(CompletionChoice(i, self._echo(i // n), None, None)) for i in indexes)
             async for batch in run.output_batches():
                 events: list[bytes] = []
                 for p, out in batch:
-                    deltas = out.deltas
-                    if len(deltas) == 1:
-                        d = deltas[0]
+                    for d in out.deltas:
+                        i = self._index(run, p, d.index)
                         if d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
-                            i = self._index(run, p, d.index)
                             event = text_events.get(i)
                             if event is None:
                                 event = text_events[i] = self._text_event(i)
                             events.append(event(d.text))
                             continue
-                    choices = []
-                    for d in deltas:
                         if not d.text and not d.finish_reason and not (want_logprobs and d.logprobs):
                             continue
-                        i = self._index(run, p, d.index)
                         lp = None
                         if self.req.logprobs is not None and d.logprobs:
                             start = offsets.get(i, len(self._echo(p)))
                             lp = completion_logprobs(d.logprobs, start, self.req.logprobs)
                             offsets[i] = start + sum(len(e.token) for e in d.logprobs)
-                        choices.append(CompletionChoice(i, d.text, lp, d.finish_reason))
-                    if choices:
-                        events.append(sse(Completion(self.id, self.created, self.state.model_name, choices)))
+                        events.append(self._chunk(CompletionChoice(i, d.text, lp, d.finish_reason)))
                 if run.done:
                     tail = b"".join(events)
                 elif events:
