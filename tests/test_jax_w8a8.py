@@ -27,9 +27,12 @@ TEXT = (
     "roof of the library, while the sports programme came in under budget."
 )
 #: Measured on this text: KL 0.017 nats, top-1 95.6% with SmoothQuant factors; 0.038 and 89.0%
-#: without them (plain per-token w8a8), which these limits reject.
+#: without them (plain per-token w8a8), which these limits reject. Top-1 on 91 tokens moves by a few
+#: near-ties with the last bits: with issue 61's exact divisions and rescale it is 91.2% (KL 0.021),
+#: and over 991 tokens of four texts 91.2% against 91.9% before (KL 0.017-0.024 either way), so the
+#: KL limit is what tells smoothing apart and the top-1 one only catches a collapse.
 MAX_MEAN_KL = 0.028
-MIN_TOP1_AGREEMENT = 0.92
+MIN_TOP1_AGREEMENT = 0.90
 
 
 def _reference_w8a8(x: np.ndarray, w: QuantArray) -> np.ndarray:

@@ -150,6 +150,20 @@ def bool_option(extra: dict[str, Any], name: str, default: bool) -> bool:
 def native_option(options: LoadOptions, devices: int) -> bool:
     """The ``native`` option (default true) as it applies to a model of ``options`` on ``devices``
     devices: whether its steps may run the quantized products in :mod:`ruvllm_jax.native`."""
+    if not native_attention_option(options, devices):
+        return False
+    if options.quantization == "w8a8":
+        # XLA's integer GEMM beats the kernels' scalar loops; only the vector path pays.
+        return native.has_vector_path()
+    return True
+
+
+def native_attention_option(options: LoadOptions, devices: int) -> bool:
+    """Whether a model of ``options`` on ``devices`` devices runs its attention (and RMSNorm's row
+    sums) in :mod:`ruvllm_jax.native`'s kernels: a quantized form (``w8a8``, ``w4a8``) on one CPU
+    device with the kernels loaded, unless option ``native`` is false. Unlike the products this does
+    not depend on a vector variant: the attention is the same arithmetic at every step size, which
+    keeps a sequence's logits the same whatever else the step runs."""
     wanted = options.extra.get("native", True)
     if isinstance(wanted, str) and wanted.lower() in ("true", "1", "false", "0"):
         wanted = wanted.lower() in ("true", "1")
@@ -159,9 +173,6 @@ def native_option(options: LoadOptions, devices: int) -> bool:
         return False
     if jax.devices()[0].platform != "cpu":
         return False
-    if options.quantization == "w8a8":
-        # XLA's integer GEMM beats the kernels' scalar loops; only the vector path pays.
-        return native.has_vector_path()
     return native.available()
 
 

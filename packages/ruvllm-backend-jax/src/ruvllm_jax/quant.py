@@ -245,6 +245,15 @@ def linear(x: jax.Array, w: Weight) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 
+def true_divide(a: jax.Array, b: jax.Array | float) -> jax.Array:
+    """``a / b`` rounded as one IEEE division, as the native kernels divide. XLA's simplifier turns a
+    division by a constant or by a broadcast value into a multiplication by its reciprocal, which
+    rounds differently: activations quantized by XLA then differed from the native kernels' codes in
+    a few elements of some rows, so a w8a8 row's product depended on whether its step was small
+    enough for the kernels (issue 61). The barrier hides the divisor's origin from the simplifier."""
+    return a / lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
+
+
 #: Rows the integer product is padded to: XLA:CPU sends a one-row int8 product to a slow generic
 #: loop, two rows or more to its fast GEMM kernel (measured ~8x apart on SmolLM2's matrices).
 _W8A8_MIN_ROWS = 2
@@ -261,11 +270,26 @@ def _linear_w8a8(x: jax.Array, w: QuantArray) -> jax.Array:
     if rows < _W8A8_MIN_ROWS:
         xf = jnp.pad(xf, ((0, _W8A8_MIN_ROWS - rows), (0, 0)))
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    xq = jnp.clip(jnp.round(xf / x_scale), -127, 127).astype(jnp.int8)
+    x_scale = jnp.where(amax > 0, true_divide(amax, 127.0), 1.0)
+    xq = jnp.clip(jnp.round(true_divide(xf, x_scale)), -127, 127).astype(jnp.int8)
     acc = lax.dot_general(xq, w.quant, (((1,), (w.quant.ndim - 1,)), ((), ())), preferred_element_type=jnp.int32)
-    y = acc.astype(jnp.float32) * x_scale * w.scale[..., 0].astype(jnp.float32)
+    y = _w8a8_rescale(acc, x_scale, w.scale[..., 0])
     return y[:rows].reshape(*lead, -1).astype(x.dtype)
+
+
+def _w8a8_rescale(acc: jax.Array, x_scale: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``(float(acc) * x_scale) * w_scale``. On the CPU with the native kernels loaded, their custom
+    call, so that the result is the rounded product the kernels return for a small step (issue 61:
+    fused into its consumer, XLA:CPU contracted the last multiply and the residual add into one FMA);
+    elsewhere XLA's multiplies."""
+    from ruvllm_jax import native
+
+    def xla(a: jax.Array, xs: jax.Array, ws: jax.Array) -> jax.Array:
+        return a.astype(jnp.float32) * xs * ws.astype(jnp.float32)
+
+    if not native.available():
+        return xla(acc, x_scale, w_scale)
+    return lax.platform_dependent(acc, x_scale, w_scale, cpu=native.w8a8_rescale, default=xla)
 
 
 #: Group size of the ``w4a8`` format, for weights and activations alike (GGUF's block size).
@@ -279,9 +303,10 @@ def quantize_activation_groups(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     rows, cols = x.shape
     xg = x.astype(jnp.float32).reshape(rows, cols // ACT_GROUP, ACT_GROUP)
     amax = jnp.max(jnp.abs(xg), axis=-1)
-    dx = amax / 127.0
+    dx = true_divide(amax, 127.0)
     safe = jnp.where(amax > 0, dx, 1.0)
-    xq = jnp.where(amax[..., None] > 0, jnp.clip(jnp.round(xg / safe[..., None]), -127, 127), 0).astype(jnp.int8)
+    xq = jnp.where(amax[..., None] > 0, jnp.clip(jnp.round(true_divide(xg, safe[..., None])), -127, 127), 0)
+    xq = xq.astype(jnp.int8)
     sx = dx * jnp.sum(xq.astype(jnp.int32), axis=-1).astype(jnp.float32)
     return xq, dx, sx
 

@@ -42,3 +42,13 @@ def mean_square(x: jax.Array) -> jax.Array:
     if not native.available():
         return tree_row_mean(x * x)
     return jax.lax.platform_dependent(x, cpu=native.mean_square, default=lambda v: tree_row_mean(v * v))
+
+
+def exact_rsqrt(x: jax.Array) -> jax.Array:
+    """``1 / sqrt(x)``, both correctly rounded, so an element's result does not depend on where it
+    falls in the array. XLA's ``rsqrt`` on the CPU is an approximation refined by a Newton step in its
+    vector loops and ``1 / sqrtf`` in the scalar remainder, so RMSNorm's factor for a row changed with
+    the step's row count wherever the vector width left that row in the other loop (512-bit vectors
+    on an Intel Xeon, 128-bit ones under SSE 4.2). The barrier keeps XLA's simplifier from turning
+    the division back into ``rsqrt``; it costs one division per row."""
+    return 1.0 / jax.lax.optimization_barrier(jnp.sqrt(x))

@@ -71,6 +71,7 @@ from ruvllm_jax.options import (
     default_attention,
     enable_compilation_cache,
     load_settings,
+    native_attention_option,
     native_option,
     on_cuda,
     unroll_layers_option,
@@ -142,8 +143,12 @@ class JaxModel:
     _all_allowed: dict[int, Any] = field(default_factory=dict, repr=False)
     #: Device copies of the adapters (LoRA factors) recent steps used.
     adapters: AdapterCache = field(init=False, repr=False)
-    #: Whether small steps run the w8a8 products in :mod:`ruvllm_jax.native`'s kernels.
+    #: Whether steps run the quantized products in :mod:`ruvllm_jax.native`'s kernels (w8a8: small
+    #: steps only, :func:`ruvllm_jax.step_shapes.runs_native`).
     native: bool = field(init=False, default=False)
+    #: Whether steps attend through :mod:`ruvllm_jax.native`'s kernels (every step; see
+    #: :func:`ruvllm_jax.options.native_attention_option`).
+    native_attention: bool = field(init=False, default=False)
     #: Tokens every step's block tables cover: the model's context until :meth:`precompile` is told
     #: the longest sequence served.
     table_tokens: int = field(init=False, default=1)
@@ -167,6 +172,7 @@ class JaxModel:
 
     def __post_init__(self) -> None:
         self.native = native_option(self.options, self.mesh.size)
+        self.native_attention = native_attention_option(self.options, self.mesh.size)
         self.unroll_layers = unroll_layers_option(self.options.extra, "cuda" if on_cuda() else "cpu")
         self.decode_splits = decode_splits_option(self.options.extra, self.attention)
         self.step_tokens = batch_invariant.step_tokens(self.options.extra, self.native)
@@ -544,6 +550,7 @@ class JaxModel:
             table_tokens=self.table_tokens,
             attention=self.attention,
             native=self.native,
+            native_attention=self.native_attention,
             quantization=self.options.quantization,
             unroll_layers=self.unroll_layers,
             adapters=self._plan_adapters if force_lora is None else self._padding_adapters(force_lora),

@@ -41,7 +41,7 @@ def _attend(
         raise BackendError(
             f"jax backend: attention sinks (gpt_oss) run in the reference attention only, not {plan.attention!r}"
         )
-    native_attention = plan.native and sinks is None
+    native_attention = plan.native_attention and sinks is None
     if plan.decode_seqs:
         qd = q.at[inp.decode_token].get(mode="clip")[:, None]  # [Sd, 1, H, D]
         q_pos = inp.decode_context - 1

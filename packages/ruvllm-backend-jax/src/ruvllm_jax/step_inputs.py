@@ -50,6 +50,7 @@ def step_inputs(
     table_tokens: int = 1,
     attention: str = "reference",
     native: bool = False,
+    native_attention: bool = False,
     quantization: str = "none",
     unroll_layers: bool = False,
     adapters: AdapterPlanner | None = None,
@@ -62,7 +63,8 @@ def step_inputs(
     ``num_blocks`` blocks of ``block_size`` (``local_blocks``: a hybrid cache's windowed pool; ``hot``,
     ``local_hot``: a two-tier cache's float slots, whose bookkeeping this advances unless
     ``plan_only``). Block tables are ``table_tokens`` wide at least. ``native``: the model's native
-    kernels are loaded (whether this step runs them follows from its size and ``quantization``).
+    kernels are loaded (whether this step runs them follows from its size and ``quantization``);
+    ``native_attention``: every step attends through them.
     ``adapters``: plans the step's adapters (None: the chunks' adapters are not looked at).
     ``step_tokens``: every step padded to that many tokens, and its logit rows to as many (twice as many
     when a chunk asks for every position's): option ``batch_invariant`` on XLA's path."""
@@ -159,6 +161,7 @@ def step_inputs(
         attention=attention,
         lora=lora_plan,
         native=native_step,
+        native_attention=native_attention,
         unroll_layers=unroll_layers,
     )
     inputs = StepInputs(

@@ -187,9 +187,15 @@ class StepPlan:
     attention: str = "reference"
     #: None: no sequence of the step has an adapter, and the step contains no LoRA operation.
     lora: LoraPlan | None = None
-    #: Run the quantized products (w8a8, w4a8) and decode attention in the native CPU kernels
-    #: (:mod:`ruvllm_jax.native`): the runner sets it for CPU steps once the kernels are loaded.
+    #: Run the quantized products (w8a8, w4a8) in the native CPU kernels (:mod:`ruvllm_jax.native`):
+    #: the runner sets it for CPU steps once the kernels are loaded (w8a8: small steps only, see
+    #: :func:`ruvllm_jax.step_shapes.runs_native`).
     native: bool = False
+    #: Run the attention in the native CPU kernels: every step of a model whose kernels are loaded,
+    #: whatever its size, so that a sequence's attention is the same arithmetic in a step of any row
+    #: count (w8a8 steps past :data:`~ruvllm_jax.step_shapes.NATIVE_MAX_TOKENS` tokens multiply in
+    #: XLA's exact integer GEMM but still attend natively).
+    native_attention: bool = False
     #: Run the layers unrolled instead of under ``lax.scan``. Scanned, each layer's weights are a
     #: dynamic slice of the stacked arrays, and XLA on CUDA copies that slice out before the layer's
     #: matrix products (each weight byte read twice and written once per step); unrolled, the slices

@@ -324,6 +324,9 @@ def _batch_invariance(r: _Runner) -> None:
 
 
 def _quantized_batch_invariance(r: _Runner) -> None:
+    """A sequence's logits (and hidden states, where the backend returns them: a difference the
+    quantization of the next product would round away shows there) bit for bit the same alone and
+    beside other sequences, prompt and decode, in each quantized form the backend claims."""
     from ruvllm.plugins import load_plugins
     from ruvllm.runtime import load_model
 
@@ -335,34 +338,40 @@ def _quantized_batch_invariance(r: _Runner) -> None:
     rng = np.random.default_rng(9)
     ids = rng.integers(3, vocab, size=8).tolist()
     others = [rng.integers(3, vocab, size=n).tolist() for n in (3, 11, 1, 6, 2)]
+    hidden = bool(r.model.capabilities.hidden_states)
+
+    def same(form: str, what: str, got: Any, want: Any) -> None:
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            err = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("nan")
+            raise AssertionError(f"quantized_batch_invariance: {form}: {what} changed with the batch "
+                                 f"(max |difference| {err:.3g})")  # fmt: skip
+
     for form in forms:
         model = load_model(str(path), backend=r.backend, host=load_plugins(), options=LoadOptions(quantization=form))
 
         def step(chunks: list[SequenceChunk], model: Any = model) -> Any:
             return model.forward(ForwardBatch(chunks, BLOCK), model.allocate_cache(48, BLOCK))
 
-        alone = step([_chunk(ids, 0, [1, 2], all_logits=True)])
+        alone = step([_chunk(ids, 0, [1, 2], all_logits=True, hidden_states=hidden)])
         beside = [_chunk(o, 0, [10 + 3 * k, 11 + 3 * k, 12 + 3 * k]) for k, o in enumerate(others)]
-        crowd = step([beside[0], _chunk(ids, 0, [1, 2], all_logits=True), *beside[1:]])
-        got, want = np.asarray(crowd.all_logits[1]), np.asarray(alone.all_logits[0])
-        if got.shape != want.shape or not np.array_equal(got, want):
-            err = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("nan")
-            raise AssertionError(f"quantized_batch_invariance: {form}: a prompt's logits changed with the batch "
-                                 f"(max |difference| {err:.3g})")  # fmt: skip
+        crowd = step([beside[0], _chunk(ids, 0, [1, 2], all_logits=True, hidden_states=hidden), *beside[1:]])
+        same(form, "a prompt's logits", crowd.all_logits[1], alone.all_logits[0])
+        if hidden:
+            same(form, "a prompt's hidden states", crowd.hidden_states[1], alone.hidden_states[0])
         # Decodes: the sequence's next token alone, then beside the others' next tokens.
-        nxt = int(np.argmax(want[-1]))
+        nxt = int(np.argmax(np.asarray(alone.all_logits[0])[-1]))
         cache = model.allocate_cache(48, BLOCK)
         seqs = [ids, *others]
         tables = [[1, 2, 3, 4]] + [[10 + 4 * k, 11 + 4 * k, 12 + 4 * k, 13 + 4 * k] for k in range(len(others))]
         model.forward(ForwardBatch([_chunk(s, 0, t) for s, t in zip(seqs, tables, strict=True)], BLOCK), cache)
-        one = model.forward(ForwardBatch([_chunk([nxt], len(ids), tables[0])], BLOCK), cache).logits[0]
-        many = model.forward(ForwardBatch([_chunk([nxt if k == 0 else 5], len(s), t)
+        one = model.forward(ForwardBatch([_chunk([nxt], len(ids), tables[0], hidden_states=hidden)], BLOCK), cache)
+        many = model.forward(ForwardBatch([_chunk([nxt if k == 0 else 5], len(s), t, hidden_states=hidden)
                                            for k, (s, t) in enumerate(zip(seqs, tables, strict=True))], BLOCK),
-                             cache).logits[0]  # fmt: skip
-        if not np.array_equal(np.asarray(one), np.asarray(many)):
-            err = float(np.max(np.abs(np.asarray(one) - np.asarray(many))))
-            raise AssertionError(f"quantized_batch_invariance: {form}: a decode's logits changed with the batch "
-                                 f"(max |difference| {err:.3g})")  # fmt: skip
+                             cache)  # fmt: skip
+        same(form, "a decode's logits", many.logits[0], one.logits[0])
+        if hidden:
+            same(form, "a decode's hidden states", many.hidden_states[0], one.hidden_states[0])
 
 
 def _threads(r: _Runner) -> None:

@@ -51,6 +51,7 @@ PREFILL_TARGET = "ruvllm_paged_prefill"
 LORA_TARGET = "ruvllm_lora"
 MEAN_SQUARE_TARGET = "ruvllm_mean_square"
 FLOAT_PRODUCT_TARGET = "ruvllm_float_product"
+W8A8_RESCALE_TARGET = "ruvllm_w8a8_rescale"
 #: Names ``RUVLLM_CPU_ISA`` accepts (besides ``auto``), per architecture, worst first.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon", "neon-dotprod", "neon-i8mm")
 
@@ -165,6 +166,7 @@ def _load() -> None:
         (LORA_TARGET, lib.RuvllmLora),
         (MEAN_SQUARE_TARGET, lib.RuvllmMeanSquare),
         (FLOAT_PRODUCT_TARGET, lib.RuvllmFloatProduct),
+        (W8A8_RESCALE_TARGET, lib.RuvllmW8A8Rescale),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     log.info(
@@ -477,6 +479,15 @@ def mean_square(x: jax.Array) -> jax.Array:
     _lib()
     call = jax.ffi.ffi_call(MEAN_SQUARE_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], 1), jnp.float32))
     return call(x.astype(jnp.float32))
+
+
+def w8a8_rescale(acc: jax.Array, x_scale: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``(float(acc) * x_scale[:, None]) * w_scale[None, :]`` for int32 ``acc`` ``[T, N]``, each product
+    rounded as the w8a8 kernels round theirs (XLA would fuse the multiplies into the next operation and
+    contract the last one into an FMA there)."""
+    _lib()
+    call = jax.ffi.ffi_call(W8A8_RESCALE_TARGET, jax.ShapeDtypeStruct(acc.shape, jnp.float32))
+    return call(acc.astype(jnp.int32), x_scale.reshape(-1).astype(jnp.float32), w_scale.reshape(-1).astype(jnp.float32))
 
 
 def float_product(x: jax.Array, w: jax.Array) -> jax.Array:

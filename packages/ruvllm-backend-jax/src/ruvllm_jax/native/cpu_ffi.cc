@@ -898,6 +898,38 @@ ffi::Error MeanSquareImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> o
   return ffi::Error::Success();
 }
 
+// ruvllm_w8a8_rescale: y [T, N] = (float(acc) * x_scale[t]) * w_scale[n], each product rounded, as
+// the w8a8 kernels write their outputs. XLA's integer GEMM (the w8a8 product of steps too large for the
+// kernels) ends in these two multiplies; left to XLA they fuse into the next operation, and XLA:CPU
+// contracts the last multiply and the residual stream's add into one FMA, so a row's hidden state
+// depended on whether its step was small enough for the kernels. A custom call keeps them apart.
+ffi::Error W8A8RescaleImpl(ffi::Buffer<ffi::S32> acc, ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::F32> w_scale,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto ad = acc.dimensions();
+  if (ad.size() != 2) return ffi::Error::InvalidArgument("ruvllm_w8a8_rescale: acc must be [rows, N]");
+  const int64_t T = ad[0], N = ad[1];
+  if (static_cast<int64_t>(x_scale.element_count()) != T || static_cast<int64_t>(w_scale.element_count()) != N ||
+      static_cast<int64_t>(y->element_count()) != T * N)
+    return ffi::Error::InvalidArgument("ruvllm_w8a8_rescale: one scale per row and per column expected");
+  const int32_t* a = acc.typed_data();
+  const float* xs = x_scale.typed_data();
+  const float* ws = w_scale.typed_data();
+  float* o = y->typed_data();
+  auto rows = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t n = 0; n < N; ++n) o[t * N + n] = (static_cast<float>(a[t * N + n]) * xs[t]) * ws[n];
+  };
+  Pool& pool = Pool::get();
+  // Split by rows (a split changes no output's arithmetic); a decode step's few rows on one thread.
+  const int parts = T * N < (int64_t{1} << 16) ? 1 : static_cast<int>(std::min<int64_t>(pool.threads(), T));
+  if (parts == 1) {
+    rows(0, T);
+  } else {
+    pool.run([&](int part) { rows(T * part / parts, T * (part + 1) / parts); }, parts);
+  }
+  return ffi::Error::Success();
+}
+
 // ruvllm_float_product: y [T, N] = x [T, K] times w [N, K] transposed, float32, every output summed in
 // one fixed order (KernelTable.float_rows, the same bits on every variant). For a mixture of experts'
 // router: XLA's dot sums a row of a one-row step in another order than a row of a larger one, which
@@ -930,6 +962,13 @@ ffi::Error FloatProductImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmFloatProduct, FloatProductImpl,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RuvllmW8A8Rescale, W8A8RescaleImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
