@@ -486,7 +486,8 @@ def w8a8_rescale(acc: jax.Array, x_scale: jax.Array, w_scale: jax.Array) -> jax.
     rounded as the w8a8 kernels round theirs (XLA would fuse the multiplies into the next operation and
     contract the last one into an FMA there)."""
     _lib()
-    call = jax.ffi.ffi_call(W8A8_RESCALE_TARGET, jax.ShapeDtypeStruct(acc.shape, jnp.float32))
+    # Under vmap (the XLA formulation of w8a8 experts) one call per batch element.
+    call = jax.ffi.ffi_call(W8A8_RESCALE_TARGET, jax.ShapeDtypeStruct(acc.shape, jnp.float32), vmap_method="sequential")
     return call(acc.astype(jnp.int32), x_scale.reshape(-1).astype(jnp.float32), w_scale.reshape(-1).astype(jnp.float32))
 
 
