@@ -1,6 +1,7 @@
 """The KV cache is sized from what a block really costs: bytes per block as the backend stores it
-(its dtype), a memory budget (``kv_cache_memory``: sizes with units, default a quarter of the memory
-available), and the cache the backend allocates is that big."""
+(its dtype), a memory budget (``kv_cache_memory``: sizes with units; by default room for four
+sequences of the context within half the memory left once the model is loaded), and the cache the
+backend allocates is that big."""
 
 from __future__ import annotations
 
@@ -75,24 +76,77 @@ def test_bad_kv_cache_memory_is_refused(text):
         parse_bytes(text)
 
 
-@pytest.mark.parametrize(
-    ("available", "budget"),
-    [
-        (8 * 2**30, 2 * 2**30),  # a quarter
-        (2 * 2**30, 512 * 2**20),  # a quarter
-        (512 * 2**20, 256 * 2**20),  # a quarter would be 128 MiB: the 256 MiB floor
-        (64 * 2**30, 4 * 2**30),  # a quarter would be 16 GiB: the 4 GiB ceiling
-    ],
-)
-def test_default_budget_is_a_quarter_of_available_memory_within_bounds(monkeypatch, available, budget):
-    """The documented default (a quarter of the memory available, at least 256 MiB, at most 4 GiB)
-    on machines of known memory; the expected budgets are worked out by hand above."""
-    import os
+def _smollm2_engine(smollm2_path, monkeypatch, available: int, **kw) -> LLMEngine:
+    import ruvllm.engine.kv_plan as kv_plan
 
-    from ruvllm_server.state import kv_cache_budget
+    monkeypatch.setattr(kv_plan, "available_memory", lambda: available)
+    llm = load_model(str(smollm2_path), backend="candle-compat")
+    return LLMEngine(llm, EngineConfig(block_size=BLOCK_SIZE, **kw))
 
-    page = 4096
-    sysconf = {"SC_AVPHYS_PAGES": available // page, "SC_PAGE_SIZE": page}
-    monkeypatch.setattr(os, "sysconf", lambda name: sysconf[name])
-    assert kv_cache_budget(None) == budget
-    assert kv_cache_budget("1GiB") == 2**30  # a setting wins over the machine's memory
+
+@pytest.mark.parametrize("max_num_seqs", [64, 2])
+def test_default_budget_holds_four_contexts_when_memory_allows(smollm2_path, monkeypatch, max_num_seqs):
+    """The default rule (DEFAULT_KV_RULE): room for 4 sequences of the served context (fewer with a
+    smaller max_num_seqs), worked out here from the file's own shapes, not the engine's numbers."""
+    import gguf
+
+    layers, kv_heads, head_dim = _kv_shape_from_gguf(smollm2_path)
+    fields = gguf.GGUFReader(str(smollm2_path)).fields
+    context = int(fields["llama.context_length"].contents())
+    block = 2 * layers * kv_heads * head_dim * BLOCK_SIZE * 4  # float32 K and V of every layer
+    engine = _smollm2_engine(smollm2_path, monkeypatch, 64 * 2**30, max_num_seqs=max_num_seqs)
+    blocks = min(max_num_seqs, 4) * -(-context // BLOCK_SIZE)
+    assert engine.num_blocks == blocks
+    assert engine.kv_budget_bytes == blocks * block == engine.kv_cache_bytes
+    # SmolLM2-135M (8192 tokens of context, 46 KB a token): 1.5 GB, not the old 4 GiB ceiling.
+    assert engine.kv_cache_bytes < 2**31
+
+
+def test_default_budget_is_half_the_memory_left(smollm2_path, monkeypatch):
+    """Where 4 contexts do not fit, half of the memory available once the model is loaded."""
+    available = 256 * 2**20
+    engine = _smollm2_engine(smollm2_path, monkeypatch, available, max_num_seqs=64)
+    assert engine.kv_budget_bytes == available // 2
+    assert engine.num_blocks == (available // 2) // engine.block_bytes
+
+
+def test_a_given_budget_or_block_count_wins(smollm2_path, monkeypatch):
+    engine = _smollm2_engine(smollm2_path, monkeypatch, 64 * 2**30, kv_cache_memory_bytes=64 * 2**20)
+    assert engine.kv_budget_bytes == 64 * 2**20 and engine.num_blocks == 64 * 2**20 // engine.block_bytes
+    engine = _smollm2_engine(smollm2_path, monkeypatch, 64 * 2**30, num_blocks=7)
+    assert engine.kv_budget_bytes is None and engine.num_blocks == 7
+
+
+def test_available_memory_is_limited_by_the_cgroup(tmp_path):
+    """A memory limit on the process's cgroup (a container's) is what it may take, not the host's
+    MemAvailable: the tightest limit less usage (plus inactive page cache) up the cgroup's path, in
+    cgroup v2 and in v1's memory controller."""
+    from ruvllm.memory import cgroup_headroom
+
+    gib = 2**30
+    root = tmp_path / "cgroup"
+    leaf = root / "outer" / "inner"
+    leaf.mkdir(parents=True)
+    (root / "outer" / "memory.max").write_text(f"{16 * gib}\n")
+    (root / "outer" / "memory.current").write_text(f"{10 * gib}\n")
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text(f"{9 * gib}\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/outer/inner\n")
+    assert cgroup_headroom(root, proc) == 6 * gib
+    (leaf / "memory.max").write_text(f"{12 * gib}\n")
+    assert cgroup_headroom(root, proc) == 3 * gib  # 12 GiB less 9 in use, tighter than the outer 6
+    (leaf / "memory.stat").write_text(f"anon {7 * gib}\ninactive_file {gib}\n")
+    assert cgroup_headroom(root, proc) == 4 * gib  # the inactive page cache is reclaimable
+    # cgroup v1: the memory controller's own hierarchy; its "no limit" is a huge number.
+    v1 = root / "memory" / "job"
+    v1.mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (root / "memory" / "memory.usage_in_bytes").write_text(f"{20 * gib}\n")
+    (v1 / "memory.limit_in_bytes").write_text(f"{16 * gib}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{5 * gib}\n")
+    (v1 / "memory.stat").write_text(f"cache {3 * gib}\ntotal_inactive_file {2 * gib}\n")
+    proc.write_text("4:memory:/job\n0::/\n")
+    assert cgroup_headroom(root, proc) == 13 * gib
+    proc.write_text("1:name=systemd:/x\n")  # no memory controller: no answer
+    assert cgroup_headroom(root, proc) is None

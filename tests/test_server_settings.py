@@ -68,7 +68,8 @@ def test_the_kv_budget_on_a_cpu_backend(tmp_path: Path) -> None:
     path = write_tiny_hf_model(tmp_path, "llama")
     for backend in ("candle-compat", "jax"):
         model = load_model(str(path), backend=backend)
-        assert kv_memory_budget(load_settings(environ={}), model) == kv_cache_budget(None)
+        assert kv_memory_budget(load_settings(environ={}), model) is None  # the engine's default rule
+        assert kv_cache_budget(None) is None
         assert kv_memory_budget(load_settings({"kv_cache_memory": "64MiB"}, environ={}), model) == 64 * 2**20
         with pytest.raises(ServerConfigError, match=f"the {backend} backend reports none here"):
             kv_memory_budget(load_settings({"gpu_memory_utilization": 0.5}, environ={}), model)

@@ -8,33 +8,17 @@ takes it."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError
+from ruvllm.memory import available_memory
 
 #: The option's values (a bool is taken as ``true`` / ``false``).
 MMAP_EXPERTS_VALUES = ("auto", "true", "false")
 #: ``auto`` maps the experts when their float32 copy would take more than this share of the memory
 #: available now (the rest of the model, the KV cache and the page cache need the remainder).
 AUTO_SHARE = 0.5
-
-
-def available_memory() -> int:
-    """Bytes the kernel says can be allocated without swapping (``MemAvailable``: free memory plus
-    reclaimable page cache), else free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
 
 
 def experts_float_bytes(checkpoint: Checkpoint) -> int:

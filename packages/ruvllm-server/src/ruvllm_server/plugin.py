@@ -10,6 +10,7 @@ from typing import Any
 
 from ruvllm import hookimpl
 from ruvllm.backend import DTYPE_CHOICES
+from ruvllm.engine.config import DEFAULT_KV_RULE
 from ruvllm.hub_files import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
 
@@ -74,7 +75,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="KV cache memory budget, e.g. 2GiB (default: a quarter of the available memory, 256 MiB to 4 GiB)",
+        help=f"KV cache memory budget, e.g. 2GiB (default: {DEFAULT_KV_RULE})",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(

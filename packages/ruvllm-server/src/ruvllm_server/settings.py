@@ -71,8 +71,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: Positive = 16
     num_kv_blocks: Positive | None = None
     #: Memory budget of the KV cache (``2GiB``, ``512MiB``, or bytes) when ``num_kv_blocks`` is not
-    #: given; default a quarter of the memory available at start (256 MiB to 4 GiB). Blocks are sized as the backend
-    #: stores them (its dtype and layout).
+    #: given; default: room for 4 sequences of the served context within half the memory available
+    #: once the model is loaded (:data:`ruvllm.engine.config.DEFAULT_KV_RULE`). Blocks are sized as the
+    #: backend stores them (its dtype and layout).
     kv_cache_memory: str | int | None = None
     #: Fraction of the device memory the backend reports (weights included) that weights and KV
     #: cache may use, as vLLM's; the KV cache gets what the weights leave. Only for backends on a

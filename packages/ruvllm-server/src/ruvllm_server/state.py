@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -75,16 +74,10 @@ def parse_bytes(text: str | int) -> int:
     return value
 
 
-def kv_cache_budget(setting: str | int | None) -> int:
-    """The KV cache's memory budget: the setting, else a quarter of the memory available now, at least
-    256 MiB and at most 4 GiB (zeroing more at start costs seconds; ask for it with the setting)."""
-    if setting is not None:
-        return parse_bytes(setting)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 8 * 2**30
-    return min(4 * 2**30, max(256 * 2**20, available // 4))
+def kv_cache_budget(setting: str | int | None) -> int | None:
+    """The KV cache's memory budget: the setting, else None (the engine's default rule,
+    :data:`ruvllm.engine.config.DEFAULT_KV_RULE`, sized once the model is loaded)."""
+    return None if setting is None else parse_bytes(setting)
 
 
 def kv_cache_options(settings: ServerSettings) -> dict[str, str]:
@@ -113,10 +106,10 @@ def device_kv_budget(fraction: float, total: int, used: int) -> int:
     return budget
 
 
-def kv_memory_budget(settings: ServerSettings, model: LoadedModel) -> int:
+def kv_memory_budget(settings: ServerSettings, model: LoadedModel) -> int | None:
     """The KV cache's memory budget: ``kv_cache_memory``; else, on a device that reports its memory
     (:class:`ruvllm.backend.ReportsDeviceMemory`), ``gpu_memory_utilization`` of it less what is in
-    use; else the host default (:func:`kv_cache_budget`)."""
+    use; else None, the engine's host default (:data:`ruvllm.engine.config.DEFAULT_KV_RULE`)."""
     fraction = settings.gpu_memory_utilization
     if settings.kv_cache_memory is not None:
         if fraction is not None:
@@ -319,7 +312,9 @@ class ServerState:
             kv_block_bytes=engine.engine.block_bytes,
             kv_local_blocks=stats.local_blocks_total or None,
             kv_cache_mib=round(engine.engine.kv_cache_bytes / 2**20, 1),
-            kv_cache_budget_mib=round(config.kv_cache_memory_bytes / 2**20, 1),
+            kv_cache_budget_mib=(
+                None if engine.engine.kv_budget_bytes is None else round(engine.engine.kv_budget_bytes / 2**20, 1)
+            ),
         )
 
     async def _precompile(self, engine: AsyncEngine) -> None:

@@ -40,8 +40,9 @@ class EngineConfig:
     kv_cache_options: dict[str, Any] = field(default_factory=dict)
     #: Longest sequence (prompt + completion) served; None: the model's context length.
     max_model_len: int | None = None
-    #: Memory budget of the KV cache when ``num_blocks`` is None.
-    kv_cache_memory_bytes: int = 2 * 1024**3
+    #: Memory budget of the KV cache when ``num_blocks`` is None; None: :func:`default_kv_memory`'s
+    #: rule, from the memory left once the model is loaded and the model's context.
+    kv_cache_memory_bytes: int | None = None
     #: Latency target of one step in milliseconds: the prompt tokens a step carries (chunked
     #: prefill) shrink so that decoding streams keep a steady inter-token latency while long prompts
     #: prefill (see :mod:`ruvllm.engine.step_budget`). None: steps carry up to
@@ -129,8 +130,37 @@ class EngineConfig:
                 bad(f"speculative_min_acceptance must be in [0, 1), got {self.speculative_min_acceptance}")
         if (self.draft_model or self.draft_quantization) and self.speculative != "draft":
             bad("draft_model and draft_quantization are for speculative='draft'")
-        if self.kv_cache_memory_bytes < 1:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+
+#: The default KV budget holds this many sequences of the served context (fewer with a smaller
+#: ``max_num_seqs``): a full-length conversation with room beside it, as Ollama's default of four
+#: parallel requests at ``num_ctx`` reserves.
+DEFAULT_KV_SEQUENCES = 4
+#: ... within this share of the memory available once the model is loaded (the rest for the steps'
+#: activations, the compiled programs, the page cache the weights' file may need, and the system).
+DEFAULT_KV_MEMORY_SHARE = 0.5
+#: The rule in one line, for the load log and ``--help``.
+DEFAULT_KV_RULE = (
+    f"room for {DEFAULT_KV_SEQUENCES} sequences of the served context, within "
+    f"{DEFAULT_KV_MEMORY_SHARE:.0%} of the memory available once the model is loaded"
+)
+
+
+def default_kv_memory(engine: EngineConfig, wanted_bytes: int, available: int) -> int:
+    """The KV cache's budget when neither ``num_blocks`` nor ``kv_cache_memory_bytes`` is given:
+    ``wanted_bytes`` (what :data:`DEFAULT_KV_SEQUENCES` sequences of the served context take, the
+    backend's blocks as it stores them) up to :data:`DEFAULT_KV_MEMORY_SHARE` of ``available`` (bytes
+    the process may still take, after the weights). A 135M model reserves what its context needs,
+    not gigabytes; an 8B model on a 16 GiB machine gets what is left beside its weights."""
+    return max(1, min(wanted_bytes, int(DEFAULT_KV_MEMORY_SHARE * available)))
+
+
+def _budget(engine: EngineConfig) -> int:
+    if engine.kv_cache_memory_bytes is None:
+        raise EngineConfigError("the KV budget is resolved before blocks are counted (plan_kv_cache)")
+    return engine.kv_cache_memory_bytes
 
 
 def default_num_blocks(
@@ -152,7 +182,7 @@ def default_num_blocks(
         )
     wanted = engine.max_num_seqs * per_sequence
     per_block = block_bytes if block_bytes else kv_block_bytes(config, engine.block_size)
-    affordable = engine.kv_cache_memory_bytes // per_block
+    affordable = _budget(engine) // per_block
     return max(1, min(wanted, affordable))
 
 
@@ -173,5 +203,5 @@ def default_hybrid_blocks(
     local_seq = min(full_seq, -(-(config.hybrid_window - 1 + engine.max_num_batched_tokens) // engine.block_size) + 1)
     want_full, want_local = engine.max_num_seqs * full_seq, engine.max_num_seqs * local_seq
     wanted_bytes = per_layer * ((layers - local) * want_full + local * want_local)
-    scale = min(1.0, engine.kv_cache_memory_bytes / wanted_bytes)
+    scale = min(1.0, _budget(engine) / wanted_bytes)
     return max(1, int(want_full * scale)), max(1, int(want_local * scale))

@@ -12,7 +12,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ruvllm.block_manager import BlockManager, HybridBlockManager
-from ruvllm.engine.config import EngineConfig, EngineConfigError, default_hybrid_blocks, default_num_blocks
+from ruvllm.engine.config import (
+    DEFAULT_KV_SEQUENCES,
+    EngineConfig,
+    EngineConfigError,
+    default_hybrid_blocks,
+    default_kv_memory,
+    default_num_blocks,
+)
+from ruvllm.memory import available_memory
 
 if TYPE_CHECKING:
     from ruvllm.model_config import ModelConfig
@@ -35,6 +43,11 @@ class KVPlan:
     kv_cache_bytes: int
     #: Options for the backend's ``allocate_cache`` (the config's, the fixed part's, the pools').
     cache_options: dict[str, Any]
+    #: The memory budget the blocks were counted under: the config's, or the default rule's
+    #: (:func:`ruvllm.engine.config.default_kv_memory`); None when the config gave ``num_blocks``.
+    budget_bytes: int | None = None
+    #: Whether :attr:`budget_bytes` came from the default rule.
+    default_budget: bool = False
 
     def block_manager(self, config: EngineConfig, model: ModelConfig) -> BlockManager | HybridBlockManager:
         """The block manager over these blocks, releasing blocks out of ``model``'s sliding window."""
@@ -68,25 +81,48 @@ def plan_kv_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) 
     # What the cache holds besides its blocks (a two-tier cache's float slots) comes off the budget.
     reserved, extra = model.kv_reserve(config.block_size, config.max_num_seqs, **config.kv_cache_options)
     cache_options.update(extra)
-    sizing = config
-    if reserved:
-        if config.num_blocks is None and reserved >= config.kv_cache_memory_bytes:
+    budget, default_budget = config.kv_cache_memory_bytes, False
+    if budget is None and config.num_blocks is None:
+        # The default rule: what DEFAULT_KV_SEQUENCES sequences of the served context take (the
+        # same block count the rule below gives them under no cap), within the memory left now.
+        few = replace(config, max_num_seqs=min(config.max_num_seqs, DEFAULT_KV_SEQUENCES), kv_cache_memory_bytes=2**62)
+        wanted = reserved + _blocks(mc, few, max_model_len, block_bytes, hybrid)[2]
+        budget, default_budget = default_kv_memory(config, wanted, available_memory()), True
+    sizing = replace(config, kv_cache_memory_bytes=budget)
+    if reserved and budget is not None:
+        if config.num_blocks is None and reserved >= budget:
             raise EngineConfigError(
-                f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} does not cover the KV cache's "
-                f"fixed part ({reserved} bytes for {config.max_num_seqs} sequences: {extra}); "
-                "give more memory or fewer sequences"
+                f"the KV cache's memory budget ({budget} bytes) does not cover its fixed part ({reserved} bytes "
+                f"for {config.max_num_seqs} sequences: {extra}); give more memory or fewer sequences"
             )
-        sizing = replace(config, kv_cache_memory_bytes=config.kv_cache_memory_bytes - reserved)
+        sizing = replace(config, kv_cache_memory_bytes=budget - reserved)
+    if config.num_blocks:
+        num_blocks, local_blocks = config.num_blocks, config.num_blocks if hybrid else 0
+        kv_bytes = _bytes(mc, block_bytes, num_blocks, local_blocks, hybrid)
+    else:
+        num_blocks, local_blocks, kv_bytes = _blocks(mc, sizing, max_model_len, block_bytes, hybrid)
+    if hybrid:
+        cache_options["local_blocks"] = local_blocks
+    return KVPlan(
+        block_bytes, num_blocks, local_blocks, hybrid, reserved + kv_bytes, cache_options, budget, default_budget
+    )
+
+
+def _bytes(mc: ModelConfig, block_bytes: int, num_blocks: int, local_blocks: int, hybrid: bool) -> int:
+    """Bytes of ``num_blocks`` blocks (and a hybrid cache's ``local_blocks`` windowed-layer blocks)."""
+    if not hybrid:
+        return num_blocks * block_bytes
+    per_layer = block_bytes / mc.num_layers
+    local_layers = len(mc.local_layers)
+    return int(per_layer * ((mc.num_layers - local_layers) * num_blocks + local_layers * local_blocks))
+
+
+def _blocks(
+    mc: ModelConfig, sizing: EngineConfig, max_model_len: int, block_bytes: int, hybrid: bool
+) -> tuple[int, int, int]:
+    """(global blocks, windowed blocks, their bytes) by the default rules under ``sizing``'s budget."""
     if hybrid:
         num_blocks, local_blocks = default_hybrid_blocks(mc, sizing, max_model_len, block_bytes)
-        cache_options["local_blocks"] = local_blocks
-        per_layer = block_bytes / mc.num_layers
-        local_layers = len(mc.local_layers)
-        kv_cache_bytes = reserved + int(
-            per_layer * ((mc.num_layers - local_layers) * num_blocks + local_layers * local_blocks)
-        )
     else:
-        num_blocks = config.num_blocks or default_num_blocks(mc, sizing, max_model_len, block_bytes)
-        local_blocks = 0
-        kv_cache_bytes = reserved + num_blocks * block_bytes
-    return KVPlan(block_bytes, num_blocks, local_blocks, hybrid, kv_cache_bytes, cache_options)
+        num_blocks, local_blocks = default_num_blocks(mc, sizing, max_model_len, block_bytes), 0
+    return num_blocks, local_blocks, _bytes(mc, block_bytes, num_blocks, local_blocks, hybrid)

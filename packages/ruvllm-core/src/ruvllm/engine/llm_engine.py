@@ -23,7 +23,7 @@ import structlog
 from ruvllm.adapters import XLoraAdapter
 from ruvllm.backend import StepLimits
 from ruvllm.block_manager import BlockManager, HybridBlockManager
-from ruvllm.engine.config import EngineConfig, EngineConfigError
+from ruvllm.engine.config import DEFAULT_KV_RULE, EngineConfig, EngineConfigError
 from ruvllm.engine.kv_plan import plan_kv_cache
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.pipeline import DecodePipeline
@@ -94,6 +94,16 @@ class LLMEngine:
         self.num_blocks, self.local_blocks = plan.num_blocks, plan.local_blocks
         #: Bytes the KV cache holds.
         self.kv_cache_bytes = plan.kv_cache_bytes
+        #: The budget its blocks were counted under (None: ``num_blocks`` was given).
+        self.kv_budget_bytes = plan.budget_bytes
+        if plan.default_budget:
+            log.info(
+                "kv cache sized by the default rule",
+                rule=DEFAULT_KV_RULE,
+                kv_cache_mib=round(plan.kv_cache_bytes / 2**20, 1),
+                kv_tokens=plan.num_blocks * config.block_size,
+                max_model_len=self.max_model_len,
+            )
         self.block_manager: BlockManager | HybridBlockManager = plan.block_manager(config, mc)
         self.scheduler = Scheduler(
             self.block_manager,
