@@ -4,14 +4,26 @@ On CI (CI=true) a skip that tests/_allowed_skips.py does not list fails the run 
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import _skip_check
 import pytest
 
+#: The jax backend's weight cache (ruvllm_jax.weight_cache) of this test process and the servers it
+#: starts: its own directory, so tests neither read a user's entries nor leave theirs behind.
+_WEIGHT_CACHE = tempfile.mkdtemp(prefix="ruvllm-test-weights-")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     _skip_check.register(config)
+    os.environ.setdefault("RUVLLM_WEIGHT_CACHE", _WEIGHT_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_WEIGHT_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

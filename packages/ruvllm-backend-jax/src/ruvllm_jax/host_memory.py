@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 TRIM_THRESHOLD = 1 << 30
@@ -139,3 +141,28 @@ def huge_pages(arrays: Iterable[Any]) -> str:
     if advised > collapsed:
         said += f", {(advised - collapsed) / mb:.0f} MB advised for khugepaged"
     return said + (f" (refused: {'; '.join(sorted(refused))})" if refused else "")
+
+
+MADV_DONTNEED = 4
+
+
+def drop_file_pages(a: np.ndarray, mapping: np.ndarray) -> bool:
+    """Unmap the pages of ``a``, a view into ``mapping`` (a read-only shared file mapping, such as a
+    GGUF checkpoint's), from this process: the page cache keeps them and a later read faults them
+    back in, but they leave the process's RSS. A load that has converted a tensor calls this on its
+    blocks, so reading a file of several GB does not leave all of it mapped. Only the page-aligned
+    interior of ``a`` is dropped, and nothing outside ``mapping`` ever is (on anonymous memory
+    ``MADV_DONTNEED`` would zero it); returns whether anything was."""
+    if not sys.platform.startswith("linux") or a.size == 0:
+        return False
+    lo, hi = mapping.ctypes.data, mapping.ctypes.data + mapping.nbytes
+    start, end = a.ctypes.data, a.ctypes.data + a.nbytes
+    if not (lo <= start and end <= hi) or mapping.flags.writeable:
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return libc.madvise(first, last - first, MADV_DONTNEED) == 0

@@ -4,6 +4,7 @@ optionally quantized (RTN from float32) or kept in their GGUF blocks."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +24,7 @@ from ruvllm_jax.gguf_blocks import (
     wxa8_from_gguf_blocks,
     wxa8_from_mxfp4,
 )
+from ruvllm_jax.host_memory import drop_file_pages
 from ruvllm_jax.model import ModelSpec, Weights
 from ruvllm_jax.quant import ROW_FIELDS, QuantArray, quantize, quantize_int8, quantize_w8a8, quantize_wxa8, to_panels
 
@@ -37,6 +39,14 @@ EXPERT_QUANTIZATIONS = ("none", "w4a8", "w8a8")
 EXPERT_GGUF_TYPES = WXA8_GGUF_TYPES | {"MXFP4"}
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+#: ``alloc(shape, dtype)``: a writable array for a stacked weight (see :class:`WeightLoader`).
+Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
 
 
 def _float(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -93,8 +103,15 @@ class WeightLoader:
         quantization: str,
         keep_gguf_blocks: bool,
         mmap_experts: bool = False,
+        alloc: Allocator | None = None,
     ) -> None:
         self.ckpt = checkpoint
+        #: Where stacked per-layer arrays are made (default ``np.empty``; the weight cache gives rows
+        #: of the file it writes, :mod:`ruvllm_jax.weight_cache`).
+        self.alloc: Allocator = alloc or _empty
+        #: Drop a converted tensor's file pages from this process (not where the result may be a view
+        #: of them: ``keep_gguf_blocks`` keeps blocks as stored).
+        self.release_file_pages = quantization == "w4a8" and not keep_gguf_blocks
         self.spec = spec
         self.quantization = quantization
         self.keep_gguf_blocks = keep_gguf_blocks and checkpoint.format == "gguf"
@@ -114,10 +131,16 @@ class WeightLoader:
             return None
         try:
             if wxa8:
-                return kernel_form(wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape))
-            return from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
+                out = kernel_form(wxa8_from_gguf_blocks(raw.ggml_type, raw.data, raw.shape))
+            else:
+                out = from_gguf_blocks(raw.ggml_type, raw.data, raw.shape)
         except ModelFormatError as exc:
             raise ModelFormatError(f"{self.ckpt.path}: tensor {name}: {exc}") from None
+        if self.release_file_pages:
+            # Converted: its blocks' pages leave this process (the page cache keeps them), so reading
+            # the file does not leave all of it mapped beside the converted weights.
+            drop_file_pages(raw.data, self.ckpt.mapping())
+        return out
 
     def _not_kept(self, ggml_type: str, name: str) -> None:
         """Log once per type the GGUF blocks this form does not hold (the k-quants under
@@ -230,6 +253,51 @@ class WeightLoader:
                 )
         return self.matrix(name)
 
+    def _matrix_stack(self, t: LayerTensor) -> QuantArray | np.ndarray:
+        """Every layer's matrix of ``t``, ``[layers, out, in]`` (``w4a8``: in the kernels' panel layout),
+        written layer by layer into arrays made once by :attr:`alloc`: one layer's conversion is the
+        only copy beside them (a list of every layer's matrices, then stacked, held the model twice;
+        an 8B model peaked at 16.4 GB). Layers the file stores in different types take the one form
+        :func:`common_format` gives them together, decided from one matrix of each type."""
+        spec = self.spec
+        names = [t.name(i) for i in range(spec.num_layers)]
+        missing = [n for n in names if n not in self._names]
+        if missing:
+            raise ModelFormatError(f"{self.ckpt.path}: tensor {missing[0]!r} is missing")
+        reps: dict[str, QuantArray] = {}  # one matrix per GGUF type among the layers, where they differ
+        if self.ckpt.format == "gguf":
+            kinds = {self.ckpt.raw_tensor(n).ggml_type: n for n in reversed(names)}
+            if len(kinds) > 1:
+                reps = {k: self.matrix(n) for k, n in kinds.items()}
+        first: QuantArray | np.ndarray | None = None
+        out: dict[str, np.ndarray] = {}
+        for i, name in enumerate(names):
+            m = self.matrix(name)
+            if isinstance(m, QuantArray):
+                if reps:
+                    m = common_format([m, *reps.values()])[0]
+                m = to_panels(m)
+                fields = [f for f in ("quant", "in_scale", *ROW_FIELDS) if getattr(m, f) is not None]
+                parts = {f: np.asarray(getattr(m, f)) for f in fields}
+            else:
+                parts = {"": m}
+            form = (
+                storage_format(m) if isinstance(m, QuantArray) else None,
+                {f: (a.shape, a.dtype) for f, a in parts.items()},
+            )
+            if first is None:
+                first, first_form = m, form
+                out = {f: self.alloc((spec.num_layers, *a.shape), a.dtype) for f, a in parts.items()}
+            elif form != first_form:
+                raise BackendError(f"layers store {t.field} in different formats; load with quantization q8/q4 or none")
+            for f, a in parts.items():
+                out[f][i] = a
+            del m, parts
+        assert first is not None
+        if isinstance(first, QuantArray):
+            return dataclasses.replace(first, **out)
+        return out[""]
+
     def _expert_stack(self, t: LayerTensor) -> QuantArray:
         """Every layer's ``w4a8`` experts of ``t``, ``[layers, experts, out, in]`` in the kernels' panel
         layout, written layer by layer into arrays allocated once, so one layer's conversion is the only
@@ -285,7 +353,7 @@ class WeightLoader:
 
     def _load(self) -> Weights:
         spec = self.spec
-        names = set(self.ckpt.tensor_names())
+        names = self._names = set(self.ckpt.tensor_names())
         tensors = [t for t in LAYER_TENSORS if t.present(spec)]
         per_layer: dict[str, list] = {t.field: [] for t in tensors if not self._quantized_experts(t)}
         for i in range(spec.num_layers):
@@ -297,14 +365,15 @@ class WeightLoader:
                     per_layer[t.field].append(self._experts(t, i))
                     continue
                 if t.field in PROJECTIONS:
-                    per_layer[t.field].append(self.matrix(name))
-                    continue
+                    continue  # stacked layer by layer below
                 if name not in names:
                     raise ModelFormatError(f"{self.ckpt.path}: tensor {name!r} is missing")
                 per_layer[t.field].append(self.vector(name))
         stack = (lambda t: stored_experts(self.ckpt, t, spec)) if self.mmap_experts else self._expert_stack
         experts = {t.field: stack(t) for t in tensors if self._quantized_experts(t)}
-        layers = LayerWeights(**{k: _stack(v) for k, v in per_layer.items()}, **experts)
+        projections = {t.field: self._matrix_stack(t) for t in tensors if t.field in PROJECTIONS and not t.per_expert}
+        vectors = {k: _stack(v) for k, v in per_layer.items() if k not in projections}
+        layers = LayerWeights(**vectors, **projections, **experts)
         self._check_shapes(layers)
         lm_head = None if spec.tie_word_embeddings else self.embedding("lm_head.weight")
         return Weights(

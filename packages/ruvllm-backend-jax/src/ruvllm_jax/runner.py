@@ -37,7 +37,7 @@ from ruvllm.backend import (
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.errors import BackendError, RequestError
 from ruvllm.sampling import overlay_widths
-from ruvllm_jax import batch_invariant, native
+from ruvllm_jax import batch_invariant, native, weight_cache
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.compiled_steps import CompiledCache, CompileStats, compile_step
 from ruvllm_jax.host_memory import huge_pages, keep_large_buffers
@@ -51,7 +51,7 @@ from ruvllm_jax.kv_cache import (
     block_bytes,
     kv_layout,
 )
-from ruvllm_jax.loading import DTYPES, WeightLoader
+from ruvllm_jax.loading import DTYPES, Allocator, WeightLoader
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, padding_planner, plan_adapters
 from ruvllm_jax.model import (
     PROJECTIONS,
@@ -198,15 +198,30 @@ class JaxModel:
             )
         mesh = make_mesh(settings.tensor_parallel)
         t0 = time.perf_counter()
-        host = WeightLoader(
-            checkpoint, spec, options.quantization, settings.keep_gguf_blocks, settings.mmap_experts
-        ).load()
+        on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+
+        def build(alloc: Allocator | None = None) -> Weights:
+            loader = WeightLoader(
+                checkpoint, spec, options.quantization, settings.keep_gguf_blocks, settings.mmap_experts, alloc
+            )
+            return loader.load()
+
+        cache = None
+        if on_cpu and mesh.size == 1 and weight_cache.applies(checkpoint, options.quantization, settings.mmap_experts):
+            cache = weight_cache.WeightCache.for_checkpoint(
+                checkpoint, {"quantization": options.quantization, "dtype": options.dtype}
+            )
+        host, cached = cache.load(build) if cache is not None else (build(), "off")
         weights = shard_weights(host, spec, mesh)
         model = cls(spec, weights, mesh, attention, options)
         model.table_tokens = checkpoint.config.max_position_embeddings
-        on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
         if on_cpu:
-            model.huge_pages = huge_pages(jax.tree_util.tree_leaves(weights))
+            # Weights mapped from the cache file are file pages: collapsing them into huge pages
+            # would copy them (seconds a gigabyte), and they are shared with the page cache.
+            mapped = cached in ("hit", "written")
+            model.huge_pages = (
+                "off (weights mapped from the cache file)" if mapped else huge_pages(jax.tree_util.tree_leaves(weights))
+            )
         log.info(
             "weights loaded",
             host_buffers=keep_large_buffers() if on_cpu else "n/a (not on CPU)",
@@ -218,6 +233,7 @@ class JaxModel:
             native_kernels=native.isa() if model.native else "off",
             weight_bytes=model.weight_bytes,
             compilation_cache=str(compilation_cache) if compilation_cache else "off",
+            weight_cache=cached if cache is None else f"{cached}: {cache.data}",
             seconds=round(time.perf_counter() - t0, 2),
         )
         return model
