@@ -68,8 +68,10 @@ def test_mapped_weights_equal_todays_load_on_every_variant(tiny_q4_k_m, tmp_path
     assert said == "off"
     monkeypatch.setenv("RUVLLM_WEIGHT_CACHE", str(tmp_path / "cache"))
     written, said_w = _load(tiny_q4_k_m)
+    copied, said_c = _load(tiny_q4_k_m)  # onto anonymous huge pages (the default where THP is on)
+    monkeypatch.setenv("RUVLLM_JAX_HUGE_PAGES", "0")  # left in the mapping
     mapped, said_m = _load(tiny_q4_k_m)
-    assert said_w.startswith("written: ") and said_m.startswith("hit: ")
+    assert said_w.startswith("written: ") and said_m.startswith("hit: ") and said_c.startswith("hit: ")
     entries = list((tmp_path / "cache").glob("*.bin"))
     assert len(entries) == 1 and said_m.endswith(str(entries[0]))
     for isa in native.supported_isas():
@@ -77,6 +79,7 @@ def test_mapped_weights_equal_todays_load_on_every_variant(tiny_q4_k_m, tmp_path
             want = _logits(today)
             np.testing.assert_array_equal(_logits(written), want, err_msg=f"{isa}: the load that wrote the entry")
             np.testing.assert_array_equal(_logits(mapped), want, err_msg=f"{isa}: the mapped load")
+            np.testing.assert_array_equal(_logits(copied), want, err_msg=f"{isa}: the load copied to huge pages")
     # In place: every weight buffer of the mapped load lies in the cache file's mapping.
     lo, hi = _mapped_range(entries[0])
     leaves = [x for x in jax.tree_util.tree_leaves(mapped.weights) if x.size]

@@ -166,3 +166,41 @@ def drop_file_pages(a: np.ndarray, mapping: np.ndarray) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return libc.madvise(first, last - first, MADV_DONTNEED) == 0
+
+
+def huge_page_copy(tree: Any) -> tuple[Any, str]:
+    """``tree``'s arrays (views of a read-only file mapping: the weight cache's) copied into one
+    anonymous mapping advised for transparent huge pages before it is touched, each array 2 MiB
+    aligned, each source's file pages dropped from the process once copied (so RSS holds the weights
+    once). On a kernel that cannot put file pages on huge pages (no ``CONFIG_READ_ONLY_THP_FOR_FS``)
+    this is how mapped weights get them back: a decode step streams every weight byte, and on 4 KiB
+    pages an 8B model's step ran about 12% slower. Returns (the new tree, what happened); the tree
+    unchanged where huge pages are off (``RUVLLM_JAX_HUGE_PAGES=0``, THP ``never``, not Linux)."""
+    import mmap
+
+    import jax
+
+    if os.environ.get("RUVLLM_JAX_HUGE_PAGES", "1").strip().lower() in _OFF:
+        return tree, "off (RUVLLM_JAX_HUGE_PAGES=0): weights mapped from the cache file"
+    if not sys.platform.startswith("linux") or thp_mode() in (None, "never"):
+        return tree, "off (no transparent huge pages): weights mapped from the cache file"
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, np.ndarray) and x.nbytes]
+    total = sum(-(-x.nbytes // HUGE_PAGE) * HUGE_PAGE for x in leaves)
+    t0 = time.perf_counter()
+    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(buf, np.uint8)
+    start = -(-whole.ctypes.data // HUGE_PAGE) * HUGE_PAGE - whole.ctypes.data
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised = libc.madvise(whole.ctypes.data + start, total, MADV_HUGEPAGE) == 0
+    copies: dict[int, np.ndarray] = {}
+    at = start
+    for x in leaves:
+        dst = whole[at : at + x.nbytes].view(x.dtype).reshape(x.shape)
+        dst[...] = x
+        drop_file_pages(x, x)
+        copies[id(x)] = dst
+        at += -(-x.nbytes // HUGE_PAGE) * HUGE_PAGE
+    out = jax.tree_util.tree_map(lambda x: copies.get(id(x), x), tree)
+    onto = "pages advised for huge pages" if advised else "4 KiB pages (MADV_HUGEPAGE refused)"
+    return out, f"{total / 1e6:.0f} MB copied from the cache file onto {onto} in {time.perf_counter() - t0:.2f} s"

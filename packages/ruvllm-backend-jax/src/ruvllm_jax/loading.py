@@ -268,7 +268,11 @@ class WeightLoader:
         if self.ckpt.format == "gguf":
             kinds = {self.ckpt.raw_tensor(n).ggml_type: n for n in reversed(names)}
             if len(kinds) > 1:
-                reps = {k: self.matrix(n) for k, n in kinds.items()}
+                # In their common form already, so that bringing each layer to it converts that layer
+                # only (converting the representatives again for every layer doubled an 8B load).
+                found = [self.matrix(n) for n in kinds.values()]
+                if all(isinstance(m, QuantArray) for m in found):
+                    reps = dict(zip(kinds, common_format(found), strict=True))
         first: QuantArray | np.ndarray | None = None
         out: dict[str, np.ndarray] = {}
         for i, name in enumerate(names):

@@ -40,7 +40,7 @@ from ruvllm.sampling import overlay_widths
 from ruvllm_jax import batch_invariant, native, weight_cache
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.compiled_steps import CompiledCache, CompileStats, compile_step
-from ruvllm_jax.host_memory import huge_pages, keep_large_buffers
+from ruvllm_jax.host_memory import huge_page_copy, huge_pages, keep_large_buffers
 from ruvllm_jax.kv_cache import (
     DEFAULT_RECENT_BLOCKS,
     DEFAULT_TWO_TIER_SEQS,
@@ -212,16 +212,17 @@ class JaxModel:
                 checkpoint, {"quantization": options.quantization, "dtype": options.dtype}
             )
         host, cached = cache.load(build) if cache is not None else (build(), "off")
+        mapped = cached in ("hit", "written")
+        pages = None
+        if mapped:
+            # File pages cannot be huge pages on most kernels: copied onto anonymous ones instead
+            # (or left mapped in place, with the switch off).
+            host, pages = huge_page_copy(host)
         weights = shard_weights(host, spec, mesh)
         model = cls(spec, weights, mesh, attention, options)
         model.table_tokens = checkpoint.config.max_position_embeddings
         if on_cpu:
-            # Weights mapped from the cache file are file pages: collapsing them into huge pages
-            # would copy them (seconds a gigabyte), and they are shared with the page cache.
-            mapped = cached in ("hit", "written")
-            model.huge_pages = (
-                "off (weights mapped from the cache file)" if mapped else huge_pages(jax.tree_util.tree_leaves(weights))
-            )
+            model.huge_pages = pages or huge_pages(jax.tree_util.tree_leaves(weights))
         log.info(
             "weights loaded",
             host_buffers=keep_large_buffers() if on_cpu else "n/a (not on CPU)",

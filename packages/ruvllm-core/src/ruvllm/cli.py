@@ -135,10 +135,14 @@ def _kv_options(args: argparse.Namespace) -> dict[str, str]:
     return {} if args.kv_cache_dtype == "auto" else {"dtype": args.kv_cache_dtype}
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace, max_model_len: int | None = None):
+    """One sequence; ``max_model_len``: its longest (``generate`` knows it: the prompt and
+    ``--max-tokens``, so the KV cache's default is that, not the model's whole context)."""
     from ruvllm.engine import EngineConfig
 
-    return EngineConfig(max_num_seqs=1, kv_cache_options=_kv_options(args), sampling=args.sampling)
+    return EngineConfig(
+        max_num_seqs=1, kv_cache_options=_kv_options(args), sampling=args.sampling, max_model_len=max_model_len
+    )
 
 
 def _stream(model: LoadedModel, prompt_ids: list[int], sampling, config, out=sys.stdout) -> str:
@@ -163,7 +167,7 @@ def cmd_generate(args: argparse.Namespace, host: PluginHost) -> int:
     sampling.validate()  # before the model load, so a typo fails fast
     model = _load(args, host)
     ids = model.tokenizer.encode(args.prompt)
-    _stream(model, ids, sampling, _engine_config(args))
+    _stream(model, ids, sampling, _engine_config(args, max(2, len(ids) + sampling.max_tokens)))
     sys.stdout.write("\n")
     return 0
 
