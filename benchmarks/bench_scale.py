@@ -302,9 +302,9 @@ def child_llama_generate(args: argparse.Namespace) -> int:
         model_path=str(args.file), n_ctx=LLAMA_N_CTX, n_threads=args.threads, n_threads_batch=args.threads,
         verbose=False,
     )  # fmt: skip
-    n = 0
+    chunks = 0
     for chunk in llm.create_completion(PROMPT, max_tokens=GENERATE_TOKENS, temperature=0.0, stream=True):
-        n += 1
+        chunks += 1
         sys.stdout.write(chunk["choices"][0]["text"] or "\u00b7")  # something on stdout at the first token
         sys.stdout.flush()
     model = llm._model.model
@@ -314,7 +314,9 @@ def child_llama_generate(args: argparse.Namespace) -> int:
         "weight_bytes": int(llama_cpp.llama_model_size(model)),
         "kv_cache_bytes": LLAMA_N_CTX * layers * 2 * kv_heads * head_dim * 2,  # K and V, float16
         "kv_tokens": LLAMA_N_CTX,
-        "tokens": n,
+        # The last token is sampled, not evaluated: n_tokens holds the prompt and the others.
+        "tokens": llm.n_tokens - len(llm.tokenize(PROMPT.encode())) + 1,
+        "stream_chunks": chunks,  # more than the tokens where a token's text is part of a character
     }
     print(json.dumps(info), file=sys.stderr)
     return 0
