@@ -37,13 +37,12 @@ import argparse
 import dataclasses
 import math
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from moe_synthetic import CACHE, quantize_q4_k_m, vocabulary
+from moe_synthetic import CACHE, cached_q4_k_m, vocabulary
 
 LLAMA31_8B_LAYERS = 32
 #: Llama 3's byte-level BPE tokens (its special tokens follow them).
@@ -235,26 +234,8 @@ def synthetic_q4_k_m(
     from ``directory``; the Q8_0 source (0.23 GB a layer plus 1.1 GB of embedding and LM head) is
     deleted unless ``keep_source``."""
     shape = synthetic_shape(layers)
-    stem = f"llama3-8b-synthetic-{layers}l-s{seed}"
-    out = directory / f"{stem}-Q4_K_M.gguf"
-    if out.exists():
-        return out
-    directory.mkdir(parents=True, exist_ok=True)
-    src = directory / f"{stem}-Q8_0.gguf"
-    if not src.exists():
-        t0 = time.perf_counter()
-        part = src.with_name(src.name + ".part")
-        write_gguf(part, shape, seed, "Q8_0")
-        part.replace(src)
-        if log:
-            print(f"wrote {src} ({src.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)", flush=True)
-    t0 = time.perf_counter()
-    quantize_q4_k_m(src, out, threads)
-    if log:
-        print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)", flush=True)
-    if not keep_source:
-        src.unlink()
-    return out
+    stem = directory / f"llama3-8b-synthetic-{layers}l-s{seed}"
+    return cached_q4_k_m(stem, "Q8_0", lambda p: write_gguf(p, shape, seed, "Q8_0"), threads, keep_source, log)
 
 
 def main(argv: list[str] | None = None) -> int:

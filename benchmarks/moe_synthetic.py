@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,16 +206,30 @@ def synthetic_q4_k_m(
     reused from ``directory``; the float16 source (about 1.2 GB a layer) is deleted unless
     ``keep_source``."""
     shape = synthetic_shape(layers)
-    stem = f"qwen3moe-synthetic-{layers}l-s{seed}"
-    out = directory / f"{stem}-Q4_K_M.gguf"
+    stem = directory / f"qwen3moe-synthetic-{layers}l-s{seed}"
+    return cached_q4_k_m(stem, "F16", lambda p: write_gguf(p, shape, seed, "F16"), threads, keep_source, log)
+
+
+def cached_q4_k_m(
+    stem: Path,
+    source_type: str,
+    write_source: Callable[[Path], object],
+    threads: int | None = None,
+    keep_source: bool = False,
+    log: bool = True,
+) -> Path:
+    """``<stem>-Q4_K_M.gguf``, made on first use: ``write_source`` writes ``<stem>-<source_type>.gguf``
+    (under a temporary name, renamed when whole), llama.cpp's quantizer converts it, and the source is
+    deleted unless ``keep_source``."""
+    out = stem.with_name(f"{stem.name}-Q4_K_M.gguf")
     if out.exists():
         return out
-    directory.mkdir(parents=True, exist_ok=True)
-    src = directory / f"{stem}-F16.gguf"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    src = stem.with_name(f"{stem.name}-{source_type}.gguf")
     if not src.exists():
         t0 = time.perf_counter()
         part = src.with_name(src.name + ".part")
-        write_gguf(part, shape, seed, "F16")
+        write_source(part)
         part.replace(src)
         if log:
             print(f"wrote {src} ({src.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)", flush=True)
