@@ -103,14 +103,20 @@ def test_the_thp_mode_is_read_from_sysfs(tmp_path):
 
 
 def test_smollm2_w4a8_weights_sit_on_huge_pages(smollm2_path):
-    """The loaded model says what it did; its largest weight buffer's interior is on huge pages."""
+    """The loaded model says what it did; its largest weight buffer's interior is on huge pages
+    (collapsed, or copied there from the weight cache: ruvllm_jax.host_memory.huge_page_copy)."""
     from _jax_fixtures import jax_model_at
 
     model = jax_model_at(str(smollm2_path), "w4a8")
-    needs_collapse(model.huge_pages)
     ranges = buffer_ranges(jax.tree_util.tree_leaves(model.weights))
-    total_mb = sum(e - s for s, e in ranges) / 1e6
-    assert collapsed_mb(model.huge_pages) >= 0.5 * total_mb, model.huge_pages
+    if "copied from the cache file" in model.huge_pages:
+        # From the weight cache: copied onto memory advised for huge pages before it was touched.
+        if thp_mode() == "never" or "refused" in model.huge_pages:
+            pytest.skip(f"no huge pages here: {model.huge_pages}")
+    else:
+        needs_collapse(model.huge_pages)
+        total_mb = sum(e - s for s, e in ranges) / 1e6
+        assert collapsed_mb(model.huge_pages) >= 0.5 * total_mb, model.huge_pages
     start, end = max(ranges, key=lambda r: r[1] - r[0])
     lo, hi = aligned_interior(start, end)
     assert anon_huge_bytes(lo, hi) >= 0.9 * (hi - lo)

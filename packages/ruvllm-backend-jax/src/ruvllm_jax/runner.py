@@ -40,7 +40,7 @@ from ruvllm.sampling import overlay_widths
 from ruvllm_jax import batch_invariant, native, weight_cache
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.compiled_steps import CompiledCache, CompileStats, compile_step
-from ruvllm_jax.host_memory import huge_page_copy, huge_pages, keep_large_buffers
+from ruvllm_jax.host_memory import huge_pages, keep_large_buffers
 from ruvllm_jax.kv_cache import (
     DEFAULT_RECENT_BLOCKS,
     DEFAULT_TWO_TIER_SEQS,
@@ -51,7 +51,7 @@ from ruvllm_jax.kv_cache import (
     block_bytes,
     kv_layout,
 )
-from ruvllm_jax.loading import DTYPES, Allocator, WeightLoader
+from ruvllm_jax.loading import DTYPES
 from ruvllm_jax.lora import ADAPTER_CACHE_SIZE, AdapterCache, padding_planner, plan_adapters
 from ruvllm_jax.model import (
     PROJECTIONS,
@@ -199,25 +199,9 @@ class JaxModel:
         mesh = make_mesh(settings.tensor_parallel)
         t0 = time.perf_counter()
         on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-
-        def build(alloc: Allocator | None = None) -> Weights:
-            loader = WeightLoader(
-                checkpoint, spec, options.quantization, settings.keep_gguf_blocks, settings.mmap_experts, alloc
-            )
-            return loader.load()
-
-        cache = None
-        if on_cpu and mesh.size == 1 and weight_cache.applies(checkpoint, options.quantization, settings.mmap_experts):
-            cache = weight_cache.WeightCache.for_checkpoint(
-                checkpoint, {"quantization": options.quantization, "dtype": options.dtype}
-            )
-        host, cached = cache.load(build) if cache is not None else (build(), "off")
-        mapped = cached in ("hit", "written")
-        pages = None
-        if mapped:
-            # File pages cannot be huge pages on most kernels: copied onto anonymous ones instead
-            # (or left mapped in place, with the switch off).
-            host, pages = huge_page_copy(host)
+        host, cached, pages = weight_cache.host_weights(
+            checkpoint, spec, options, settings.keep_gguf_blocks, settings.mmap_experts, on_cpu and mesh.size == 1
+        )
         weights = shard_weights(host, spec, mesh)
         model = cls(spec, weights, mesh, attention, options)
         model.table_tokens = checkpoint.config.max_position_embeddings
@@ -234,7 +218,7 @@ class JaxModel:
             native_kernels=native.isa() if model.native else "off",
             weight_bytes=model.weight_bytes,
             compilation_cache=str(compilation_cache) if compilation_cache else "off",
-            weight_cache=cached if cache is None else f"{cached}: {cache.data}",
+            weight_cache=cached,
             seconds=round(time.perf_counter() - t0, 2),
         )
         return model

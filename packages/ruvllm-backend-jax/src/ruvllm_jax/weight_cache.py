@@ -252,3 +252,33 @@ class WeightCache:
             tmp.unlink(missing_ok=True)
             raise
         return _map(self.data, skeleton, size), "written"
+
+
+def host_weights(
+    checkpoint: Checkpoint,
+    spec: Any,
+    options: Any,
+    keep_gguf_blocks: bool,
+    mmap_experts: bool,
+    one_cpu_device: bool,
+) -> tuple[Any, str, str | None]:
+    """A model's host weights, through the cache where it applies (one CPU device, see
+    :func:`applies`): (weights, what the load log says of the cache, what it says of huge pages when
+    the weights came from the cache, else None: the caller then collapses its own buffers)."""
+    from ruvllm_jax.host_memory import huge_page_copy
+    from ruvllm_jax.loading import Allocator, WeightLoader
+
+    def build(alloc: Allocator | None = None) -> Any:
+        return WeightLoader(checkpoint, spec, options.quantization, keep_gguf_blocks, mmap_experts, alloc).load()
+
+    if not (one_cpu_device and applies(checkpoint, options.quantization, mmap_experts)):
+        return build(), "off", None
+    cache = WeightCache.for_checkpoint(checkpoint, {"quantization": options.quantization, "dtype": options.dtype})
+    assert cache is not None  # applies() checked the cache is on
+    host, said = cache.load(build)
+    if said not in ("hit", "written"):
+        return host, f"{said}: {cache.data}", None
+    # File pages cannot be huge pages on most kernels: copied onto anonymous ones instead (or left
+    # mapped in place, with RUVLLM_JAX_HUGE_PAGES=0).
+    host, pages = huge_page_copy(host)
+    return host, f"{said}: {cache.data}", pages
