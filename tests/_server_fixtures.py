@@ -104,3 +104,34 @@ def smollm2_model(smollm2_path: Any) -> Any:
         return load_model(str(smollm2_path), backend="candle-compat")
     except BackendError as exc:
         pytest.skip(f"candle-compat backend not usable: {exc}")
+
+
+#: Function tools the tool-call tests ask SmolLM2 to call (its chat template reads tools).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}

@@ -17,40 +17,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
+from _server_fixtures import TIME, WEATHER, live_server, smollm2_model  # noqa: F401  (fixture)
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "smollm2"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"type": "string", "maxLength": 30}},
-            "required": ["timezone"],
-            "additionalProperties": False,
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 #: SmolLM2 answers this, under tool_choice required with both tools, with two calls.
 ASK_TWO = [{"role": "user", "content": "Weather in Paris and the time in Tokyo?"}]

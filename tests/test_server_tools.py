@@ -11,37 +11,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from _server_fixtures import live_server, smollm2_model  # noqa: F401  (fixture)
+from _server_fixtures import TIME, WEATHER, live_server, smollm2_model  # noqa: F401  (fixture)
 
 MODEL = "smollm2"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"type": "string", "maxLength": 30}},
-            "required": ["timezone"],
-            "additionalProperties": False,
-        },
-    },
-}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
