@@ -144,7 +144,7 @@ def test_sona_refuses_what_its_backward_lacks_by_name(family, field, tmp_path) -
         ("llama3", {"sliding_window": 8}, "sliding_window"),
         ("llama3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("qwen3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("gemma3", {"layer_types": ["chunked_attention"] * 7}, "layer_types"),
         ("qwen3", {"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
     ],

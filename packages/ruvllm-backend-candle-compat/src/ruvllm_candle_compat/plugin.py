@@ -8,11 +8,15 @@ thread count from ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` at import time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ruvllm.backend import Backend, LoadOptions
 from ruvllm.checkpoint import Checkpoint
 from ruvllm.hookspecs import hookimpl
 from ruvllm_candle_compat.model import CandleCompatModel
+
+if TYPE_CHECKING:
+    from ruvllm_candle_compat.encoder import NumpyEncoder
 
 BACKEND_NAME = "candle-compat"
 
@@ -24,6 +28,11 @@ class CandleCompatBackend(Backend):
 
     def load(self, checkpoint: Checkpoint, options: LoadOptions) -> CandleCompatModel:
         return CandleCompatModel.from_checkpoint(checkpoint, options)
+
+    def load_encoder(self, checkpoint: Checkpoint, options: LoadOptions) -> NumpyEncoder:
+        from ruvllm_candle_compat.encoder import NumpyEncoder
+
+        return NumpyEncoder(checkpoint, options)
 
 
 @hookimpl

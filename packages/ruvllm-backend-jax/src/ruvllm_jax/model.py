@@ -87,7 +87,9 @@ from ruvllm_jax.step_types import (  # noqa: F401 (the step's types stay importa
 
 # XLA's own sigmoid (SiLU) and rsqrt (RMSNorm) for the model's formulas: the ops the step always ran;
 # RMSNorm's mean in a fixed order, so a row's norm does not depend on the step's row count.
-register_primitives(jnp, sigmoid=jax.nn.sigmoid, rsqrt=row_sums.exact_rsqrt, mean_square=row_sums.mean_square)
+register_primitives(
+    jnp, sigmoid=jax.nn.sigmoid, rsqrt=row_sums.exact_rsqrt, mean_square=row_sums.mean_square, erf=jax.lax.erf
+)
 
 
 def rope_tables(positions: jax.Array, spec: ModelSpec) -> tuple[jax.Array, jax.Array]:

@@ -44,6 +44,12 @@ class JaxBackend(Backend):
             rows.append(("cpu kernels", f"none: {native.unavailable_reason()}"))
         return rows
 
+    def load_encoder(self, checkpoint: Checkpoint, options: LoadOptions) -> Any:
+        """An encoder model (embeddings, cross-encoders): :class:`ruvllm_jax.encoder.JaxEncoder`."""
+        from ruvllm_jax.encoder import JaxEncoder
+
+        return JaxEncoder(checkpoint, options)
+
     def load(self, checkpoint: Checkpoint, options: LoadOptions) -> JaxModel:
         # Importing the runner imports jax: only a chosen jax backend pays for it.
         from ruvllm_jax import batch_invariant, distributed

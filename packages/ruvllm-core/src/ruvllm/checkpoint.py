@@ -429,18 +429,25 @@ class SafetensorsCheckpoint(Checkpoint):
         one expert out of a fused expert tensor)."""
         fam = self.family
         out: dict[str, tuple[str, _Part | Callable[[np.ndarray], np.ndarray] | None]] = {}
-        for name in self._where:
+        # A bare backbone saved on its own (Gemma3TextModel, Qwen3Model: ``layers.0...``, ``embed_tokens``)
+        # names its tensors without the ``model.`` a causal LM's carry; a task head's backbone (BERT's
+        # ``bert.``) with one of its own.
+        bare = fam.layout == "decoder" and not any(n.startswith("model.") for n in self._where)
+        for stored in self._where:
+            name = f"model.{stored}" if bare else stored
+            if fam.hf_backbone_prefix and name.startswith(fam.hf_backbone_prefix):
+                name = name[len(fam.hf_backbone_prefix) :]
             views = architectures.hf_expert_views(fam, name, self.config.num_experts)
             if views:
-                out.update((canonical, (name, view)) for canonical, view in views.items())
+                out.update((canonical, (stored, view)) for canonical, view in views.items())
                 continue
             m = _HF_LAYER_RE.match(name)
             if m and m.group(2) in fam.hf_fused:
                 continue
             if m and fam.hf_layer_name(m.group(2)) != m.group(2):
-                out[f"model.layers.{m.group(1)}.{fam.hf_layer_name(m.group(2))}.{m.group(3)}"] = (name, None)
+                out[f"model.layers.{m.group(1)}.{fam.hf_layer_name(m.group(2))}.{m.group(3)}"] = (stored, None)
             else:
-                out[name] = (name, None)
+                out[name] = (stored, None)
         parts = _fused_parts(list(self._where), fam.hf_fused, self.config, _HF_LAYER_RE, lambda n: f"model.layers.{n}.")
         for name, part in parts.items():
             out[name] = (part.source, part)

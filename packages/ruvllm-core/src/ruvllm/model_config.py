@@ -195,6 +195,15 @@ class ModelConfig:
     #: A bias on the router's logits, and on each expert's projections (gpt_oss).
     router_bias: bool = False
     expert_bias: bool = False
+    #: Every query sees every key of its sequence (within ``layer_windows`` on both sides: EmbeddingGemma's
+    #: ``use_bidirectional_attention``): an encoder, which embeds but cannot generate.
+    bidirectional: bool = False
+    #: ``decoder`` (the pre-norm layer of :func:`ruvllm.modeling.decoder_layer`) or ``bert`` (post-norm
+    #: LayerNorm with biases, learned absolute positions and token types, an ungated MLP:
+    #: :mod:`ruvllm.modeling.encoder`). For ``bert``, ``rms_norm_eps`` is its LayerNorm's eps.
+    layout: str = "decoder"
+    #: ``bert``: the token-type (segment) vocabulary; its learned positions are ``max_position_embeddings``.
+    type_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
@@ -238,9 +247,18 @@ class ModelConfig:
         return tuple(i for i, w in enumerate(self.layer_windows) if w) if self.hybrid_window else ()
 
     @property
+    def encoder_only(self) -> bool:
+        """Whether this model only encodes (embeds, scores) and cannot generate text."""
+        return self.bidirectional or self.layout != "decoder"
+
+    @property
     def num_parameters(self) -> int:
         """Parameter count implied by the shapes (embeddings counted once when tied)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        if self.layout == "bert":  # q/k/v/o, up, down with biases; two LayerNorms a layer
+            per_bert_layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
+            emb = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+            return emb + L * per_bert_layer
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         e, ie = self.num_experts, self.expert_intermediate_size

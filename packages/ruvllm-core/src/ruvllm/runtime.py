@@ -151,7 +151,16 @@ def load_model(
     else:
         path, quantization = select(ref, quantization, cache_dir)
     checkpoint = open_checkpoint(path)
-    _ = checkpoint.config  # validates the architecture before a backend spends time on weights
+    if checkpoint.config.encoder_only:  # (validates the architecture before a backend spends time on weights)
+        what = (
+            "bidirectional attention"
+            if checkpoint.config.layout == "decoder"
+            else f"a {checkpoint.config.layout} encoder"
+        )
+        raise BackendError(
+            f"{ref} is an encoder model ({what}): it embeds and scores, it cannot generate text; "
+            "use ruvllm embed, or ruvllm serve for /v1/embeddings, /v1/rerank and /v1/score"
+        )
     if quantization is not None:
         options = replace(options, quantization=file_form(checkpoint, quantization))
     t0 = time.perf_counter()

@@ -117,6 +117,13 @@ class Family:
     #: ``block_sparse_moe``), and the experts' projection names when not HF's usual (its w1/w3/w2).
     hf_moe_module: str = "mlp"
     hf_expert_names: Mapping[str, str] = field(default_factory=dict)
+    #: The layer's form (:attr:`ModelConfig.layout`): ``decoder`` or ``bert`` (read by
+    #: :mod:`~ruvllm.architectures.encoder_config`).
+    layout: str = "decoder"
+    #: HF ``use_bidirectional_attention`` is honoured (EmbeddingGemma's Gemma-3 layers); else refused.
+    bidirectional_attention: bool = False
+    #: A prefix HF task heads put before the backbone's names (``bert.`` in BertForSequenceClassification).
+    hf_backbone_prefix: str = ""
 
     def chat_template_text(self) -> str | None:
         if self.default_chat_template is None:
@@ -201,6 +208,7 @@ FAMILIES: tuple[Family, ...] = (
         global_period=6,
         gguf_local_rope_theta=10000.0,
         supports_final_softcap=True,
+        bidirectional_attention=True,
         end_of_turn_texts=("<end_of_turn>",),
         # Google's Gemma 3 template (the chat_template of the google/gemma-3-* tokenizer configs).
         default_chat_template="gemma3.jinja",
@@ -217,6 +225,16 @@ FAMILIES: tuple[Family, ...] = (
         window_on_every_layer=True,
         hf_fused={"self_attn.qkv_proj": _QKV_SPLIT, "mlp.gate_up_proj": _GATE_UP_SPLIT},
         gguf_fused={"attn_qkv": _QKV_SPLIT, "ffn_up": _GATE_UP_SPLIT},
+    ),
+    # BERT encoders (all-MiniLM, ms-marco cross-encoders): embed and score, never generate.
+    Family(
+        "bert",
+        gguf_archs=(),
+        hf_model_types=("bert",),
+        activation="gelu",
+        hf_activations=("gelu",),
+        layout="bert",
+        hf_backbone_prefix="bert.",
     ),
 )
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_archs}

@@ -165,9 +165,21 @@ def _swiglu(c: Mapping[str, Any], fam: Family, where: str) -> dict[str, Any]:
     return {"swiglu_alpha": float(alpha), "swiglu_limit": float(limit)}
 
 
+def _bidirectional_windows(windows: tuple[int, ...], c: Mapping[str, Any]) -> tuple[int, ...]:
+    """transformers stores a bidirectional model's ``sliding_window`` as ``(w - 1) * 2`` and attends where
+    ``|q - k| < w`` (Gemma3TextConfig: ``w = sliding_window // 2 + 1``): ruvllm's window is that ``w``."""
+    if not c.get("use_bidirectional_attention"):
+        return windows
+    return tuple(w // 2 + 1 if w else 0 for w in windows)
+
+
 def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> ModelConfig:
     """A :class:`ModelConfig` from a Hugging Face ``config.json`` (transformers v4 or v5 layout)."""
     fam = family_of_hf(str(c.get("model_type", "")), where)
+    if fam.layout == "bert":
+        from ruvllm.architectures.encoder_config import bert_config
+
+        return bert_config(c, fam, where)
     if c.get("quantization_config"):
         method = c["quantization_config"].get("quant_method", "?")
         _refuse(where, "quantization_config", method, "(pre-quantized HF checkpoints) is not supported")
@@ -177,7 +189,7 @@ def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> Model
     for key in (
         "attn_logit_softcapping",
         "mlp_bias",
-        "use_bidirectional_attention",
+        *(() if fam.bidirectional_attention else ("use_bidirectional_attention",)),
         "embedding_multiplier",
         "logits_scaling",
         "residual_multiplier",
@@ -223,12 +235,13 @@ def config_from_hf(c: Mapping[str, Any], where: str, has_lm_head: bool) -> Model
         output_norms=fam.output_norms,
         embedding_scale=math.sqrt(hidden) if fam.scale_embeddings else 1.0,
         query_scale=float(qps) ** -0.5 if qps else None,
-        layer_windows=_hf_windows(c, fam, layers, where),
+        layer_windows=_bidirectional_windows(_hf_windows(c, fam, layers, where), c),
         rope=rope,
         rope_local=rope_local,
         final_logit_softcap=float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None,
         o_proj_bias=fam.o_proj_bias,
         attention_sinks=fam.attention_sinks,
+        bidirectional=bool(c.get("use_bidirectional_attention", False)),
         **_swiglu(c, fam, where),
         **_hf_experts(c, fam, where),
     )

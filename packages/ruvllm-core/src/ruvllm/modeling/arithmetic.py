@@ -36,6 +36,8 @@ class Primitives:
     #: A tracing compiler (MLX's ``mx.compile``) :func:`decoder_layer` runs its elementwise chains
     #: through (RMSNorm, RoPE, the gated activation: each one fused call); None: run as written.
     compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    #: The error function (exact GELU: BERT's); None: SciPy's for NumPy arrays.
+    erf: Callable[[Any], Any] | None = None
 
 
 def _np_sigmoid(g: Any) -> Any:
@@ -58,12 +60,13 @@ def register_primitives(
     rsqrt: Callable[[Any], Any],
     mean_square: Callable[[Any], Any] | None = None,
     compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    erf: Callable[[Any], Any] | None = None,
 ) -> None:
     """Use ``sigmoid``, ``rsqrt`` and ``mean_square`` (the mean of ``x * x`` over the last axis, kept;
     default the library's mean of the squares) for arrays of the array module ``xp`` (e.g.
     ``jax.numpy``), and ``compile`` for :func:`decoder_layer`'s elementwise chains (a library that
     runs operation by operation, as MLX does, gains by fusing them)."""
-    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, mean_square, compile)
+    _PRIMITIVES[xp.__name__] = Primitives(sigmoid, rsqrt, mean_square, compile, erf)
 
 
 def primitives(xp: Any) -> Primitives:
