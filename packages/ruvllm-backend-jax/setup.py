@@ -24,7 +24,7 @@ from setuptools.command.build_ext import build_ext
 NATIVE = Path("src/ruvllm_jax/native")
 KERNELS = runpy.run_path(str(NATIVE / "variants.py"))
 #: Compiled once, for the architecture's baseline.
-BASELINE_SOURCES = ("cpu_ffi.cc", "cpu_isa.cc", "cpu_pool.cc")
+BASELINE_SOURCES = ("cpu_ffi.cc", "cpu_isa.cc", "cpu_pool.cc", "cpu_repack.cc")
 
 
 def _ffi_include_dir() -> str:

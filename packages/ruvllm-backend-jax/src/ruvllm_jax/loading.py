@@ -27,6 +27,7 @@ from ruvllm_jax.gguf_blocks import (
 from ruvllm_jax.host_memory import drop_file_pages
 from ruvllm_jax.model import ModelSpec, Weights
 from ruvllm_jax.quant import ROW_FIELDS, QuantArray, quantize, quantize_int8, quantize_w8a8, quantize_wxa8, to_panels
+from ruvllm_jax.repack import NATIVE_REPACK_TYPES, native_repack_applies, repack_kquant
 
 log = structlog.get_logger("ruvllm_jax.loading")
 
@@ -164,7 +165,35 @@ class WeightLoader:
             return quantize_wxa8(w, 4)
         return quantize(w, self.quantization)
 
+    def _native_bits(self, names: list[str]) -> int | None:
+        """The code width :func:`~ruvllm_jax.repack.repack_kquant` gives the matrices ``names`` (one
+        weight's layers) in their common form, or None where it does not take them all (another load
+        form, a type or shape it does not repack): the widest of their types' own widths, as
+        :func:`common_format` widens them."""
+        if self.quantization != "w4a8" or self.keep_gguf_blocks or self.ckpt.format != "gguf":
+            return None
+        raws = [self.ckpt.raw_tensor(n) for n in names]
+        if any(r.ggml_type not in NATIVE_REPACK_TYPES for r in raws):
+            return None
+        bits = max(NATIVE_REPACK_TYPES[r.ggml_type][1] for r in raws)
+        return bits if all(native_repack_applies(r.ggml_type, r.shape, bits) for r in raws) else None
+
+    def _repacked(self, name: str, bits: int) -> QuantArray:
+        """``name``'s GGUF blocks in the kernels' panel form with ``bits``-wide codes, repacked natively
+        (the bytes :meth:`_direct`, :func:`common_format` and :func:`to_panels` give)."""
+        raw = self.ckpt.raw_tensor(name)
+        try:
+            out = repack_kquant(raw.ggml_type, raw.data, raw.shape, bits)
+        except (ModelFormatError, BackendError) as exc:
+            raise type(exc)(f"{self.ckpt.path}: tensor {name}: {exc}") from None
+        if self.release_file_pages:
+            drop_file_pages(raw.data, self.ckpt.mapping())
+        return out
+
     def embedding(self, name: str):
+        bits = self._native_bits([name])
+        if bits is not None:
+            return self._repacked(name, bits)
         direct = self._direct(name)
         if direct is not None:
             return to_panels(direct)
@@ -265,7 +294,8 @@ class WeightLoader:
         if missing:
             raise ModelFormatError(f"{self.ckpt.path}: tensor {missing[0]!r} is missing")
         reps: dict[str, QuantArray] = {}  # one matrix per GGUF type among the layers, where they differ
-        if self.ckpt.format == "gguf":
+        bits = self._native_bits(names)
+        if self.ckpt.format == "gguf" and bits is None:
             kinds = {self.ckpt.raw_tensor(n).ggml_type: n for n in reversed(names)}
             if len(kinds) > 1:
                 # In their common form already, so that bringing each layer to it converts that layer
@@ -276,7 +306,7 @@ class WeightLoader:
         first: QuantArray | np.ndarray | None = None
         out: dict[str, np.ndarray] = {}
         for i, name in enumerate(names):
-            m = self.matrix(name)
+            m = self.matrix(name) if bits is None else self._repacked(name, bits)
             if isinstance(m, QuantArray):
                 if reps:
                     m = common_format([m, *reps.values()])[0]

@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 #: kernels' vector loads, and each array's pages are its own.
 ALIGN = 4096
 #: Modules whose code decides the repacked bytes (their digest is part of the key).
-_CODE = ("loading.py", "gguf_blocks.py", "quant.py", "weight_cache.py")
+_CODE = ("loading.py", "gguf_blocks.py", "quant.py", "repack.py", "native/cpu_repack.cc", "weight_cache.py")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -208,6 +208,12 @@ def available() -> bool:
     return "lib" in _state
 
 
+def library() -> ctypes.CDLL:
+    """The loaded native library (its plain C entry points, such as the load-time repack); raises
+    :class:`RuntimeError` when the kernels are not available."""
+    return _lib()
+
+
 def _lib() -> ctypes.CDLL:
     if not available():
         raise RuntimeError(f"ruvllm native CPU kernels are not available: {unavailable_reason()}")
