@@ -39,6 +39,7 @@ TEST_DEPS = [
     "peft>=0.13",  # the reference for LoRA adapters
     "torch==2.13.0",  # the CPU build; HF transformers runs on it as the reference
     "transformers>=4.46",
+    "sentence-transformers>=5.0",  # the reference for embedding and cross-encoder models (issue 58)
     "accelerate>=1.0",  # transformers needs it to load GGUF files
     "openai>=1.66",  # client.responses (create, stream, parse)
     "openai-agents>=0.24",  # an agent with a function tool against the server (tests/test_server_agents.py)

@@ -1,0 +1,137 @@
+"""Embedding and cross-encoder models on both backends against sentence-transformers on the same tiny
+random folders: BERT (mean and CLS pooling), Gemma-3 with bidirectional attention (two Dense layers,
+prompts), a Qwen3 decoder pooled at its last token, and a BERT cross-encoder."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _embedding_fixtures import (
+    SENTENCES,
+    write_bert_embedder,
+    write_cross_encoder,
+    write_gemma_embedder,
+    write_qwen3_embedder,
+)
+
+pytest.importorskip("sentence_transformers")
+
+BACKENDS = ["candle-compat", "jax"]
+#: float32 on both sides; BERT and Gemma sum a few hundred products per value.
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embedders")
+    return {
+        "bert": write_bert_embedder(root / "bert"),
+        "bert-cls": write_bert_embedder(root / "bert-cls", pooling="cls"),
+        "gemma": write_gemma_embedder(root / "gemma"),
+        "qwen3": write_qwen3_embedder(root / "qwen3"),
+        "cross": write_cross_encoder(root / "cross"),
+    }
+
+
+def _st(path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["bert", "bert-cls", "gemma", "qwen3"])
+def test_embeddings_equal_sentence_transformers(folders, name, backend) -> None:
+    from ruvllm.embedding import load_embedding_model
+
+    model = load_embedding_model(str(folders[name]), backend=backend)
+    ref = _st(folders[name]).encode(SENTENCES, batch_size=3)
+    got = model.embed(SENTENCES)
+    assert got.shape == ref.shape == (len(SENTENCES), model.dimensions)
+    np.testing.assert_allclose(got, ref, atol=ATOL)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompts_and_matryoshka(folders, backend) -> None:
+    """A named prompt is the text sentence-transformers puts first; Matryoshka keeps the first
+    dimensions and renormalises (sentence-transformers' truncate_dim, then unit length)."""
+    from ruvllm.embedding import load_embedding_model
+    from ruvllm.errors import RequestError
+
+    st = _st(folders["gemma"])
+    model = load_embedding_model(str(folders["gemma"]), backend=backend, matryoshka_dimensions=[16, 8])
+    for prompt in ("query", "document"):
+        np.testing.assert_allclose(
+            model.embed(SENTENCES, prompt_name=prompt), st.encode(SENTENCES, prompt_name=prompt), atol=ATOL
+        )
+    assert not np.allclose(model.embed(SENTENCES[:2], prompt_name="query"), model.embed(SENTENCES[:2]), atol=1e-3)
+    ref = st.encode(SENTENCES, truncate_dim=8, normalize_embeddings=True)
+    np.testing.assert_allclose(model.embed(SENTENCES, dimensions=8), ref, atol=ATOL)
+    with pytest.raises(RequestError, match="accepted: 24, 16, 8") as info:
+        model.embed(SENTENCES, dimensions=12)
+    assert info.value.param == "dimensions"
+    with pytest.raises(RequestError, match=r"unknown prompt_name 'passage'.*query, document"):
+        model.embed(SENTENCES, prompt_name="passage")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_encoder_scores_equal_crossencoder_predict(folders, backend) -> None:
+    from sentence_transformers import CrossEncoder
+
+    from ruvllm.embedding import load_embedding_model
+
+    pairs = [(SENTENCES[i], SENTENCES[j]) for i, j in ((0, 1), (2, 4), (3, 3), (5, 6), (7, 0))]
+    ref = CrossEncoder(str(folders["cross"]), device="cpu").predict(pairs)
+    model = load_embedding_model(str(folders["cross"]), backend=backend)
+    assert model.kind == "cross-encoder"
+    got = model.score_pairs(pairs)
+    np.testing.assert_allclose(got, ref, atol=ATOL)
+    assert np.ptp(ref) > 1e-4  # the pairs score differently, so the comparison has something to see
+
+
+def test_over_length_input_is_refused_or_truncated_as_asked(folders) -> None:
+    from ruvllm.embedding import load_embedding_model
+    from ruvllm.errors import RequestError
+
+    model = load_embedding_model(str(folders["bert"]), backend="candle-compat")
+    long = " ".join(["the quick brown fox"] * 20)  # 80 words: over the folder's max_seq_length of 32
+    with pytest.raises(RequestError, match="more than this model's 32"):
+        model.embed([long])
+    ref = _st(folders["bert"]).encode([long])  # sentence-transformers truncates to max_seq_length
+    np.testing.assert_allclose(model.embed([long], truncate=True), ref, atol=ATOL)
+    with pytest.raises(RequestError, match="token id 999"):
+        model.check_ids([[2, 999, 3]])
+    with pytest.raises(RequestError, match="empty string"):
+        model.embed(["ok", ""])
+
+
+def test_what_is_not_implemented_is_refused_by_name(folders, tmp_path) -> None:
+    import shutil
+
+    from ruvllm.embedding import load_embedding_model
+    from ruvllm.errors import BackendError, ModelFormatError
+    from ruvllm.runtime import load_model
+
+    with pytest.raises(BackendError, match="'mlx' does not run encoder models"):
+        load_embedding_model(str(folders["bert"]), backend="mlx")
+    with pytest.raises(BackendError, match=r"encoder model .*cannot generate text"):
+        load_model(str(folders["gemma"]), backend="candle-compat")
+    edited = shutil.copytree(folders["bert"], tmp_path / "edited")
+    pooling = json.loads((edited / "1_Pooling" / "config.json").read_text())
+    (edited / "1_Pooling" / "config.json").write_text(json.dumps({**pooling, "include_prompt": False}))
+    with pytest.raises(ModelFormatError, match="include_prompt=False"):
+        load_embedding_model(str(edited), backend="candle-compat")
+    modules = json.loads((edited / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    (edited / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelFormatError, match=r"'sentence_transformers\.models\.LayerNorm' is not implemented"):
+        load_embedding_model(str(edited), backend="candle-compat")
+    cfg = json.loads((folders["bert"] / "config.json").read_text())
+    shutil.rmtree(edited)
+    edited = shutil.copytree(folders["bert"], tmp_path / "edited2")
+    (edited / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "relative_key"}))
+    with pytest.raises(ModelFormatError, match="position_embedding_type='relative_key'"):
+        load_embedding_model(str(edited), backend="candle-compat")
