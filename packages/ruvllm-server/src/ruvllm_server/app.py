@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ruvllm.plugins import load_plugins
 from ruvllm_server import __version__
+from ruvllm_server.anthropic.routes import ANTHROPIC_ROUTES
 from ruvllm_server.errors import APIError, bad_request, handle_exception, model_not_found
 from ruvllm_server.generation import (
     ChatJob,
@@ -312,7 +313,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
         cors = CORSConfig(
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Api-Key", "Anthropic-Version"],
             expose_headers=["X-Request-ID", "Retry-After"],
             max_age=600,
         )
@@ -320,6 +321,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
         chat_completions,
         completions,
         *RESPONSES_ROUTES,
+        *ANTHROPIC_ROUTES,
         embeddings,
         list_models,
         retrieve_model,

@@ -1,5 +1,7 @@
-"""Every error leaves the server in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
-domain errors are mapped to HTTP statuses here and nowhere else."""
+"""Every error leaves the server in its dialect's shape: OpenAI's ``{"error": {"message", "type",
+"param", "code"}}``, Anthropic's ``{"type": "error", "error": {"type", "message"}, "request_id"}``
+under ``/v1/messages``, Ollama's ``{"error": "message"}`` under ``/api/``. Domain errors are mapped
+to HTTP statuses here and nowhere else."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from ruvllm.engine import EngineDeadError
 from ruvllm.errors import RequestError, RuvllmError
+from ruvllm_server.anthropic.wire import ErrorDetail, ErrorEvent
 from ruvllm_server.schemas import ErrorBody, ErrorResponse, encode_json
 
 if TYPE_CHECKING:
@@ -29,6 +32,19 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+}
+
+
+#: Anthropic's error ``type`` by HTTP status (``invalid_request_error`` for other 4xx).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
 }
 
 
@@ -60,6 +76,17 @@ class APIError(Exception):
     def encode(self) -> bytes:
         return encode_json(self.body)
 
+    def anthropic(self, request_id: str | None = None) -> ErrorEvent:
+        """Anthropic's shape: no ``param`` field, so the message starts with the field it names."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        message = self.message.removesuffix(f" (at {self.param})")
+        message = f"{self.param}: {message}" if self.param else message
+        return ErrorEvent(ErrorDetail(kind, message), request_id)
+
+    def ollama(self) -> dict[str, str]:
+        """Ollama's shape: the message alone (the status says the rest)."""
+        return {"error": self.message}
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
@@ -69,8 +96,21 @@ def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
 
 
-def _response(err: APIError) -> Response[bytes]:
-    return Response(err.encode(), status_code=err.status, media_type=MediaType.JSON, headers=err.headers)
+#: Path prefixes of the dialects whose errors are not OpenAI's.
+ANTHROPIC_PATHS = "/v1/messages"
+OLLAMA_PATHS = "/api/"
+
+
+def _response(err: APIError, request: Request | None = None) -> Response[bytes]:
+    path = request.url.path if request is not None else ""
+    if path.startswith(ANTHROPIC_PATHS):
+        assert request is not None
+        body = encode_json(err.anthropic(request.scope.get("state", {}).get("request_id")))
+    elif path.startswith(OLLAMA_PATHS):
+        body = encode_json(err.ollama())
+    else:
+        body = err.encode()
+    return Response(body, status_code=err.status, media_type=MediaType.JSON, headers=err.headers)
 
 
 def _from_validation(exc: ValidationException) -> APIError:
@@ -112,4 +152,4 @@ def handle_exception(request: Request, exc: Exception) -> Response[bytes]:
     else:
         log.exception("unhandled error", path=request.url.path)
         err = APIError(500, "internal server error (logged)", code="internal_error")
-    return _response(err)
+    return _response(err, request)

@@ -31,7 +31,9 @@ access_log = structlog.get_logger("ruvllm.server.access")
 #: Probes stay open with authentication on.
 OPEN_PATHS = frozenset({"/health", "/ready"})
 #: POST routes that take an admission slot.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/messages"}
+)
 #: Routes that need the model loaded.
 MODEL_PATH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -106,9 +108,12 @@ def _authenticate(scope: Scope, keys: list[str]) -> str:
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
+        # Anthropic's clients send the key as x-api-key.
+        token = (_header(scope, b"x-api-key") or "").strip()
+    if not token:
         raise APIError(
             401,
-            "missing API key: send it as 'Authorization: Bearer KEY'",
+            "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )

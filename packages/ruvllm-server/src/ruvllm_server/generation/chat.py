@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ruvllm.engine.types import ChoiceDelta
+from ruvllm.structured import StructuredOutput
 from ruvllm_server.errors import bad_request
 from ruvllm_server.generation.chat_tools import (
     ChoiceTools,
@@ -50,6 +51,8 @@ class ChatJob:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolSetup | None = None
     named_call_id: str = field(default_factory=lambda: ToolCall("x", "{}").id)
+    #: Per choice, the stop string or stop token id that ended it (None: another reason), once it ended.
+    stop_reasons: dict[int, str | int | None] = field(default_factory=dict)
 
     @property
     def parser(self) -> ToolParser | None:
@@ -60,14 +63,7 @@ class ChatJob:
         adapter = check_model(self.state, req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-        self.tools = setup = tool_setup(req)
-        structured = None
-        template_kw: dict[str, Any] = {}
-        reads_tools = template_knows_tools(self.state.tokenizer.chat_template)
-        messages = message_dicts(req.messages, reads_tools)
-        if setup is not None:
-            messages, template_kw, structured = tool_prompt(setup, req, reads_tools, messages)
-        prompt = encode_chat(self.state, messages, req.add_generation_prompt, **template_kw)
+        prompt, structured = self.render()
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = build_sampling(
             self.state,
@@ -78,6 +74,7 @@ class ChatJob:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             structured=structured,
         )
+        setup = self.tools
         # Harmony's markup (the gpt_oss parsers) is special tokens: keep them in the text for the parsers.
         rp, tp = self.state.reasoning_parser, self.parser
         if (rp is not None and rp.keeps_special_tokens) or (
@@ -86,6 +83,19 @@ class ChatJob:
             params.skip_special_tokens = False
         request = engine_request(prompt, params, self.id, req.user, self.api_key_id, adapter, req.speculative)
         return Run(self.state, [request])
+
+    def render(self) -> tuple[list[int], StructuredOutput | None]:
+        """The prompt's token ids as the run will have them (the tools and their instructions in
+        it), and the output constraint a forced tool call brings."""
+        req = self.req
+        self.tools = setup = tool_setup(req)
+        structured = None
+        template_kw: dict[str, Any] = {}
+        reads_tools = template_knows_tools(self.state.tokenizer.chat_template)
+        messages = message_dicts(req.messages, reads_tools)
+        if setup is not None:
+            messages, template_kw, structured = tool_prompt(setup, req, reads_tools, messages)
+        return encode_chat(self.state, messages, req.add_generation_prompt, **template_kw), structured
 
     async def complete(self, run: Run) -> ChatCompletion:
         acc: dict[int, ChoiceAccumulator] = {i: ChoiceAccumulator() for i in range(run.requests[0].sampling.n)}
@@ -98,6 +108,7 @@ class ChatJob:
                     a.logprobs.extend(d.logprobs)
                 if d.finish_reason:
                     a.finish_reason = d.finish_reason
+                    self.stop_reasons[d.index] = d.stop_reason
         want_logprobs = bool(self.req.logprobs)
         choices = []
         for i, a in sorted(acc.items()):
@@ -153,6 +164,8 @@ class ChatJob:
                 events: list[bytes] = []
                 for _, out in batch:
                     for d in out.deltas:
+                        if d.finish_reason:
+                            self.stop_reasons[d.index] = d.stop_reason
                         if plain and d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                             event = content_events.get(d.index)
                             if event is None:
