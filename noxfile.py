@@ -44,6 +44,8 @@ TEST_DEPS = [
     "openai>=1.66",  # client.responses (create, stream, parse)
     "openai-agents>=0.24",  # an agent with a function tool against the server (tests/test_server_agents.py)
     "lm-eval[api]>=0.4.13",  # local-completions against the server (tests/test_lm_eval.py)
+    "anthropic>=0.70",  # /v1/messages through the Anthropic SDK (tests/test_server_anthropic.py)
+    "ollama>=0.6",  # /api/* through the Ollama Python client (tests/test_server_ollama.py)
     "httpx>=0.27",
     "ray[serve]>=2.50",  # the server's optional extra: replicas on Ray Serve (tests/test_ray_serve.py)
 ]
