@@ -25,7 +25,7 @@ from litestar.types import Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ruvllm.plugins import load_plugins
-from ruvllm_server import __version__
+from ruvllm_server import __version__, pooling
 from ruvllm_server.anthropic.routes import ANTHROPIC_ROUTES
 from ruvllm_server.errors import APIError, bad_request, handle_exception, model_not_found
 from ruvllm_server.generation import (
@@ -110,6 +110,8 @@ async def completions(
 @post("/v1/embeddings", status_code=200, summary="Embeddings: mean-pooled final hidden states", tags=["openai"])
 async def embeddings(request: Request, data: Annotated[EmbeddingRequest, Body()]) -> EmbeddingList:
     state = _state(request)
+    if state.pooling is not None:  # an embedding model's own pipeline
+        return await pooling.embeddings(request, data)
     check_model(state, data.model)
     embedder = state.embedder
     assert embedder is not None
@@ -323,6 +325,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
         *RESPONSES_ROUTES,
         *ANTHROPIC_ROUTES,
         embeddings,
+        *pooling.POOLING_ROUTES,
         list_models,
         retrieve_model,
         tokenize,
@@ -335,7 +338,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
     if settings.enable_lora_runtime_updates:
         handlers += [load_lora_adapter, unload_lora_adapter]
     # Routes plugins add (SONA's feedback and stats when its options enable it).
-    host = model.host if model is not None else load_plugins()
+    host = getattr(model, "host", None) or load_plugins()  # (an embedding model carries none)
     options = settings.effective_plugin_options
     check_plugin_options(host, options)
     context = RouteContext(options, _user, model=lambda: state.model)

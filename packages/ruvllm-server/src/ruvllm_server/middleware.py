@@ -33,6 +33,7 @@ OPEN_PATHS = frozenset({"/health", "/ready"})
 #: POST routes that take an admission slot.
 GENERATION_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/messages"}
+    | {"/v1/rerank", "/v1/score", "/rerank", "/score"}
 )
 #: Routes that need the model loaded.
 MODEL_PATH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -155,6 +156,11 @@ def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
                 )
         if path.startswith(MODEL_PATH_PREFIXES) and not state.ready:
             raise APIError(503, state.not_ready_reason, code="not_ready", headers={"Retry-After": "5"})
+        if state.pooling is not None and path.startswith(MODEL_PATH_PREFIXES) and not path.startswith("/v1/models"):
+            from ruvllm_server.pooling import POOLING_PATHS, not_generative
+
+            if path not in POOLING_PATHS:
+                raise not_generative(state.pooling.model, path)
         if scope.get("method") == "POST" and path in GENERATION_PATHS:
             try:
                 async with state.admission.slot():

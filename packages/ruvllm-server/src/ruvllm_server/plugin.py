@@ -62,6 +62,14 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot before 503 (default 512)")
     p.add_argument("--max-context", type=int, default=None, help="prompt + completion tokens (default: the model's)")
     p.add_argument(
+        "--matryoshka-dimensions", type=lambda v: [int(x) for x in v.split(",")], default=None,
+        help="an embedding model's Matryoshka sizes `dimensions` may ask for, e.g. 512,256,128 (EmbeddingGemma's card)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-embedding-inputs", type=int, default=None,
+        help="inputs one /v1/embeddings, /v1/rerank or /v1/score request may carry (default 2048)",
+    )  # fmt: skip
+    p.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -75,7 +83,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
-        help=f"KV cache memory budget, e.g. 2GiB (default: {DEFAULT_KV_RULE})",
+        help="KV cache memory budget, e.g. 2GiB (default: %s)" % DEFAULT_KV_RULE.replace("%", "%%"),
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(
@@ -252,6 +260,8 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "max_concurrent": args.max_concurrent,
         "max_queue": args.max_queue,
         "max_context": args.max_context,
+        "matryoshka_dimensions": args.matryoshka_dimensions,
+        "max_embedding_inputs": args.max_embedding_inputs,
         "api_keys": args.api_keys,
         "cors_origins": args.cors_origins,
         "rate_limit": args.rate_limit,

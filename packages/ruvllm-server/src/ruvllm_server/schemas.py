@@ -311,6 +311,11 @@ class EmbeddingRequest(Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: PositiveInt | None = None
     user: str | None = None
+    #: An embedding model's: -1 cuts each input to the model's limit, k > 0 to k tokens; absent, a
+    #: longer input is a 400 naming the limit (vLLM's name).
+    truncate_prompt_tokens: int | None = None
+    #: An embedding model's prompt by name (``config_sentence_transformers.json``: ``query``, ``document``...).
+    prompt_name: str | None = None
 
 
 class EmbeddingData(Struct):

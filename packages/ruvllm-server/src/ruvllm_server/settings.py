@@ -68,6 +68,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_n: Positive = 16
     #: Longest input of /v1/embeddings, in tokens (its private KV allocation is this long).
     embedding_max_tokens: Positive = 512
+    #: An embedding or cross-encoder model's: inputs one request may carry (OpenAI's limit is 2048).
+    max_embedding_inputs: Positive = 2048
+    #: An embedding model's Matryoshka sizes besides its full one (what ``dimensions`` may ask), when its
+    #: config.json does not list them (``matryoshka_dimensions``): EmbeddingGemma's card gives 512,256,128.
+    matryoshka_dimensions: list[int] = []
     block_size: Positive = 16
     num_kv_blocks: Positive | None = None
     #: Memory budget of the KV cache (``2GiB``, ``512MiB``, or bytes) when ``num_kv_blocks`` is not

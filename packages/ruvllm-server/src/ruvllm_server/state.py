@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ruvllm.runtime import LoadedModel
     from ruvllm.tokenizer import Tokenizer
     from ruvllm_server.embeddings import Embedder
+    from ruvllm_server.pooling import PoolingService
     from ruvllm_server.reasoning import ReasoningParser
     from ruvllm_server.tools import ToolParser
 
@@ -36,6 +37,10 @@ def load_model(settings: ServerSettings) -> LoadedModel:
 
     if not settings.model:
         raise ServerConfigError("no model given: pass MODEL to `ruvllm serve` or set RUVLLM_MODEL")
+    from ruvllm_server.pooling import load_pooling_model, serves_pooling
+
+    if serves_pooling(settings):  # an embedding or cross-encoder folder: no engine, no KV cache
+        return load_pooling_model(settings)  # type: ignore[return-value]
     extra: dict[str, object] = dict(settings.backend_options)
     if settings.threads is not None:
         extra["threads"] = settings.threads
@@ -192,6 +197,9 @@ class ServerState:
             TokenBucketLimiter(settings.rate_limit, settings.rate_limit_burst) if settings.rate_limit > 0 else None
         )
         self.model: LoadedModel | None = model
+        #: An embedding or cross-encoder model's service (then ``model`` and ``engine`` stay None).
+        self.pooling: PoolingService | None = None
+        self._adopt_pooling()
         self.engine: AsyncEngine | None = None
         self.embedder: Embedder | None = None
         self.max_context = 0
@@ -222,9 +230,32 @@ class ServerState:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
+    def _adopt_pooling(self) -> None:
+        from ruvllm.embedding import EmbeddingModel
+
+        if isinstance(self.model, EmbeddingModel):
+            from ruvllm_server.pooling import PoolingService
+
+            self.pooling = PoolingService(self.model, self.settings)
+            self.model = None
+
+    def _start_pooling(self) -> None:
+        assert self.pooling is not None
+        self.pooling.start()
+        m = self.pooling.model
+        self.max_context = m.max_tokens
+        self.ready = True
+        log.info(
+            "model ready", model=self.model_name, kind=m.kind, backend=m.encoder.backend.name,
+            max_tokens=m.max_tokens, dimensions=m.dimensions,
+        )  # fmt: skip
+
     async def start(self) -> None:
         """Start the engine; when no model was handed in, load it in the background so /health
         answers at once and /ready turns 200 when loading is done."""
+        if self.pooling is not None:
+            self._start_pooling()
+            return
         if self.model is not None and not self.start_in_background:
             await self._start_engine()
         else:
@@ -232,8 +263,12 @@ class ServerState:
 
     async def _load_then_start(self) -> None:
         try:
-            if self.model is None:
+            if self.model is None and self.pooling is None:
                 self.model = await anyio.to_thread.run_sync(load_model, self.settings)
+                self._adopt_pooling()
+            if self.pooling is not None:
+                self._start_pooling()
+                return
             await self._start_engine()
         except Exception as exc:  # any failure to load is reported by /ready, never left at "loading"
             self.load_error = str(exc) if isinstance(exc, RuvllmError) else f"{type(exc).__name__}: {exc}"
@@ -350,6 +385,8 @@ class ServerState:
         self.ready = False
         if self._loader is not None and not self._loader.done():
             self._loader.cancel()
+        if self.pooling is not None:
+            await self.pooling.stop()
         if self.engine is not None:
             try:
                 with anyio.fail_after(self.settings.drain_timeout):

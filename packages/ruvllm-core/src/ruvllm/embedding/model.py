@@ -128,6 +128,11 @@ class EmbeddingModel:
             raise RequestError(f"unknown prompt_name {name!r} (this model's prompts: {known})", param="prompt_name")
         return self.pipeline.prompts[name]
 
+    def role_prompt(self, role: str) -> str | None:
+        """The prompt sentence-transformers' ``encode_query`` / ``encode_document`` use: the model's
+        prompt named ``query`` or ``document`` where it has one, else its default."""
+        return role if role in self.pipeline.prompts else None
+
     def _text(self, text: str, i: int, param: str) -> str:
         if not isinstance(text, str):
             raise RequestError(f"input {i} is a {type(text).__name__}, not a string", param=param)
@@ -141,36 +146,53 @@ class EmbeddingModel:
             param=param,
         )
 
+    def _limit(self, truncate: bool | int | None) -> int | None:
+        """Tokens an input is cut to: None (longer ones are refused), the model's limit (``True`` or
+        -1), or ``truncate`` tokens when fewer."""
+        if truncate is None or truncate is False:
+            return None
+        if truncate is True or truncate < 0 or truncate > self.max_tokens:
+            return self.max_tokens
+        if truncate == 0:
+            raise RequestError(
+                "truncate_prompt_tokens must be -1 (the model's limit) or at least 1", param="truncate_prompt_tokens"
+            )
+        return int(truncate)
+
+    def _encode(self, items: list[Any], truncate: bool | int | None, param: str) -> list[Any]:
+        limit = self._limit(truncate)
+        with self._tok_lock:
+            enc = self._tokenizer.encode_batch(items)
+            bound = self.max_tokens if limit is None else limit
+            over = [i for i, e in enumerate(enc) if len(e.ids) > bound]
+            if over and limit is None:
+                raise self._over(over[0], len(enc[over[0]].ids), param)
+            if over:
+                self._truncating.enable_truncation(bound)
+                for i, e in zip(over, self._truncating.encode_batch([items[i] for i in over]), strict=True):
+                    enc[i] = e
+        return enc
+
     def tokenize(
-        self, texts: Sequence[str], *, prompt: str = "", truncate: bool = False, param: str = "input"
+        self, texts: Sequence[str], *, prompt: str = "", truncate: bool | int | None = False, param: str = "input"
     ) -> Encoded:
         """Texts (``prompt`` before each) as token ids with the model's special tokens."""
         full = [prompt + self._text(t, i, param) for i, t in enumerate(texts)]
-        with self._tok_lock:
-            ids = [e.ids for e in self._tokenizer.encode_batch(full)]
-            over = [i for i, t in enumerate(ids) if len(t) > self.max_tokens]
-            if over and not truncate:
-                raise self._over(over[0], len(ids[over[0]]), param)
-            for i, e in zip(over, self._truncating.encode_batch([full[i] for i in over]), strict=True):
-                ids[i] = e.ids
-        return Encoded(ids)
+        return Encoded([e.ids for e in self._encode(full, truncate, param)])
 
     def tokenize_pairs(
-        self, pairs: Sequence[tuple[str, str]], *, truncate: bool = False, param: str = "input"
+        self, pairs: Sequence[tuple[str, str]], *, truncate: bool | int | None = False, param: str = "input"
     ) -> Encoded:
         """Sentence pairs as one sequence each, with token types (a cross-encoder's input)."""
         texts = [(self._text(a, i, param), self._text(b, i, param)) for i, (a, b) in enumerate(pairs)]
-        with self._tok_lock:
-            enc = self._tokenizer.encode_batch(texts)
-            over = [i for i, e in enumerate(enc) if len(e.ids) > self.max_tokens]
-            if over and not truncate:
-                raise self._over(over[0], len(enc[over[0]].ids), param)
-            for i, e in zip(over, self._truncating.encode_batch([texts[i] for i in over]), strict=True):
-                enc[i] = e
+        enc = self._encode(texts, truncate, param)
         return Encoded([e.ids for e in enc], [e.type_ids for e in enc])
 
-    def check_ids(self, token_ids: Sequence[Sequence[int]], *, truncate: bool = False, param: str = "input") -> Encoded:
+    def check_ids(
+        self, token_ids: Sequence[Sequence[int]], *, truncate: bool | int | None = False, param: str = "input"
+    ) -> Encoded:
         """Token arrays given by the caller, checked (taken as they are: no special tokens added)."""
+        limit = self._limit(truncate)
         out = []
         for i, ids in enumerate(token_ids):
             if not ids:
@@ -187,10 +209,10 @@ class EmbeddingModel:
                 raise RequestError(
                     f"input {i} has token id {bad!r}, outside 0..{self.config.vocab_size - 1}", param=param
                 )
-            if len(ids) > self.max_tokens:
-                if not truncate:
+            if len(ids) > (self.max_tokens if limit is None else limit):
+                if limit is None:
                     raise self._over(i, len(ids), param)
-                ids = ids[: self.max_tokens]
+                ids = ids[:limit]
             out.append(list(ids))
         return Encoded(out)
 
@@ -231,7 +253,7 @@ class EmbeddingModel:
         prompt_name: str | None = None,
         prompt: str | None = None,
         dimensions: int | None = None,
-        truncate: bool = False,
+        truncate: bool | int | None = False,
     ) -> np.ndarray:
         """Sentence embeddings of ``texts`` as the model's own pipeline computes them."""
         enc = self.tokenize(texts, prompt=self.prompt_text(prompt_name, prompt), truncate=truncate)
@@ -245,7 +267,7 @@ class EmbeddingModel:
         hidden = self._hidden(enc)
         return heads.classify(np.stack([h[0] for h in hidden]), head)
 
-    def score_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = False) -> np.ndarray:
+    def score_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool | int | None = False) -> np.ndarray:
         """One score per pair: a cross-encoder's (``CrossEncoder.predict``; one label's column), or an
         embedding model's cosine of the two texts' embeddings."""
         if self.pipeline.classifier is not None:
@@ -253,8 +275,8 @@ class EmbeddingModel:
             if scores.shape[1] != 1:
                 raise RequestError(f"{self.name} has {scores.shape[1]} labels; a score needs one", param="model")
             return scores[:, 0]
-        a = self.embed([p[0] for p in pairs], truncate=truncate)
-        b = self.embed([p[1] for p in pairs], truncate=truncate)
+        a = self.embed([p[0] for p in pairs], prompt_name=self.role_prompt("query"), truncate=truncate)
+        b = self.embed([p[1] for p in pairs], prompt_name=self.role_prompt("document"), truncate=truncate)
         return np.sum(heads.normalize(a) * heads.normalize(b), axis=-1)
 
 
