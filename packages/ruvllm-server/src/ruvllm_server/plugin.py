@@ -83,7 +83,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="KV cache memory budget, e.g. 2GiB (default: %s)" % DEFAULT_KV_RULE.replace("%", "%%"),
+        help=f"KV cache memory budget, e.g. 2GiB (default: {DEFAULT_KV_RULE.replace('%', '%%')})",  # argparse expands %
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences the engine batches together (default 64)")
     p.add_argument(
