@@ -135,3 +135,23 @@ def test_what_is_not_implemented_is_refused_by_name(folders, tmp_path) -> None:
     (edited / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "relative_key"}))
     with pytest.raises(ModelFormatError, match="position_embedding_type='relative_key'"):
         load_embedding_model(str(edited), backend="candle-compat")
+
+
+def test_cli_embed_writes_json_lines(folders, capsys) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from ruvllm.cli import main
+
+    assert (
+        main(["embed", str(folders["gemma"]), *SENTENCES[:3], "--prompt-name", "query", "--backend", "candle-compat"])
+        == 0
+    )
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ref = SentenceTransformer(str(folders["gemma"]), device="cpu").encode(SENTENCES[:3], prompt_name="query")
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    np.testing.assert_allclose([line["embedding"] for line in lines], ref, atol=ATOL)
+    assert main(["embed", str(folders["cross"]), SENTENCES[0], SENTENCES[1], "--backend", "candle-compat"]) == 0
+    (scored,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert scored["text"] == SENTENCES[1] and 0.0 < scored["score"] < 1.0
+    assert main(["generate", str(folders["bert"]), "hi", "--backend", "candle-compat"]) == 1
+    assert "cannot generate text" in capsys.readouterr().err

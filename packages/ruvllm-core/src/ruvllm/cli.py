@@ -499,6 +499,9 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p.add_argument("--draft-quantization", default=None, help="the draft model's quantization (default auto)")
     p.set_defaults(func=cmd_benchmark)
 
+    from ruvllm.embed_cli import add_embed_parser
+
+    add_embed_parser(sub)
     host.hook.register_commands(subparsers=sub)
     return parser
 
