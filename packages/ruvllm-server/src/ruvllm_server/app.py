@@ -39,6 +39,7 @@ from ruvllm_server.generation import (
 from ruvllm_server.generation.sse import SSE_HEADERS
 from ruvllm_server.hookspecs import RouteContext, server_hooks
 from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
+from ruvllm_server.ollama.routes import OLLAMA_ROUTES
 from ruvllm_server.request_context import request_user, track_stream
 from ruvllm_server.responses import RESPONSES_ROUTES
 from ruvllm_server.schemas import (
@@ -324,6 +325,7 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
         completions,
         *RESPONSES_ROUTES,
         *ANTHROPIC_ROUTES,
+        *OLLAMA_ROUTES,
         embeddings,
         *pooling.POOLING_ROUTES,
         list_models,

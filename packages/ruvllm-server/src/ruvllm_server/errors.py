@@ -84,8 +84,9 @@ class APIError(Exception):
         return ErrorEvent(ErrorDetail(kind, message), request_id)
 
     def ollama(self) -> dict[str, str]:
-        """Ollama's shape: the message alone (the status says the rest)."""
-        return {"error": self.message}
+        """Ollama's shape: the message alone, with the field it is about (the status says the rest)."""
+        named = self.param is None or self.status != 400 or self.message.endswith(f"(at {self.param})")
+        return {"error": self.message if named else f"{self.message} (at {self.param})"}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

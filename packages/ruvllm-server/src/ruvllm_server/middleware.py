@@ -34,9 +34,12 @@ OPEN_PATHS = frozenset({"/health", "/ready"})
 GENERATION_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/messages"}
     | {"/v1/rerank", "/v1/score", "/rerank", "/score"}
+    | {"/api/chat", "/api/generate", "/api/embed"}
 )
-#: Routes that need the model loaded.
-MODEL_PATH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+#: Routes that need the model loaded (Ollama's /api/version answers before).
+MODEL_PATH_PREFIXES = (
+    "/v1/", "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/embed", "/api/tags", "/api/ps", "/api/show"
+)  # fmt: skip
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 

@@ -1,0 +1,153 @@
+"""Ollama's handlers. Thin: a request is translated once, run by the chat, completions or
+embeddings path, and its answer translated back."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from litestar import Request, Response, get, post
+from litestar.params import Body
+from litestar.response import Stream
+
+from ruvllm.engine.types import RequestMetrics
+from ruvllm_server import __version__
+from ruvllm_server.errors import bad_request
+from ruvllm_server.generation import ChatJob, CompletionJob, Run, cancel_on_disconnect, completion_prompts
+from ruvllm_server.ollama.models import listed, running, show
+from ruvllm_server.ollama.stream import NDJSON, Parts, ndjson_lines
+from ruvllm_server.ollama.translate import (
+    Translated,
+    chat_request,
+    check_keep_alive,
+    fit_context,
+    generate_request,
+    now_iso,
+    served_name,
+)
+from ruvllm_server.ollama.wire import (
+    AssistantMessage,
+    ChatPart,
+    ChatRequest,
+    EmbedRequest,
+    EmbedResponse,
+    GeneratePart,
+    GenerateRequest,
+    Running,
+    ShowRequest,
+    ShowResponse,
+    Tags,
+    Version,
+)
+from ruvllm_server.request_context import request_user, track_stream
+from ruvllm_server.schemas import ChatCompletionRequest, EmbeddingRequest
+from ruvllm_server.state import ServerState
+
+#: Headers of an NDJSON stream (no proxy buffering, no caching).
+NDJSON_HEADERS = {"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state["ruvllm"]
+
+
+def _metrics(run: Run) -> RequestMetrics | None:
+    last = run.last.get(0)
+    return last.metrics if last is not None else None
+
+
+async def _answer(request: Request, translated: Translated, generate: bool) -> Any:
+    """Run a translated request on its path: the NDJSON stream, or the one object."""
+    state, user = _state(request), request_user(request)
+    job: ChatJob | CompletionJob
+    if isinstance(translated.chat, ChatCompletionRequest):
+        job = ChatJob(state, translated.chat, user)
+    else:
+        job = CompletionJob(state, translated.chat, user)
+    run = job.prepare()
+    fit_context(run, translated.num_ctx)
+    parts = Parts(translated, generate)
+    if translated.chat.stream:
+        await run.compile_constraint()  # a bad schema is a 400, not an error line in the stream
+        lines = ndjson_lines(job.stream(run), parts, lambda: _metrics(run))
+        return Stream(track_stream(request, lines), media_type=NDJSON, headers=NDJSON_HEADERS)
+    result = await cancel_on_disconnect(request.receive, lambda: job.complete(run))
+    if result is None:
+        return Response(b"", status_code=499)
+    return parts.answer(result, _metrics(run))
+
+
+@post("/api/chat", status_code=200, summary="Chat (Ollama's API)", tags=["ollama"])
+async def chat(request: Request, data: Annotated[ChatRequest, Body()]) -> ChatPart | Stream | Response[bytes]:
+    state = _state(request)
+    if not data.messages:  # Ollama's way to load a model: it is loaded already
+        check_keep_alive(data.keep_alive)
+        model = served_name(state, data.model)
+        return ChatPart(
+            model=model, created_at=now_iso(), message=AssistantMessage(content=""), done=True, done_reason="load"
+        )
+    return await _answer(request, chat_request(data, state), generate=False)
+
+
+@post("/api/generate", status_code=200, summary="Generate from a prompt (Ollama's API)", tags=["ollama"])
+async def generate(
+    request: Request, data: Annotated[GenerateRequest, Body()]
+) -> GeneratePart | Stream | Response[bytes]:
+    state = _state(request)
+    if not data.prompt and not data.system:
+        check_keep_alive(data.keep_alive)
+        model = served_name(state, data.model)
+        return GeneratePart(model=model, created_at=now_iso(), response="", done=True, done_reason="load")
+    return await _answer(request, generate_request(data, state), generate=True)
+
+
+@post("/api/embed", status_code=200, summary="Embeddings (Ollama's API)", tags=["ollama"])
+async def embed(request: Request, data: Annotated[EmbedRequest, Body()]) -> EmbedResponse:
+    # The OpenAI route's handler: /api/embed answers as /v1/embeddings does, whatever that runs.
+    from ruvllm_server.app import embeddings
+
+    state = _state(request)
+    started = time.monotonic()
+    check_keep_alive(data.keep_alive)
+    model = served_name(state, data.model)
+    if data.options:
+        raise bad_request("embeddings take no options", param=f"options.{next(iter(data.options))}")
+    texts = [data.input] if isinstance(data.input, str) else data.input
+    inputs: list[Any] = list(texts)
+    if data.truncate and state.embedder is not None:  # Ollama cuts what does not fit; truncate false refuses it
+        inputs = [ids[: state.embedder.max_tokens] for ids in completion_prompts(state, texts)]
+    openai = EmbeddingRequest(model=model, input=inputs, dimensions=data.dimensions)
+    result = await embeddings.fn(request, openai)
+    vectors = [d.embedding for d in sorted(result.data, key=lambda d: d.index)]
+    return EmbedResponse(
+        model=data.model,
+        embeddings=vectors,  # type: ignore[arg-type]
+        total_duration=int((time.monotonic() - started) * 1e9),
+        load_duration=0,
+        prompt_eval_count=result.usage.prompt_tokens,
+    )
+
+
+@get("/api/tags", summary="The served models (Ollama's API)", tags=["ollama"])
+async def tags(request: Request) -> Tags:
+    return Tags(listed(_state(request)))
+
+
+@get("/api/ps", summary="The loaded models (Ollama's API)", tags=["ollama"])
+async def ps(request: Request) -> Running:
+    return Running(running(_state(request)))
+
+
+@post("/api/show", status_code=200, summary="A model's details (Ollama's API)", tags=["ollama"])
+async def show_model(request: Request, data: Annotated[ShowRequest, Body()]) -> ShowResponse:
+    state = _state(request)
+    return show(state, served_name(state, data.model or data.name))
+
+
+@get("/api/version", summary="The server's version (Ollama's API)", tags=["ollama"])
+async def version() -> Version:
+    return Version(__version__)
+
+
+#: The handlers the app registers.
+OLLAMA_ROUTES = [chat, generate, embed, tags, ps, show_model, version]
