@@ -183,6 +183,28 @@ def test_embed_equals_the_openai_route(client, oai):
     assert e.value.status_code == 400 and str(EMBED_LIMIT) in e.value.error
 
 
+def test_embed_on_an_embedding_model_server(tmp_path):
+    from _embedding_fixtures import write_bert_embedder
+
+    from ruvllm.embedding import load_embedding_model
+
+    model = load_embedding_model(
+        str(write_bert_embedder(tmp_path / "bert", max_seq_length=32)), backend="candle-compat"
+    )
+    with live_server(model, served_model_name="emb") as srv:
+        client = ollama.Client(host=srv.base_url, timeout=300)
+        oai = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0)
+        texts = ["the quick brown fox", "paris is the capital city of france"]
+        r = client.embed(model="emb:latest", input=texts)
+        same = oai.embeddings.create(model="emb", input=texts)
+        assert r.embeddings == [d.embedding for d in same.data] and r.prompt_eval_count == same.usage.prompt_tokens
+        long = " ".join(["dog"] * 80)
+        assert client.embed(model="emb", input=long).prompt_eval_count == 32  # cut to the model's limit
+        with pytest.raises(ollama.ResponseError) as e:
+            client.embed(model="emb", input=long, truncate=False)
+        assert e.value.status_code == 400 and "32" in e.value.error
+
+
 def test_list_show_ps_version(server, client, smollm2_path):
     (m,) = client.list().models
     assert m.model == f"{MODEL}:latest" and m.size == smollm2_path.stat().st_size

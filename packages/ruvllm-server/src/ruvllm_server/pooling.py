@@ -46,7 +46,7 @@ log = structlog.get_logger("ruvllm.server.pooling")
 #: Inputs one encoder pass takes from the waiting requests.
 STEP_INPUTS = 256
 #: The routes an encoder model serves (with /v1/models); every other model route gets a 400.
-POOLING_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score"})
+POOLING_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score", "/api/embed"})
 
 
 def serves_pooling(settings: ServerSettings) -> bool:

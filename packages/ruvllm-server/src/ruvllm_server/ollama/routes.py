@@ -113,10 +113,16 @@ async def embed(request: Request, data: Annotated[EmbedRequest, Body()]) -> Embe
     if data.options:
         raise bad_request("embeddings take no options", param=f"options.{next(iter(data.options))}")
     texts = [data.input] if isinstance(data.input, str) else data.input
-    inputs: list[Any] = list(texts)
-    if data.truncate and state.embedder is not None:  # Ollama cuts what does not fit; truncate false refuses it
-        inputs = [ids[: state.embedder.max_tokens] for ids in completion_prompts(state, texts)]
-    openai = EmbeddingRequest(model=model, input=inputs, dimensions=data.dimensions)
+    # Ollama cuts what does not fit (truncate false refuses it): an embedding model's pipeline does
+    # it itself, the generative model's embeddings take its token ids cut to their limit.
+    if state.pooling is not None:
+        limit = -1 if data.truncate else None
+        openai = EmbeddingRequest(model=model, input=texts, dimensions=data.dimensions, truncate_prompt_tokens=limit)
+    else:
+        inputs: list[Any] = list(texts)
+        if data.truncate and state.embedder is not None:
+            inputs = [ids[: state.embedder.max_tokens] for ids in completion_prompts(state, texts)]
+        openai = EmbeddingRequest(model=model, input=inputs, dimensions=data.dimensions)
     result = await embeddings.fn(request, openai)
     vectors = [d.embedding for d in sorted(result.data, key=lambda d: d.index)]
     return EmbedResponse(

@@ -358,7 +358,7 @@ def tool_calls(calls: list[ToolCallOut] | None) -> list[ToolCall] | None:
             args = json.loads(c.function.arguments) if c.function.arguments else {}
         except json.JSONDecodeError:
             args = {}
-        out.append(ToolCall(ToolCallFunction(c.function.name, args if isinstance(args, dict) else {}, k), c.id))
+        out.append(ToolCall(ToolCallFunction(c.function.name, args if isinstance(args, dict) else {}, k), c.id or None))
     return out
 
 
