@@ -282,6 +282,18 @@ def test_a_dropped_stream_aborts_its_request(server, client):
     assert create(client, messages=ASK, max_tokens=2).content
 
 
+def test_a_client_gone_before_the_answer_aborts_its_request(server):
+    before = _finished_aborts(server)
+    body = {"model": MODEL, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a long story about a castle."}]}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/messages"), json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 60
+    while _finished_aborts(server) < before + 1:
+        assert time.monotonic() < deadline, "the engine request was not aborted"
+        time.sleep(0.2)
+
+
 # --- servers of their own: thinking, API keys -----------------------------------------------------
 
 
@@ -313,3 +325,32 @@ def test_x_api_key_authenticates_beside_bearer(smollm2_model):  # noqa: F811
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
         r = httpx.post(srv.url("/v1/messages"), json={"model": MODEL, "max_tokens": 2, "messages": ASK})
         _error(r, 401, "authentication_error", "x-api-key")
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    import asyncio
+
+    import msgspec
+
+    from ruvllm_server.anthropic.events import MessageEvents, message_events
+    from ruvllm_server.anthropic.translate import chat_request
+    from ruvllm_server.anthropic.wire import MessagesRequest
+
+    choice = {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+    chunk = {"id": "c", "created": 0, "model": MODEL, "object": "chat.completion.chunk", "choices": [choice]}
+    failure = {"error": {"message": "the engine failed", "type": "server_error", "param": None, "code": None}}
+
+    async def chat_stream():
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: " + json.dumps(failure).encode() + b"\n\ndata: [DONE]\n\n"
+
+    async def collect() -> list[bytes]:
+        request = msgspec.convert({"model": MODEL, "max_tokens": 5, "messages": ASK}, MessagesRequest)
+        events = MessageEvents(chat_request(request), "msg_1", 7)
+        return [piece async for piece in message_events(chat_stream(), events, lambda: None)]
+
+    text = b"".join(asyncio.run(collect())).decode()
+    names = [line.removeprefix("event: ") for line in text.splitlines() if line.startswith("event: ")]
+    assert names == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    last = json.loads(text.strip().splitlines()[-1].removeprefix("data: "))
+    assert last == {"type": "error", "error": {"type": "api_error", "message": "the engine failed"}}

@@ -272,3 +272,28 @@ def test_client_errors_and_a_dropped_stream(server, client):
         time.sleep(0.2)
         stats = server.state.engine.stats()
     assert client.chat(model=MODEL, messages=HELLO, options={"num_predict": 2}).eval_count == 2
+
+
+def test_a_failure_mid_stream_is_an_error_line():
+    import asyncio
+
+    from ruvllm_server.ollama.stream import Parts, ndjson_lines
+    from ruvllm_server.ollama.translate import Translated
+    from ruvllm_server.schemas import ChatCompletionRequest, ChatMessage
+
+    choice = {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+    chunk = {"id": "c", "created": 0, "model": MODEL, "object": "chat.completion.chunk", "choices": [choice]}
+    failure = {"error": {"message": "the engine failed", "type": "server_error", "param": None, "code": None}}
+
+    async def chat_stream():
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: " + json.dumps(failure).encode() + b"\n\ndata: [DONE]\n\n"
+
+    async def collect() -> list[bytes]:
+        chat = ChatCompletionRequest(model=MODEL, messages=[ChatMessage("user", "x")], stream=True)
+        parts = Parts(Translated(chat, MODEL, None, True), generate=False)
+        return [piece async for piece in ndjson_lines(chat_stream(), parts, lambda: None)]
+
+    lines = [json.loads(line) for line in b"".join(asyncio.run(collect())).splitlines()]
+    assert lines[0]["message"] == {"content": "Hi", "role": "assistant"} and lines[0]["done"] is False
+    assert lines[1:] == [{"error": "the engine failed"}]

@@ -178,8 +178,9 @@ class ErrorDetail(Struct):
     message: str
 
 
-class ErrorEvent(Struct, tag_field="type", tag="error"):
-    """An error: the body of a failed request (with ``request_id``) and a stream's ``error`` event."""
+class ErrorEvent(Struct, tag_field="type", tag="error", omit_defaults=True):
+    """An error: the body of a failed request (with ``request_id``) and a stream's ``error`` event
+    (without)."""
 
     error: ErrorDetail
     request_id: str | None = None
