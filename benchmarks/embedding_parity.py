@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,14 +42,15 @@ def main() -> None:
     args = ap.parse_args()
     from sentence_transformers import SentenceTransformer
 
-    from ruvllm.embedding import load_embedding_model
+    from ruvllm.embedding import load_embedding_model, read_pipeline
 
     texts = sentences(args.count)
     queries, docs = texts[:20], texts[20:120]
     for path in args.models:
         st = SentenceTransformer(path, device="cpu")
-        query_prompt = "query" if "query" in st.prompts else None
-        doc_prompt = "document" if "document" in st.prompts else None
+        prompts = read_pipeline(Path(path)).prompts  # the folder's own (sentence-transformers adds empty ones)
+        query_prompt = "query" if "query" in prompts else None
+        doc_prompt = "document" if "document" in prompts else None
         ref = st.encode(texts, batch_size=32, prompt_name=doc_prompt)
         ref_q = st.encode(queries, batch_size=32, prompt_name=query_prompt)
         ref_d = st.encode(docs, batch_size=32, prompt_name=doc_prompt)
