@@ -59,6 +59,15 @@ LLAMA3_NAMED_SPECIALS = {
     9: "<|eot_id|>",
     10: "<|python_tag|>",
 }
+#: Llama 3 Instruct's chat format (headers, ``<|eot_id|>`` after each turn), without its tool and date
+#: preamble: what a chat request needs to reach the model (``ruvllm serve`` answers chat requests only
+#: for a model with a template).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 #: Rows of a matrix generated and quantized at a time (a few tens of MB of float32).
 CHUNK_ROWS = 512
 
@@ -188,6 +197,8 @@ def write_gguf(path: Path, shape: DenseShape, seed: int = 0, dtype: str = "Q8_0"
     w.add_bos_token_id(bos)  # <|begin_of_text|>
     w.add_eos_token_id(bos + 1)  # <|end_of_text|> (the base model's)
     w.add_add_bos_token(True)
+    w.add_eot_token_id(bos + 9)  # <|eot_id|>: the end of a chat turn
+    w.add_chat_template(LLAMA3_CHAT_TEMPLATE)
 
     def stored(kind: str) -> gguf.GGMLQuantizationType:
         return gguf.GGMLQuantizationType.F32 if kind in ("norm", "rope_freqs") else qtype
