@@ -220,6 +220,52 @@ def test_list_show_ps_version(server, client, smollm2_path):
     assert httpx.get(server.url("/api/version")).json() == {"version": __version__}
 
 
+def _random_adapter(path, config) -> str:
+    """A rank-4 LoRA adapter on every layer's q_proj, in peft's file layout, with random factors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    out, hidden, r = config.num_heads * config.head_dim, config.hidden_size, 4
+    tensors = {}
+    for i in range(config.num_layers):
+        name = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        tensors[f"{name}.lora_A.weight"] = rng.normal(0, 0.1, (r, hidden)).astype(np.float32)
+        tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.1, (out, r)).astype(np.float32)
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+    return str(path)
+
+
+def test_every_dialect_answers_with_the_model_it_names(smollm2_model, tmp_path):  # noqa: F811
+    # Two names served: the base model and a LoRA adapter on it. Each door answers a request with the
+    # one it names, as the chat path does; an unknown name is each dialect's not-found.
+    import anthropic
+
+    adapter = _random_adapter(tmp_path / "french", smollm2_model.config)
+    with live_server(smollm2_model, lora_modules=[f"french={adapter}"]) as srv:
+        chat = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+        claude = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
+        local = ollama.Client(host=srv.base_url, timeout=300)
+        answers = {}
+        for name in (MODEL, "french"):
+            want = chat.chat.completions.create(model=name, messages=HELLO, max_tokens=10, temperature=0)
+            answers[name] = want.choices[0].message.content
+            got = claude.messages.create(model=name, max_tokens=10, messages=HELLO, extra_body={"temperature": 0})
+            assert got.content[0].text == answers[name] and got.model == name
+            assert local.chat(model=f"{name}:latest", messages=HELLO, options=GREEDY).message.content == answers[name]
+        assert answers[MODEL] != answers["french"]
+        listed = {m.model: m.details.parent_model for m in local.list().models}
+        assert listed == {f"{MODEL}:latest": "", "french:latest": f"{MODEL}:latest"}
+        with pytest.raises(anthropic.NotFoundError):
+            claude.messages.create(model="spanish", max_tokens=4, messages=HELLO)
+        with pytest.raises(ollama.ResponseError) as e:
+            local.chat(model="spanish", messages=HELLO)
+        assert e.value.status_code == 404
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 
