@@ -233,6 +233,16 @@ def _error(r: httpx.Response, status: int, kind: str, *words: str) -> None:
         ({"model": MODEL, "max_tokens": 5, "messages": ASK, "temperature": 1.5}, ["temperature"]),
         ({"model": MODEL, "max_tokens": 5, "messages": ASK, "stop_sequences": [""]}, ["stop_sequences"]),
         (
+            {
+                "model": MODEL,
+                "max_tokens": 5,
+                "messages": ASK,
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}},
+            },
+            ["output_config.format"],
+        ),
+        ({"model": MODEL, "max_tokens": 5, "messages": ASK, "output_config": {"effort": "high"}}, ["effort"]),
+        (
             {"model": MODEL, "max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 9}},
             ["thinking.budget_tokens", "max_tokens"],
         ),

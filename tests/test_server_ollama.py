@@ -266,6 +266,20 @@ def test_every_dialect_answers_with_the_model_it_names(smollm2_model, tmp_path):
         assert e.value.status_code == 404
 
 
+def test_thinking_comes_from_the_reasoning_parser(smollm2_model):  # noqa: F811
+    # deepseek_r1 reads the output as begun inside <think>: SmolLM2 never closes it, so all of it is
+    # thinking and the content is empty.
+    with live_server(smollm2_model, reasoning_parser="deepseek_r1") as srv:
+        client = ollama.Client(host=srv.base_url, timeout=300)
+        r = client.chat(model=MODEL, messages=HELLO, options=GREEDY, think=True)
+        assert r.message.thinking and r.message.content == ""
+        parts = list(client.chat(model=MODEL, messages=HELLO, options=GREEDY, think=True, stream=True))
+        assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
+        hidden = client.chat(model=MODEL, messages=HELLO, options=GREEDY, think=False)
+        assert hidden.message.thinking is None and hidden.eval_count == 10
+        assert "thinking" in client.show(MODEL).capabilities
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 

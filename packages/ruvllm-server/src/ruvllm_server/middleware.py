@@ -87,7 +87,7 @@ class RequestContextMiddleware:
                 route = scope.get("path_template") or "unmatched"
                 method = scope.get("method", "")
                 self.state.metrics.http_requests.labels(route, method, str(status or 500)).inc()
-                if scope["path"].startswith("/v1/"):
+                if scope["path"].startswith(("/v1/", "/api/")):
                     self.state.total_requests += 1
                 client = scope.get("client")
                 access_log.info(

@@ -386,7 +386,7 @@ class Health(Struct, omit_defaults=True):
     status: str
     #: Seconds since the server started.
     uptime_seconds: float
-    #: API requests (``/v1/...``) answered so far, any status.
+    #: API requests (``/v1/...``, ``/api/...``) answered so far, any status.
     total_requests: int
     #: Prompt tokens found in the prefix cache / prompt tokens looked up (0 before any).
     cache_hit_rate: float

@@ -205,7 +205,7 @@ class ServerState:
         self.max_context = 0
         self.started = int(time.time())
         self._started_monotonic = time.monotonic()
-        #: API requests (``/v1/...``) answered, any status (``/health``'s ``total_requests``).
+        #: API requests (``/v1/...``, Ollama's ``/api/...``) answered, any status (``/health``'s ``total_requests``).
         self.total_requests = 0
         self.ready = False
         self.draining = False
