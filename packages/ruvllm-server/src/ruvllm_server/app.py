@@ -7,7 +7,6 @@ startup when no loaded model is given); ``app_factory()`` builds one from the en
 
 from __future__ import annotations
 
-import base64
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,13 +26,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ruvllm.plugins import load_plugins
 from ruvllm_server import __version__, pooling
 from ruvllm_server.anthropic.routes import ANTHROPIC_ROUTES
+from ruvllm_server.embedding_api import openai_embeddings
 from ruvllm_server.errors import APIError, bad_request, handle_exception, model_not_found
 from ruvllm_server.generation import (
     ChatJob,
     CompletionJob,
     cancel_on_disconnect,
     check_model,
-    completion_prompts,
     encode_chat,
 )
 from ruvllm_server.generation.sse import SSE_HEADERS
@@ -49,10 +48,8 @@ from ruvllm_server.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingData,
     EmbeddingList,
     EmbeddingRequest,
-    EmbeddingUsage,
     Health,
     LoadLoraAdapterRequest,
     LoraAdapterStatus,
@@ -110,26 +107,7 @@ async def completions(
 
 @post("/v1/embeddings", status_code=200, summary="Embeddings: mean-pooled final hidden states", tags=["openai"])
 async def embeddings(request: Request, data: Annotated[EmbeddingRequest, Body()]) -> EmbeddingList:
-    state = _state(request)
-    if state.pooling is not None:  # an embedding model's own pipeline
-        return await pooling.embeddings(request, data)
-    check_model(state, data.model)
-    embedder = state.embedder
-    assert embedder is not None
-    if data.dimensions is not None and data.dimensions != embedder.dimensions:
-        raise bad_request(
-            f"dimensions cannot be changed: this model's embeddings have {embedder.dimensions}", param="dimensions"
-        )
-    inputs = completion_prompts(state, data.input)
-    vectors = await anyio.to_thread.run_sync(embedder.embed, inputs)
-    items = []
-    for i, v in enumerate(vectors):
-        if data.encoding_format == "base64":
-            items.append(EmbeddingData(i, base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")))
-        else:
-            items.append(EmbeddingData(i, v.tolist()))
-    tokens = sum(len(ids) for ids in inputs)
-    return EmbeddingList(items, state.model_name, EmbeddingUsage(tokens, tokens))
+    return await openai_embeddings(request, data)
 
 
 # --- models, tokenizer ------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from litestar.response import Stream
 
 from ruvllm.engine.types import RequestMetrics
 from ruvllm_server import __version__
+from ruvllm_server.embedding_api import openai_embeddings
 from ruvllm_server.errors import bad_request
 from ruvllm_server.generation import ChatJob, CompletionJob, Run, cancel_on_disconnect, completion_prompts
 from ruvllm_server.ollama.models import listed, running, show
@@ -103,9 +104,6 @@ async def generate(
 
 @post("/api/embed", status_code=200, summary="Embeddings (Ollama's API)", tags=["ollama"])
 async def embed(request: Request, data: Annotated[EmbedRequest, Body()]) -> EmbedResponse:
-    # The OpenAI route's handler: /api/embed answers as /v1/embeddings does, whatever that runs.
-    from ruvllm_server.app import embeddings
-
     state = _state(request)
     started = time.monotonic()
     check_keep_alive(data.keep_alive)
@@ -123,7 +121,7 @@ async def embed(request: Request, data: Annotated[EmbedRequest, Body()]) -> Embe
         if data.truncate and state.embedder is not None:
             inputs = [ids[: state.embedder.max_tokens] for ids in completion_prompts(state, texts)]
         openai = EmbeddingRequest(model=model, input=inputs, dimensions=data.dimensions)
-    result = await embeddings.fn(request, openai)
+    result = await openai_embeddings(request, openai)  # as /v1/embeddings answers, whatever that runs
     vectors = [d.embedding for d in sorted(result.data, key=lambda d: d.index)]
     return EmbedResponse(
         model=data.model,
