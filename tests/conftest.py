@@ -20,6 +20,10 @@ _WEIGHT_CACHE = tempfile.mkdtemp(prefix="ruvllm-test-weights-")
 def pytest_configure(config: pytest.Config) -> None:
     _skip_check.register(config)
     os.environ.setdefault("RUVLLM_WEIGHT_CACHE", _WEIGHT_CACHE)
+    # Compiled steps kept on disk (ruvllm_jax.step_cache) are found by what a step is compiled for, not
+    # by the program traced: a test that patches a function the trace calls would get another test's
+    # program. Off here; tests/test_step_cache.py turns it on for itself.
+    os.environ.setdefault("RUVLLM_JAX_STEP_CACHE", "off")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

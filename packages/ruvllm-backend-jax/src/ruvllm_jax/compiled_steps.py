@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from ruvllm_jax import step_cache
 from ruvllm_jax.kv_state import KVState
 from ruvllm_jax.model import LoraFactors, ModelSpec, StepInputs, StepPlan, Weights, forward_step
 
@@ -83,6 +84,18 @@ def compile_step(
     lora: LoraFactors | None,
 ) -> Any:
     """:func:`ruvllm_jax.model.forward_step` compiled for ``plan`` and these arguments' shapes, the
-    cache donated (the step updates it in place)."""
+    cache donated (the step updates it in place); loaded instead from :mod:`ruvllm_jax.step_cache`
+    when an earlier start kept it."""
+    args = (weights, state, inputs, lora)
+    key = step_cache.step_key(spec, plan, args)
+    if key is not None and (kept := step_cache.load(key)) is not None:
+        return kept
     fn = jax.jit(partial(forward_step, spec=spec, plan=plan), donate_argnums=(1,))
-    return fn.lower(weights, state, inputs, lora).compile()
+    lowered = fn.lower(*args)
+    if key is None:
+        return lowered.compile()
+    with step_cache.fresh_compile() as fresh:
+        compiled = lowered.compile()
+    if fresh:
+        step_cache.store(key, compiled)
+    return compiled
