@@ -101,18 +101,52 @@ def tests(session: nox.Session) -> None:
         return
     # Several processes: what a process has loaded (models, compiled steps, allocator arenas) is not all
     # given back to the system, and the whole suite in one process grew past CI's 24 GiB.
-    for part in test_parts():
-        session.run("pytest", *part, "-q", "-rs", "--durations=25", env=env)
+    run_parts(session, test_parts(), env)
+
+
+def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str]) -> None:
+    """Each part in a pytest process of its own, ``RUVLLM_TEST_WORKERS`` of them at a time (default:
+    2 where the machine has 2 cores or more): one process leaves a core idle while it waits on
+    servers, compiles in one thread or runs Python (one at a time, CI's run had grown to 58 minutes).
+    Longest parts first; each part's output is printed whole when it ends (not interleaved), and the
+    session fails if any part failed."""
+    import subprocess
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = int(os.environ.get("RUVLLM_TEST_WORKERS") or min(2, os.cpu_count() or 1))
+    venv = Path(session.virtualenv.location)
+    bindir = str(venv / ("Scripts" if sys.platform == "win32" else "bin"))
+    full_env = {**os.environ, **env, "VIRTUAL_ENV": str(venv), "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+
+    def run(part: list[str]) -> tuple[list[str], int, float, str]:
+        t0 = time.monotonic()
+        cmd = [str(Path(bindir) / "pytest"), *part, "-q", "-rs", "--durations=25", "-p", "no:cacheprovider"]
+        proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return part, proc.returncode, time.monotonic() - t0, proc.stdout
+
+    failed = []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for part, rc, seconds, out in pool.map(run, parts):
+            name = part[0] if len(part) == 1 else f"{len(part)} files from {part[0]}"
+            print(f"\n===== pytest part: {name} (exit {rc}, {seconds:.0f} s) =====\n{out}", flush=True)
+            if rc != 0:
+                failed.append(name)
+    if failed:
+        session.error(f"test parts failed: {'; '.join(failed)}")
 
 
 def test_parts() -> list[list[str]]:
-    """The suite's files in parts, one pytest process each: the rest; each file of the third wave's
-    backends, families and speculation (each loads models of its own: together in one process they
-    grew past CI's 24 GiB); the served stack (server, SONA, Ray)."""
+    """The suite's files in parts, one pytest process each, longest first: the rest in two halves
+    (files alternately, so each holds about half of what one process grew to); each file of the third
+    wave's backends, families and speculation (each loads models of its own: together in one process
+    they grew past CI's 24 GiB); the served stack (server, SONA, Ray)."""
     files = sorted(str(p) for p in Path("tests").glob("test_*.py"))
     third = [f for f in files if Path(f).name.startswith(THIRD_WAVE_TESTS)]
     served = [f for f in files if Path(f).name.startswith(SERVED_TESTS) and f not in third]
-    return [[f for f in files if f not in served and f not in third], *([f] for f in third), served]
+    rest = [f for f in files if f not in served and f not in third]
+    third.sort(key=lambda f: not f.endswith("test_speculative_engine.py"))  # the longest of them (~10 min)
+    return [rest[0::2], rest[1::2], *([f] for f in third[:1]), served, *([f] for f in third[1:])]
 
 
 #: Test files (by prefix) that run each in a process of its own: the mlx backend, mixtures of experts
