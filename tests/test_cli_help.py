@@ -30,3 +30,28 @@ def test_help_of_every_command_prints_and_exits_zero(command, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert f"usage: ruvllm {command}" in out  # after any plugin warning the load logged
+
+
+def test_logging_writes_to_stderr_as_it_is_when_a_line_is_written(monkeypatch):
+    # The CLI sets logging up once; a stream replaced (and closed) since, as pytest's capture is after
+    # a test that ran the CLI in-process, must not break every later log line ("I/O operation on
+    # closed file" failed the setup of 39 tests that ran after one such test).
+    import io
+    import sys
+
+    import structlog
+
+    from ruvllm.log_setup import configure_logging
+
+    saved = structlog.get_config()
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        configure_logging()
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        structlog.get_logger("t").warning("after the stream changed", n=1)
+        assert "after the stream changed" in second.getvalue()
+    finally:
+        structlog.configure(**saved)

@@ -9,6 +9,10 @@ import sys
 import structlog
 
 
+def _stderr_logger(*args: object) -> structlog.PrintLogger:
+    return structlog.PrintLogger(sys.stderr)
+
+
 def configure_logging(verbose: bool = False, color: bool | None = None, json: bool | None = None) -> None:
     level_name = "DEBUG" if verbose else os.environ.get("RUVLLM_LOG", "WARNING").upper()
     level = logging.getLevelName(level_name)
@@ -28,6 +32,8 @@ def configure_logging(verbose: bool = False, color: bool | None = None, json: bo
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # sys.stderr as it is when a line is written, not when logging was set up: a stream replaced
+        # since (and perhaps closed, as pytest's capture is after a test) must not take logging with it.
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
