@@ -126,18 +126,25 @@ def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str])
         return part, proc.returncode, time.monotonic() - t0, proc.stdout
 
     failed = []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for part, rc, seconds, out in pool.map(run, parts):
+
+    def report(results) -> None:
+        for part, rc, seconds, out in results:
             name = part[0] if len(part) == 1 else f"{len(part)} files from {part[0]}"
             print(f"\n===== pytest part: {name} (exit {rc}, {seconds:.0f} s) =====\n{out}", flush=True)
             if rc != 0:
                 failed.append(name)
+
+    alone = [p for p in parts if Path(p[0]).name in SOLO_TESTS]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        report(pool.map(run, [p for p in parts if p not in alone]))
+    report(map(run, alone))
     if failed:
         session.error(f"test parts failed: {'; '.join(failed)}")
 
 
 def test_parts() -> list[list[str]]:
-    """The suite's files in parts, one pytest process each, longest first: the rest in two halves
+    """The suite's files in parts, one pytest process each, longest first (:func:`run_parts` runs the
+    :data:`SOLO_TESTS` last, alone): the rest in two halves
     (files alternately, so each holds about half of what one process grew to); each file of the third
     wave's backends, families and speculation (each loads models of its own: together in one process
     they grew past CI's 24 GiB); the served stack (server, SONA, Ray)."""
@@ -145,13 +152,15 @@ def test_parts() -> list[list[str]]:
     third = [f for f in files if Path(f).name.startswith(THIRD_WAVE_TESTS)]
     served = [f for f in files if Path(f).name.startswith(SERVED_TESTS) and f not in third]
     rest = [f for f in files if f not in served and f not in third]
-    third.sort(key=lambda f: not f.endswith("test_speculative_engine.py"))  # the longest of them (~10 min)
-    return [rest[0::2], rest[1::2], *([f] for f in third[:1]), served, *([f] for f in third[1:])]
+    return [rest[0::2], rest[1::2], served, *([f] for f in third)]
 
 
 #: Test files (by prefix) that run each in a process of its own: the mlx backend, mixtures of experts
 #: and speculative decoding (a draft model is a second model in memory).
 THIRD_WAVE_TESTS = ("test_mlx_", "test_moe_", "test_speculative_", "test_gpt_oss")
+#: Test files that run with no other part beside them: test_speculative_engine's process grew to
+#: 14.5 GB (two models, many compiled steps) and, beside the served stack's, went past CI's 24 GiB.
+SOLO_TESTS = ("test_speculative_engine.py",)
 #: Test files (by prefix) that run in the last process.
 SERVED_TESTS = (
     "test_server_",
