@@ -144,15 +144,15 @@ def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str])
 
 def test_parts() -> list[list[str]]:
     """The suite's files in parts, one pytest process each, longest first (:func:`run_parts` runs the
-    :data:`SOLO_TESTS` last, alone): the rest in two halves
-    (files alternately, so each holds about half of what one process grew to); each file of the third
-    wave's backends, families and speculation (each loads models of its own: together in one process
-    they grew past CI's 24 GiB); the served stack (server, SONA, Ray)."""
+    :data:`SOLO_TESTS` last, alone): the rest in two halves and the served stack (server, SONA, Ray)
+    in three (files alternately: what a process loads is not all given back, and the served stack's
+    one process grew to 17.4 GB); each file of the third wave's backends, families and speculation
+    (each loads models of its own: together in one process they grew past CI's 24 GiB)."""
     files = sorted(str(p) for p in Path("tests").glob("test_*.py"))
     third = [f for f in files if Path(f).name.startswith(THIRD_WAVE_TESTS)]
     served = [f for f in files if Path(f).name.startswith(SERVED_TESTS) and f not in third]
     rest = [f for f in files if f not in served and f not in third]
-    return [rest[0::2], rest[1::2], served, *([f] for f in third)]
+    return [rest[0::2], rest[1::2], served[0::3], served[1::3], served[2::3], *([f] for f in third)]
 
 
 #: Test files (by prefix) that run each in a process of its own: the mlx backend, mixtures of experts
