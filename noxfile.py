@@ -129,7 +129,8 @@ def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str])
 
     def report(results) -> None:
         for part, rc, seconds, out in results:
-            name = part[0] if len(part) == 1 else f"{len(part)} files from {part[0]}"
+            files = [f for f in part if f.startswith("tests/")]
+            name = " ".join(part) if len(files) == 1 else f"{len(files)} files from {files[0]}"
             print(f"\n===== pytest part: {name} (exit {rc}, {seconds:.0f} s) =====\n{out}", flush=True)
             if rc != 0:
                 failed.append(name)
@@ -137,7 +138,10 @@ def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str])
     alone = [p for p in parts if Path(p[0]).name in SOLO_TESTS]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         report(pool.map(run, [p for p in parts if p not in alone]))
-    report(map(run, alone))
+    # Each solo file in two processes (its slow tests apart), beside each other only.
+    halves = [[*p, "-m", m] for p in alone for m in ("slow", "not slow")]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        report(pool.map(run, halves))
     if failed:
         session.error(f"test parts failed: {'; '.join(failed)}")
 
@@ -158,8 +162,9 @@ def test_parts() -> list[list[str]]:
 #: Test files (by prefix) that run each in a process of its own: the mlx backend, mixtures of experts
 #: and speculative decoding (a draft model is a second model in memory).
 THIRD_WAVE_TESTS = ("test_mlx_", "test_moe_", "test_speculative_", "test_gpt_oss")
-#: Test files that run with no other part beside them: test_speculative_engine's process grew to
-#: 14.5 GB (two models, many compiled steps) and, beside the served stack's, went past CI's 24 GiB.
+#: Test files that run with no other part beside them, in two processes (slow tests, the others):
+#: test_speculative_engine's one process grew to 14.5 GB (two models, many compiled steps) and,
+#: beside the served stack's, went past CI's 24 GiB; alone it kept one of the two cores idle.
 SOLO_TESTS = ("test_speculative_engine.py",)
 #: Test files (by prefix) that run in the last process.
 SERVED_TESTS = (
