@@ -123,7 +123,7 @@ def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str])
         t0 = time.monotonic()
         cmd = [str(Path(bindir) / "pytest"), *part, "-q", "-rs", "--durations=25", "-p", "no:cacheprovider"]
         proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        rc = 0 if proc.returncode == 5 and "-m" in part else proc.returncode  # 5: the marker selected none
+        rc = 0 if proc.returncode == 5 and "-k" in part else proc.returncode  # 5: the selection is empty
         return part, rc, time.monotonic() - t0, proc.stdout
 
     failed = []
@@ -139,8 +139,9 @@ def run_parts(session: nox.Session, parts: list[list[str]], env: dict[str, str])
     alone = [p for p in parts if Path(p[0]).name in SOLO_TESTS]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         report(pool.map(run, [p for p in parts if p not in alone]))
-    # Each solo file in two processes (its slow tests apart), beside each other only.
-    halves = [[*p, "-m", m] for p in alone for m in ("slow", "not slow")]
+    # Each solo file in two processes (its longest test apart), beside each other only.
+    apart = [(p, SOLO_TESTS[Path(p[0]).name]) for p in alone]
+    halves = [[*p, "-k", k] for p, expr in apart for k in (expr, f"not ({expr})")]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         report(pool.map(run, halves))
     if failed:
@@ -163,10 +164,12 @@ def test_parts() -> list[list[str]]:
 #: Test files (by prefix) that run each in a process of its own: the mlx backend, mixtures of experts
 #: and speculative decoding (a draft model is a second model in memory).
 THIRD_WAVE_TESTS = ("test_mlx_", "test_moe_", "test_speculative_", "test_gpt_oss")
-#: Test files that run with no other part beside them, in two processes (slow tests, the others):
-#: test_speculative_engine's one process grew to 14.5 GB (two models, many compiled steps) and,
-#: beside the served stack's, went past CI's 24 GiB; alone it kept one of the two cores idle.
-SOLO_TESTS = ("test_speculative_engine.py",)
+#: Test files that run with no other part beside them, each in two processes (the tests its ``-k``
+#: expression selects, and the others) beside each other: test_speculative_engine's one process grew
+#: to 14.5 GB (two models, many compiled steps) and, beside the served stack's, went past CI's 24
+#: GiB; alone it kept one of the two cores idle for 13 minutes, 352 s of them candle-compat's n-gram
+#: run of the fifty prompts.
+SOLO_TESTS = {"test_speculative_engine.py": "fifty and candle and ngram"}
 #: Test files (by prefix) that run in the last process.
 SERVED_TESTS = (
     "test_server_",
