@@ -64,6 +64,11 @@ def main() -> None:
             q = model.embed(queries, prompt_name=query_prompt, truncate=True)
             d = model.embed(docs, prompt_name=doc_prompt, truncate=True)
             rank = np.argsort(-(q @ d.T), axis=1, kind="stable")
+            # Where the orders differ, how far apart sentence-transformers itself scores the two
+            # documents that swapped places (a near-tie within float32's noise, or a real change).
+            ref_scores = ref_q @ ref_d.T
+            rows, cols = np.nonzero(rank != ref_rank)
+            gaps = np.abs(ref_scores[rows, rank[rows, cols]] - ref_scores[rows, ref_rank[rows, cols]])
             tokens = [
                 len(t) for t in model.tokenize(texts, prompt=model.prompt_text(doc_prompt), truncate=True).token_ids
             ]
@@ -74,6 +79,8 @@ def main() -> None:
                 "all_at_least_0.99999": bool(cos.min() >= 0.99999),
                 "rankings_identical": bool((rank == ref_rank).all()),
                 "top1_identical": bool((rank[:, 0] == ref_rank[:, 0]).all()),
+                "rank_positions_differing": len(rows),
+                "largest_reference_gap_of_a_swap": float(gaps.max()) if len(rows) else 0.0,
                 "seconds_for_all": round(seconds, 2),
             }), flush=True)  # fmt: skip
 
