@@ -9,6 +9,7 @@ import pytest
 
 from ruvllm.backend import LoadOptions
 from ruvllm.engine import EngineConfig, LLMEngine
+from ruvllm.engine.config import DEFAULT_KV_MEMORY_SHARE
 from ruvllm.runtime import load_model
 
 #: Tokens per KV block, set explicitly so the expected sizes below do not lean on the engine's default.
@@ -150,3 +151,16 @@ def test_available_memory_is_limited_by_the_cgroup(tmp_path):
     assert cgroup_headroom(root, proc) == 13 * gib
     proc.write_text("1:name=systemd:/x\n")  # no memory controller: no answer
     assert cgroup_headroom(root, proc) is None
+
+
+def test_a_share_of_the_memory_is_rounded_so_restarts_size_the_cache_alike():
+    from ruvllm.engine.config import default_kv_memory
+
+    engine = EngineConfig()
+    wanted = 64 * 2**30  # more than the share: the share decides
+    two_starts = [default_kv_memory(engine, wanted, avail) for avail in (10_432 * 2**20, 10_488 * 2**20)]
+    assert two_starts[0] == two_starts[1] == 5_120 * 2**20  # 5,216 and 5,244 MiB: one size
+    for avail in (3 * 2**30 + 12345, 777_777_777, 2**33):
+        got, share = default_kv_memory(engine, wanted, avail), int(DEFAULT_KV_MEMORY_SHARE * avail)
+        assert share * 8 / 9 <= got <= share
+    assert default_kv_memory(engine, 5 * 2**20 + 3, 2**34) == 5 * 2**20 + 3  # what the contexts need, exactly

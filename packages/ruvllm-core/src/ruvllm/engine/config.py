@@ -153,8 +153,21 @@ def default_kv_memory(engine: EngineConfig, wanted_bytes: int, available: int) -
     ``wanted_bytes`` (what :data:`DEFAULT_KV_SEQUENCES` sequences of the served context take, the
     backend's blocks as it stores them) up to :data:`DEFAULT_KV_MEMORY_SHARE` of ``available`` (bytes
     the process may still take, after the weights). A 135M model reserves what its context needs,
-    not gigabytes; an 8B model on a 16 GiB machine gets what is left beside its weights."""
-    return max(1, min(wanted_bytes, int(DEFAULT_KV_MEMORY_SHARE * available)))
+    not gigabytes; an 8B model on a 16 GiB machine gets what is left beside its weights.
+
+    A share of the available memory is rounded down to its 4 leading bits (at most 1/9 less): the
+    memory free at a start moves a little from one start to the next, and a cache of another size is
+    another set of step shapes, so every compiled step (and every one kept on disk) would be
+    compiled again; rounded, restarts on the same machine size the cache alike (5,216 and 5,244 MiB
+    on two starts of an 8B server both become 5,120)."""
+    share = int(DEFAULT_KV_MEMORY_SHARE * available)
+    return max(1, wanted_bytes if wanted_bytes <= share else _leading_bits(share, 4))
+
+
+def _leading_bits(n: int, bits: int) -> int:
+    """``n`` with all but its ``bits`` most significant bits cleared."""
+    drop = max(0, n.bit_length() - bits)
+    return (n >> drop) << drop
 
 
 def _budget(engine: EngineConfig) -> int:
