@@ -1,8 +1,9 @@
 """Embedding throughput against sentence-transformers (torch, CPU), same machine, same run: texts/s at
 batch 1, 32 and 256 for each model and backend (never run by the test suite).
 
-Each figure is the best of ``--rounds`` timed runs after one untimed warm-up (jax compiles its shapes
-there), over the same texts (sentences of 8-40 words). The CPU is printed from /proc/cpuinfo.
+Each figure is the median of ``--rounds`` timed passes, the engines taking turns, after one untimed
+pass each (jax compiles its shapes there), over the same texts (sentences of 8-40 words). The CPU is
+printed from /proc/cpuinfo.
 
     JAX_PLATFORMS=cpu python benchmarks/bench_embeddings.py MODELS/all-MiniLM-L6-v2 MODELS/embeddinggemma-300m
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -43,16 +45,22 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))) for _ in range(n)]
 
 
-def best_rate(run, batch: int, items: list[str], rounds: int) -> float:
-    """texts/s: ``items`` in chunks of ``batch``, best of ``rounds``."""
-    run(items[:batch])  # warm-up (compilation, allocator)
-    best = float("inf")
+def rates(engines: dict, batch: int, items: list[str], rounds: int) -> dict[str, float]:
+    """texts/s of each engine: ``items`` in chunks of ``batch``, one untimed pass each (jax compiles
+    every chunk's shape there), then ``rounds`` timed passes with the engines taking turns; the
+    median pass."""
+    chunks = [items[i : i + batch] for i in range(0, len(items), batch)]
+    for run in engines.values():
+        for c in chunks:
+            run(c)
+    times: dict[str, list[float]] = {label: [] for label in engines}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for i in range(0, len(items), batch):
-            run(items[i : i + batch])
-        best = min(best, time.perf_counter() - t0)
-    return len(items) / best
+        for label, run in engines.items():
+            t0 = time.perf_counter()
+            for c in chunks:
+                run(c)
+            times[label].append(time.perf_counter() - t0)
+    return {label: len(items) / statistics.median(t) for label, t in times.items()}
 
 
 def main() -> None:
@@ -78,10 +86,12 @@ def main() -> None:
             m = load_embedding_model(path, backend=backend)
             engines[f"ruvllm-{backend}"] = lambda b, m=m: m.embed(b, truncate=True)
         for batch in (int(b) for b in args.batches.split(",")):
-            row = {"model": name, "batch": batch}
             subset = items[:32] if batch == 1 else items
-            for label, run in engines.items():
-                row[label] = round(best_rate(run, batch, subset, args.rounds), 1)
+            got = rates(engines, batch, subset, args.rounds)
+            row = {"model": name, "batch": batch, **{k: round(v, 1) for k, v in got.items()}}
+            st_rate = got["sentence-transformers"]
+            ours = {k: v for k, v in got.items() if k.startswith("ruvllm")}
+            row.update({f"{k} / sentence-transformers": round(v / st_rate, 2) for k, v in ours.items()})
             print(json.dumps(row), flush=True)
 
 
