@@ -43,6 +43,9 @@ class EngineConfig:
     #: Memory budget of the KV cache when ``num_blocks`` is None; None: :func:`default_kv_memory`'s
     #: rule, from the memory left once the model is loaded and the model's context.
     kv_cache_memory_bytes: int | None = None
+    #: The memory :func:`default_kv_memory`'s rule sizes within (at most what the machine has left);
+    #: None: what the machine has left. A server holding several models gives each a share.
+    kv_memory_available: int | None = None
     #: Latency target of one step in milliseconds: the prompt tokens a step carries (chunked
     #: prefill) shrink so that decoding streams keep a steady inter-token latency while long prompts
     #: prefill (see :mod:`ruvllm.engine.step_budget`). None: steps carry up to

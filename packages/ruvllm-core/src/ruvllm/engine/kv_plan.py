@@ -87,7 +87,10 @@ def plan_kv_cache(model: LoadedModel, config: EngineConfig, max_model_len: int) 
         # same block count the rule below gives them under no cap), within the memory left now.
         few = replace(config, max_num_seqs=min(config.max_num_seqs, DEFAULT_KV_SEQUENCES), kv_cache_memory_bytes=2**62)
         wanted = reserved + _blocks(mc, few, max_model_len, block_bytes, hybrid)[2]
-        budget, default_budget = default_kv_memory(config, wanted, available_memory()), True
+        available = available_memory()
+        if config.kv_memory_available is not None:
+            available = min(available, config.kv_memory_available)
+        budget, default_budget = default_kv_memory(config, wanted, available), True
     sizing = replace(config, kv_cache_memory_bytes=budget)
     if reserved and budget is not None:
         if config.num_blocks is None and reserved >= budget:
