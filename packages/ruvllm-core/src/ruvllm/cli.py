@@ -489,13 +489,13 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram", "draft"],
+        choices=["ngram", "draft", "ngram+draft"],
         help="run the iterations through the engine with speculative decoding (greedy); reports the acceptance rate",
     )
     p.add_argument(
         "--num-speculative-tokens", type=int, default=4, help="most draft tokens per step, 1..16 (default 4)"
     )
-    p.add_argument("--draft-model", default=None, help="--speculative draft: the draft model, or 'same'")
+    p.add_argument("--draft-model", default=None, help="--speculative draft or ngram+draft: the draft model, or 'same'")
     p.add_argument("--draft-quantization", default=None, help="the draft model's quantization (default auto)")
     p.set_defaults(func=cmd_benchmark)
 

@@ -67,8 +67,9 @@ class EngineConfig:
     #: (prompt logprobs, echo); without it their first steps compile while serving.
     precompile_all_logits: bool = False
     #: Speculative decoding (:mod:`ruvllm.speculative`): ``ngram`` (prompt lookup over each sequence's
-    #: own prompt and output); None: off. Greedy output is unchanged token for token, sampled output
-    #: keeps the target's distribution.
+    #: own prompt and output), ``draft`` (a draft model), ``ngram+draft`` (the prompt lookup where it
+    #: matches and pays, the draft model otherwise, priced step by step); None: off. Greedy output is
+    #: unchanged token for token, sampled output keeps the target's distribution.
     speculative: str | None = None
     #: Most draft tokens a sequence offers per step (k); each sequence's own k adapts below it.
     num_speculative_tokens: int = 4
@@ -85,8 +86,9 @@ class EngineConfig:
     #: positions: measured ~0.17 for SmolLM2 on jax w4a8, 2 Zen 5 cores). The prior only: a step's
     #: drafts are then priced by its rows' measured cost (:mod:`ruvllm.speculative.step_cost`).
     speculative_position_cost: float = 0.2
-    #: ``speculative="draft"``: the draft model (a reference ``load_model`` resolves, or ``same``: the
-    #: target's own checkpoint) and its quantization (e.g. ``w4a8`` under a float target; None: auto).
+    #: ``speculative="draft"`` or ``"ngram+draft"``: the draft model (a reference ``load_model``
+    #: resolves, or ``same``: the target's own checkpoint) and its quantization (e.g. ``w4a8`` under a
+    #: float target; None: auto).
     draft_model: str | None = None
     draft_quantization: str | None = None
 
@@ -123,16 +125,16 @@ class EngineConfig:
                 bad(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
             if not 1 <= self.ngram_n_min <= self.ngram_n_max:
                 bad(f"need 1 <= ngram_n_min <= ngram_n_max, got {self.ngram_n_min} and {self.ngram_n_max}")
-            if self.speculative == "draft" and not self.draft_model:
-                bad("speculative='draft' needs draft_model (a model reference, or 'same')")
+            if self.speculative in ("draft", "ngram+draft") and not self.draft_model:
+                bad(f"speculative={self.speculative!r} needs draft_model (a model reference, or 'same')")
             if self.speculative_step_tokens < 1:
                 bad(f"speculative_step_tokens must be at least 1, got {self.speculative_step_tokens}")
             if not 0.0 <= self.speculative_position_cost <= 1.0:
                 bad(f"speculative_position_cost must be in [0, 1], got {self.speculative_position_cost}")
             if not 0.0 <= self.speculative_min_acceptance < 1.0:
                 bad(f"speculative_min_acceptance must be in [0, 1), got {self.speculative_min_acceptance}")
-        if (self.draft_model or self.draft_quantization) and self.speculative != "draft":
-            bad("draft_model and draft_quantization are for speculative='draft'")
+        if (self.draft_model or self.draft_quantization) and self.speculative not in ("draft", "ngram+draft"):
+            bad("draft_model and draft_quantization are for speculative='draft' or 'ngram+draft'")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

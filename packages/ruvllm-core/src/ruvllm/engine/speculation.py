@@ -22,6 +22,11 @@ from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.errors import BackendError
 from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, StepCosts, verify_draft
 from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
+from ruvllm.speculative.source import MODEL, NGRAM, DraftPassCosts, SequenceDrafting
+
+#: What a draft model's pass costs, as a fraction of a target step, until one is measured (and for a
+#: sampled request, whose drafts must not depend on the clock): the issue-56 pair's by bytes.
+DRAFT_COST_PRIOR = 0.5
 
 if TYPE_CHECKING:
     from ruvllm.engine.output_processor import OutputProcessor
@@ -60,9 +65,11 @@ class Speculation:
         #: The last step's decoding rows (0: not a decode-only step) and when it started.
         self._last_step: tuple[int, float] | None = None
         self._check()
-        #: The draft model's proposer (``speculative="draft"``).
+        #: The draft model's proposer (``speculative="draft"`` or ``"ngram+draft"``).
         self.drafter: DraftProposer | None = None
-        if config.speculative == "draft":
+        #: The draft model's measured milliseconds per pass (``ngram+draft`` prices its tokens by them).
+        self.draft_costs = DraftPassCosts()
+        if config.speculative in ("draft", "ngram+draft"):
             draft = draft_model if draft_model is not None else self._load_draft()
             check_same_tokenizer(draft, model)
             # Catching up is one chunk per sequence, no longer than a step's (a precompiled shape).
@@ -132,63 +139,111 @@ class Speculation:
         """Draft tokens for the decoding sequences, oldest first, while the step's decoding positions
         (``speculative_step_tokens``) last, then only as many as their expected gain pays for at this
         step's measured cost per row (:class:`~ruvllm.speculative.StepCosts`): a step of many
-        sequences drafts less, then nothing."""
+        sequences drafts less, then nothing. With ``ngram+draft`` each sequence drafts from the
+        prompt lookup or the draft model, whichever yields more per cost
+        (:class:`~ruvllm.speculative.source.SequenceDrafting`)."""
         cfg = self.config
         self._learn_last_step()
         decoding = [q for q in self.scheduler.running if len(q.token_ids) - q.num_computed == 1]
         room = cfg.speculative_step_tokens - len(decoding)
         wanted: list[tuple[Sequence, int]] = []
+        model_drafts: set[Any] = set()  # the sequences the draft model drafts for
         for seq in sorted(decoding, key=self.scheduler.key):
             seq.draft, seq.draft_q = [], None
             if room <= 0 or not self.speculates(seq):
                 continue
             spec = seq.speculation
             if spec is None:
-                length = DraftLength(
-                    cfg.num_speculative_tokens,
-                    stop_below=cfg.speculative_min_acceptance,
-                    row_cost=cfg.speculative_position_cost,
-                )
-                spec = seq.speculation = (NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length)
-            index, length = spec
+                spec = seq.speculation = self._new_drafting()
             p = seq.state.sampling
             # Kept tokens plus the bonus one stay within max_tokens and the context.
             produced = len(seq.token_ids) - seq.num_prompt_tokens
             left = min(p.max_tokens - produced, self.max_model_len - len(seq.token_ids))
-            k = min(length.want(), room, left - 1)
+            cap = min(room, left - 1)
+            if cap <= 0:
+                continue
+            if cfg.speculative == "ngram+draft":
+                # A sampled request is priced by the priors: its draws must not depend on the clock.
+                measured = p.greedy
+                source, k, found = spec.choose(
+                    seq.token_ids, cap, self._verify_cost(measured), self._draft_cost(measured)
+                )
+            elif cfg.speculative == "ngram":
+                source, k = NGRAM, min(spec.ngram.want(), cap)
+                spec.index.sync(seq.token_ids)
+                found = spec.index.propose(k) if k > 0 else []
+            else:
+                source, k, found = MODEL, min(spec.model.want(), cap), []
+            spec.source = source
+            if source == NGRAM:
+                seq.draft = found
+                k = len(found)
             if k <= 0:
                 continue
-            if self.drafter is None:
-                index.sync(seq.token_ids)
-                seq.draft = index.propose(k)
+            if source == MODEL:
+                model_drafts.add(seq.seq_id)
             wanted.append((seq, k))
-            room -= k if self.drafter is not None else len(seq.draft)
+            room -= k
         # What this load pays for (the n-gram drafts as found; the draft model's before it runs).
-        offered = [len(q.draft) if self.drafter is None else k for q, k in wanted]
-        rates = [q.speculation[1].rate if q.speculation is not None else 0.0 for q, _ in wanted]
+        offered = [k for _, k in wanted]
+        rates = [q.speculation.length.rate for q, _ in wanted]
         # One decoding sequence: its step reads the weights whatever it verifies, so its drafts are
-        # not priced (and a seeded request alone drafts the same whatever the clock says).
+        # not priced here (and a seeded request alone drafts the same whatever the clock says).
         keep = offered if len(decoding) <= 1 else self.costs.allot(len(decoding), rates, offered)
         wanted = [(q, n) for (q, _), n in zip(wanted, keep, strict=True)]
-        if self.drafter is None:
-            for seq, n in wanted:
-                seq.draft = seq.draft[:n]
+        for seq, n in wanted:
+            seq.draft = seq.draft[:n]
         wanted = [(q, n) for q, n in wanted if n > 0]
-        if self.drafter is not None and wanted:
+        by_model = [(q, n) for q, n in wanted if q.seq_id in model_drafts]
+        if self.drafter is not None and by_model:
             live = {q.seq_id for q in self.scheduler.running}
-            reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in wanted]
+            reqs = [DraftRequest(q.seq_id, q.token_ids, k, q.state.sampling, q.sampler.rng) for q, k in by_model]
             drafts = self.drafter.propose(reqs, live)
-            for seq, _ in wanted:
+            for seq, _ in by_model:
                 seq.draft, seq.draft_q = drafts.get(seq.seq_id, ([], None))
+            for ms in self.drafter.pass_ms:
+                self.draft_costs.observe(ms)
+            self.drafter.pass_ms.clear()
         for seq, _ in wanted:
             constraint = seq.sampler.constraint
             if seq.draft and constraint is not None and not constraint.allowed()[seq.draft[0]]:
                 seq.draft, seq.draft_q = [], None  # the grammar refuses it: cut at its first token
+            if seq.draft:
+                self.stats.count(seq.speculation.source, len(seq.draft))
         # A step of decoding rows only, unless a prompt may join it (then its time is not the rows').
         # Timed from here: the rows' cost, not the proposing's (a draft model's passes are its own).
         only_decode = bool(decoding) and len(decoding) == len(self.scheduler.running) and not self.scheduler.waiting
         rows = len(decoding) + sum(len(q.draft) for q in decoding)
         self._last_step = (rows if only_decode else 0, time.perf_counter())
+
+    def _new_drafting(self) -> SequenceDrafting:
+        cfg = self.config
+
+        def length() -> DraftLength:
+            return DraftLength(
+                cfg.num_speculative_tokens,
+                stop_below=cfg.speculative_min_acceptance,
+                row_cost=cfg.speculative_position_cost,
+            )
+
+        source = MODEL if cfg.speculative == "draft" else NGRAM
+        return SequenceDrafting(NgramIndex(cfg.ngram_n_min, cfg.ngram_n_max), length(), length(), source)
+
+    def _verify_cost(self, measured: bool) -> Callable[[int], float]:
+        """A one-sequence step verifying ``k`` draft tokens, in plain steps: measured where this
+        engine ran such steps (:class:`~ruvllm.speculative.StepCosts`), else by the prior
+        ``1 + speculative_position_cost * k``."""
+        row = self.config.speculative_position_cost
+        plain = self.costs.estimate(1) if measured else 0.0
+        if plain <= 0:
+            return lambda k: 1.0 + row * k
+        return lambda k: max(1.0, self.costs.estimate(1 + k) / plain)
+
+    def _draft_cost(self, measured: bool) -> float:
+        """A draft model's pass, in target steps: measured, else :data:`DRAFT_COST_PRIOR`."""
+        plain = self.costs.estimate(1) if measured else 0.0
+        ms = self.draft_costs.ms()
+        return ms / plain if plain > 0 and ms > 0 else DRAFT_COST_PRIOR
 
     def _learn_last_step(self) -> None:
         """The last step ran from the end of its :meth:`propose` to this one: what its rows cost, when
@@ -221,4 +276,5 @@ class Speculation:
         self.stats.accepted += accepted
         self.stats.verifications += 1
         if seq.speculation is not None:
-            seq.speculation[1].observe(len(chunk.draft), accepted)
+            seq.speculation.observe(len(chunk.draft), accepted)
+            self.stats.keep(seq.speculation.source, accepted)

@@ -8,7 +8,8 @@ produced, plus one token of its own. The proposer knows nothing of the target; t
 nothing of where a draft came from; rejection sampling (Leviathan et al., 2023) sits in one function,
 :func:`~ruvllm.speculative.rejection.accept_or_resample`. Per-sequence adaptivity (how many tokens
 to draft) is :mod:`~ruvllm.speculative.adaptive`; what drafts cost at the step's load,
-:mod:`~ruvllm.speculative.step_cost`.
+:mod:`~ruvllm.speculative.step_cost`; which proposer drafts for a sequence when both may,
+:mod:`~ruvllm.speculative.source`.
 """
 
 from ruvllm.speculative.adaptive import DraftLength
@@ -18,7 +19,8 @@ from ruvllm.speculative.step_cost import StepCosts
 from ruvllm.speculative.verify import SpeculationStats, verify_draft
 
 #: Values of ``EngineConfig.speculative`` (None: off).
-SPECULATIVE_METHODS = ("ngram", "draft")
+#: ``ngram+draft``: the prompt lookup where it matches and pays, the draft model otherwise.
+SPECULATIVE_METHODS = ("ngram", "draft", "ngram+draft")
 #: The most tokens one sequence may draft per step.
 MAX_SPECULATIVE_TOKENS = 16
 

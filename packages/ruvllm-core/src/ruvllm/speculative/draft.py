@@ -10,6 +10,7 @@ last token. Sequences that left the engine give their blocks back at the next pr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,9 @@ class DraftProposer:
         self.cache = model.allocate_cache(num_blocks, block_size)
         self.max_chunk = max_chunk
         self._fed: dict[Any, _Fed] = {}
+        #: Milliseconds of each forward pass that fed one token per sequence, since the engine last
+        #: took them (it prices the draft model's tokens by them).
+        self.pass_ms: list[float] = []
 
     def propose(self, requests: list[DraftRequest], live: set[Any]) -> dict[Any, tuple[list[int], np.ndarray | None]]:
         """Each request's draft tokens and, for a sampled request, the draft's probabilities at each
@@ -121,8 +125,12 @@ class DraftProposer:
             table = block_table(bm.block_table(r.seq_id))
             chunks.append(SequenceChunk(np.asarray(tokens, dtype=np.int32), len(fed.tokens), table))
             fed.tokens.extend(tokens)
+        t0 = time.perf_counter()
         result = self.model.forward(ForwardBatch(chunks, bm.block_size), self.cache)
-        return np.asarray(result.logits, dtype=np.float64)
+        logits = np.asarray(result.logits, dtype=np.float64)
+        if all(len(tokens) == 1 for _, tokens in batch):
+            self.pass_ms.append(1000.0 * (time.perf_counter() - t0))
+        return logits
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

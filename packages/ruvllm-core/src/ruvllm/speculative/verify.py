@@ -11,7 +11,7 @@ distributed as the target's. Log-probabilities are the target's raw logits', as 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,16 @@ class SpeculationStats:
     accepted: int = 0
     #: Verification chunks run (sequences x steps that carried a draft).
     verifications: int = 0
+    #: Per proposer (``ngram``, ``draft``): [drafted, kept] tokens.
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, source: str, drafted: int) -> None:
+        """``drafted`` tokens of ``source`` go to verification."""
+        self.by_source.setdefault(source, [0, 0])[0] += drafted
+
+    def keep(self, source: str, accepted: int) -> None:
+        """The target kept ``accepted`` tokens of ``source``'s draft."""
+        self.by_source.setdefault(source, [0, 0])[1] += accepted
 
     @property
     def acceptance_rate(self) -> float | None:
