@@ -57,7 +57,7 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(model: Any, **settings: Any) -> Iterator[LiveServer]:
+def live_server(model: Any, /, **settings: Any) -> Iterator[LiveServer]:
     """Serve ``model`` with ``settings`` (ServerSettings fields) until the block exits."""
     import uvicorn
 

@@ -39,7 +39,8 @@ from ruvllm_server.generation.sse import SSE_HEADERS
 from ruvllm_server.hookspecs import RouteContext, server_hooks
 from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
 from ruvllm_server.ollama.routes import OLLAMA_ROUTES
-from ruvllm_server.request_context import request_user, track_stream
+from ruvllm_server.pool import Entry, ModelPool, model_specs, pooled
+from ruvllm_server.request_context import CURRENT_MODEL, request_user, served_state, track_stream
 from ruvllm_server.responses import RESPONSES_ROUTES
 from ruvllm_server.schemas import (
     ChatCompletion,
@@ -55,13 +56,16 @@ from ruvllm_server.schemas import (
     LoraAdapterStatus,
     ModelCard,
     ModelList,
+    ModelLoadRequest,
+    ModelLoadStatus,
+    PooledModelCard,
     Readiness,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
     UnloadLoraAdapterRequest,
 )
-from ruvllm_server.settings import ServerSettings, load_settings
+from ruvllm_server.settings import ServerConfigError, ServerSettings, load_settings
 from ruvllm_server.state import ServerState, check_plugin_options
 
 #: Named here as well as by the media type: with a union return annotation Litestar would otherwise
@@ -69,7 +73,7 @@ from ruvllm_server.state import ServerState, check_plugin_options
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state["ruvllm"]
+    return served_state(request)
 
 
 _user = request_user
@@ -124,9 +128,22 @@ def _adapter_cards(state: ServerState) -> list[ModelCard]:
     ]
 
 
+def _pool_cards(pool: ModelPool, entry: Entry) -> list[ModelCard]:
+    state = entry.state if entry.status == "loaded" else None
+    spec = entry.spec
+    card = PooledModelCard(
+        spec.name, state.started if state is not None else pool.started,
+        max_model_len=state.max_context if state is not None else None,
+        status=entry.status, error=entry.error, aliases=list(spec.aliases),
+    )  # fmt: skip
+    return [card, *(_adapter_cards(state) if state is not None else [])]
+
+
 @get("/v1/models", summary="List models (the base model and its LoRA adapters)", tags=["openai"])
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
+    if isinstance(state, ModelPool):
+        return ModelList([card for entry in state.entries.values() for card in _pool_cards(state, entry)])
     return ModelList([_card(state), *_adapter_cards(state)])
 
 
@@ -134,6 +151,9 @@ async def list_models(request: Request) -> ModelList:
 async def retrieve_model(request: Request, model_id: Annotated[str, Parameter()]) -> ModelCard:
     state = _state(request)
     model_id = model_id.lstrip("/")
+    if isinstance(state, ModelPool):  # a name, an alias or an adapter of one of the models
+        cards = _pool_cards(state, state.resolve(model_id))
+        return next((card for card in cards if card.id == model_id), cards[0])
     if model_id != state.model_name:
         for card in _adapter_cards(state):
             if card.id == model_id:
@@ -221,6 +241,27 @@ async def tokenizer_info(request: Request) -> TokenizerInfo:
     )
 
 
+# --- several models ---------------------------------------------------------------------------
+
+
+@post("/models/load", status_code=200, summary="Load a model now (several models)", tags=["models"])
+async def load_model_now(request: Request, data: Annotated[ModelLoadRequest, Body()]) -> ModelLoadStatus:
+    pool = request.app.state["ruvllm"]
+    entry = pool.resolve(data.model)
+    await pool.release(entry, await pool.acquire(entry))
+    return ModelLoadStatus(entry.spec.name, entry.status)
+
+
+@post("/models/unload", status_code=200, summary="Unload an idle model (several models)", tags=["models"])
+async def unload_model_now(request: Request, data: Annotated[ModelLoadRequest, Body()]) -> ModelLoadStatus:
+    pool = request.app.state["ruvllm"]
+    entry = pool.resolve(data.model)
+    if entry.users:
+        raise APIError(409, f"the model {entry.spec.name!r} is serving {entry.users} requests", code="model_busy")
+    await pool.unload(entry, "asked")
+    return ModelLoadStatus(entry.spec.name, entry.status)
+
+
 # --- operations -------------------------------------------------------------------------------
 
 
@@ -263,6 +304,14 @@ class RuvllmApp(Litestar):
         await self._outer(scope, receive, send)
 
 
+def _current_model(state: ServerState | ModelPool) -> Any:
+    """The loaded model a plugin route runs on: the request's (several models), else the one."""
+    if isinstance(state, ModelPool):
+        picked = CURRENT_MODEL.get()
+        return picked.model if picked is not None else None
+    return state.model
+
+
 def _closing_streams(app: Any) -> Any:
     async def close_streams_after(scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -279,7 +328,13 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
     """The ASGI app for ``settings``; ``model`` is an already loaded ``LoadedModel`` or None (then it
     loads in the background). ``start_in_background``: a given model's engine also starts (and its
     step shapes compile) after the server listens, /ready saying how far it got meanwhile."""
-    state = ServerState(settings, model, start_in_background=start_in_background)
+    state: ServerState | ModelPool
+    if pooled(settings):
+        if model is not None:
+            raise ServerConfigError("a server of several models loads them itself: give no loaded model")
+        state = ModelPool(settings, model_specs(settings))
+    else:
+        state = ServerState(settings, model, start_in_background=start_in_background)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -317,11 +372,13 @@ def create_app(settings: ServerSettings, model: Any = None, *, start_in_backgrou
     ]
     if settings.enable_lora_runtime_updates:
         handlers += [load_lora_adapter, unload_lora_adapter]
+    if isinstance(state, ModelPool):
+        handlers += [load_model_now, unload_model_now]
     # Routes plugins add (SONA's feedback and stats when its options enable it).
     host = getattr(model, "host", None) or load_plugins()  # (an embedding model carries none)
     options = settings.effective_plugin_options
     check_plugin_options(host, options)
-    context = RouteContext(options, _user, model=lambda: state.model)
+    context = RouteContext(options, _user, model=lambda: _current_model(state))
     server_hooks(host).register_routes(register=handlers.append, context=context)
     return RuvllmApp(
         state,

@@ -12,12 +12,13 @@ from litestar import Request
 from ruvllm_server import pooling
 from ruvllm_server.errors import bad_request
 from ruvllm_server.generation import check_model, completion_prompts
+from ruvllm_server.request_context import served_state
 from ruvllm_server.schemas import EmbeddingData, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 
 async def openai_embeddings(request: Request, data: EmbeddingRequest) -> EmbeddingList:
     """The OpenAI-shaped answer to ``data`` from the server of ``request``."""
-    state = request.app.state["ruvllm"]
+    state = served_state(request)
     if state.pooling is not None:  # an embedding model's own pipeline
         return await pooling.embeddings(request, data)
     check_model(state, data.model)

@@ -14,16 +14,20 @@ import math
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 
+from ruvllm.errors import RuvllmError
 from ruvllm_server.errors import APIError
 from ruvllm_server.limits import Overloaded
+from ruvllm_server.request_context import CURRENT_MODEL
 
 if TYPE_CHECKING:
     from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+    from ruvllm_server.pool import ModelPool
     from ruvllm_server.state import ServerState
 
 access_log = structlog.get_logger("ruvllm.server.access")
@@ -131,8 +135,73 @@ def _authenticate(scope: Scope, keys: list[str]) -> str:
     return key_id(found)
 
 
-def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
+#: With several models, the routes that answer about all of them (no model is picked or loaded).
+POOL_PATHS = ("/v1/models", "/api/tags", "/api/ps", "/api/version")
+
+
+class _Picked(msgspec.Struct):
+    """What the guard reads of a request body to pick its model (the route reads it whole)."""
+
+    model: str | None = None
+    #: Ollama's older name for ``model`` (``/api/show``).
+    name: str | None = None
+    keep_alive: float | str | None = None
+    prompt: str | None = None
+    system: str | None = None
+    messages: list[Any] | None = None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "the client closed the request before its body arrived", code="client_closed")
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        chunks.append(body)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with the body already read given back first."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def _pick(scope: Scope, receive: Receive, limit: int) -> tuple[Receive, _Picked]:
+    """The model a request names: its JSON body's ``model`` (or ``name``), a GET's ``?model=``."""
+    if scope.get("method") != "POST":
+        from urllib.parse import parse_qs
+
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        return receive, _Picked(model=(query.get("model") or [None])[0])
+    body = await _read_body(receive, limit)
+    try:
+        picked = msgspec.json.decode(body, type=_Picked) if body.strip() else _Picked()
+    except msgspec.ValidationError as exc:
+        raise APIError(400, f"invalid request body: {exc}", param="model", code="invalid_request_error") from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_request_error") from None
+    return _replaying(body, receive), picked
+
+
+def guard_middleware(app: ASGIApp, state: ServerState | ModelPool) -> ASGIApp:
+    from ruvllm_server.pool import ModelPool
+
     settings = state.settings
+    pool = state if isinstance(state, ModelPool) else None
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -159,11 +228,45 @@ def guard_middleware(app: ASGIApp, state: ServerState) -> ASGIApp:
                 )
         if path.startswith(MODEL_PATH_PREFIXES) and not state.ready:
             raise APIError(503, state.not_ready_reason, code="not_ready", headers={"Retry-After": "5"})
-        if state.pooling is not None and path.startswith(MODEL_PATH_PREFIXES) and not path.startswith("/v1/models"):
+        if pool is not None and path.startswith(MODEL_PATH_PREFIXES) and not path.startswith(POOL_PATHS):
+            await _with_model(pool, scope, receive, send)
+            return
+        await _admitted(state, scope, receive, send)
+
+    async def _with_model(pool: ModelPool, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pick the request's model, load it if needed, hold it until the response is sent."""
+        from ruvllm_server.pool import keep_alive_seconds
+
+        receive, picked = await _pick(scope, receive, settings.max_body_bytes)
+        entry = pool.resolve(picked.model or picked.name)
+        given = picked.keep_alive is not None
+        try:
+            keep = keep_alive_seconds(picked.keep_alive)
+        except RuvllmError as exc:
+            raise APIError(400, str(exc), param="keep_alive", code="invalid_request_error") from None
+        empty = not (picked.prompt or picked.system or picked.messages)
+        if keep == 0 and empty and scope["path"] in ("/api/generate", "/api/chat"):
+            # Ollama's way to unload a model (``ollama stop``): nothing to load first.
+            await pool.unload(entry, "keep_alive")
+            scope["state"]["ruvllm_unloaded"] = entry.spec.name
+            await app(scope, receive, send)
+            return
+        served = await pool.acquire(entry)
+        scope["state"]["ruvllm_model"] = served
+        token = CURRENT_MODEL.set(served)
+        try:
+            await _admitted(served, scope, receive, send)
+        finally:
+            CURRENT_MODEL.reset(token)
+            await pool.release(entry, served, keep, given)
+
+    async def _admitted(served: ServerState | ModelPool, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        if served.pooling is not None and path.startswith(MODEL_PATH_PREFIXES) and not path.startswith("/v1/models"):
             from ruvllm_server.pooling import POOLING_PATHS, not_generative
 
             if path not in POOLING_PATHS:
-                raise not_generative(state.pooling.model, path)
+                raise not_generative(served.pooling.model, path)
         if scope.get("method") == "POST" and path in GENERATION_PATHS:
             try:
                 async with state.admission.slot():

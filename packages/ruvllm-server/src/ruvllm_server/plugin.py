@@ -21,7 +21,35 @@ def _add_serve_parser(subparsers: Any) -> None:
         description="Serve MODEL over an OpenAI-compatible HTTP API. Settings: flags > RUVLLM_* environment "
         "> --config TOML file > defaults.",
     )
-    p.add_argument("model", nargs="?", default=None, help="alias (smollm2), GGUF file, HF directory or Hub repo id")
+    p.add_argument(
+        "model", nargs="*", default=None,
+        help="alias (smollm2), GGUF file, HF directory or Hub repo id; several: one server for all of them, each "
+        "loaded when a request names it (by file stem or alias)",
+    )  # fmt: skip
+    p.add_argument(
+        "--models-dir", default=None,
+        help="serve every GGUF file and model folder in DIR, named by file stem, each loaded on first use",
+    )  # fmt: skip
+    p.add_argument(
+        "--models-config", default=None, metavar="FILE",
+        help="TOML file of per-model settings: [models.NAME] tables with model = PATH and quantization, backend, "
+        "max_context, kv_cache_memory, ..., aliases = [...], keep_alive, preload",
+    )  # fmt: skip
+    p.add_argument("--models-max", type=int, default=None, help="most models loaded at once, LRU beyond (default 3)")
+    p.add_argument(
+        "--models-memory", default=None,
+        help="memory the loaded models' weights and KV caches may take, e.g. 12GiB; the least recently used idle "
+        "model is unloaded to make room (default: 80%% of the memory available at start)",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep-alive", default=None,
+        help="with several models: how long an idle model stays loaded (seconds or 5m, 1h; -1: always; 0: unload "
+        "after each request; a request's own keep_alive wins) (default 5m)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model-load-timeout", type=float, default=None, metavar="SECONDS",
+        help="how long a request waits for its model to load before a 503 (default 600)",
+    )  # fmt: skip
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--backend", default=None, help="backend name (default: RUVLLM_BACKEND or the best installed)")
@@ -243,8 +271,16 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
     from ruvllm_server.settings import ServerConfigError, load_settings
     from ruvllm_server.state import load_model
 
+    given = list(args.model or [])
     flags = {
-        "model": args.model,
+        "model": given[0] if len(given) == 1 else None,
+        "models": given if len(given) > 1 else None,
+        "models_dir": args.models_dir,
+        "models_config": args.models_config,
+        "models_max": args.models_max,
+        "models_memory": args.models_memory,
+        "keep_alive": args.keep_alive,
+        "model_load_timeout": args.model_load_timeout,
         "host": args.host,
         "port": args.port,
         "backend": args.backend,
@@ -301,6 +337,20 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         # The server's access lines are INFO; RUVLLM_LOG still wins when set.
         os.environ.setdefault("RUVLLM_LOG", "INFO")
     configure_logging(verbose=getattr(args, "verbose", False), json=settings.log_json)
+    from ruvllm_server.pool import model_specs, pooled
+
+    if pooled(settings):
+        from ruvllm.resolve import resolve
+
+        specs = model_specs(settings)  # a bad config fails here, in one line
+        for spec in specs:
+            resolve(spec.settings.model)  # and a reference to nothing; models load when first asked for
+        print("ruvllm serve " + json.dumps(settings.masked(), sort_keys=True), file=sys.stderr, flush=True)
+        uvicorn.run(
+            create_app(settings), host=settings.host, port=settings.port, access_log=False,
+            timeout_graceful_shutdown=int(settings.drain_timeout), log_level="info",
+        )  # fmt: skip
+        return 0
     # Load before listening so a bad model reference fails with one line and a non-zero exit.
     try:
         model = load_model(settings)

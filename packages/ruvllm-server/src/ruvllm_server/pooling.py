@@ -35,6 +35,7 @@ from ruvllm_server.pooling_schemas import (
     ScoreResponse,
     ScoreUsage,
 )
+from ruvllm_server.request_context import served_state
 from ruvllm_server.schemas import EmbeddingData, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class PoolingService:
 
 
 def _service(request: Request) -> PoolingService:
-    state: ServerState = request.app.state["ruvllm"]
+    state: ServerState = served_state(request)
     if state.pooling is None:
         raise bad_request(
             f"{request.url.path} needs an embedding or cross-encoder model; {state.model_name} generates text",
@@ -231,8 +232,8 @@ def _service(request: Request) -> PoolingService:
 
 
 def _check_name(request: Request, name: str | None) -> None:
-    state: ServerState = request.app.state["ruvllm"]
-    if name is not None and name != state.model_name:
+    state: ServerState = served_state(request)
+    if name is not None and name != state.model_name and name not in state.aliases:
         raise model_not_found(name)
 
 
@@ -250,7 +251,7 @@ async def embeddings(request: Request, data: EmbeddingRequest) -> EmbeddingList:
             items.append(EmbeddingData(i, base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")))
         else:
             items.append(EmbeddingData(i, v.tolist()))
-    state: ServerState = request.app.state["ruvllm"]
+    state: ServerState = served_state(request)
     return EmbeddingList(items, state.model_name, EmbeddingUsage(encoded.tokens, encoded.tokens))
 
 
@@ -270,7 +271,7 @@ async def _rerank(request: Request, data: RerankRequest) -> RerankResponse:
     results = [
         RerankResult(i, float(scores[i]), RerankDocument(texts[i]) if data.return_documents else None) for i in order
     ]
-    state: ServerState = request.app.state["ruvllm"]
+    state: ServerState = served_state(request)
     return RerankResponse(f"rerank-{uuid.uuid4().hex}", state.model_name, RerankUsage(tokens), results)
 
 
@@ -304,7 +305,7 @@ async def _score(request: Request, data: ScoreRequest) -> ScoreResponse:
         )
     service.check_count(len(pairs), "text_2")
     scores, tokens = await service.score(pairs, data.truncate_prompt_tokens)
-    state: ServerState = request.app.state["ruvllm"]
+    state: ServerState = served_state(request)
     return ScoreResponse(
         f"score-{uuid.uuid4().hex}",
         int(time.time()),

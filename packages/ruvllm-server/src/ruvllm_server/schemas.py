@@ -296,6 +296,24 @@ class ModelCard(Struct):
     root: str | None = None
 
 
+class PooledModelCard(ModelCard, kw_only=True):
+    """A model of a server holding several: whether it is loaded now (``loaded``, ``loading``,
+    ``unloading``, ``unloaded``, ``failed``, with the error), and the other names it answers to."""
+
+    status: str
+    error: str | None = None
+    aliases: list[str] = []
+
+
+class ModelLoadRequest(Struct):
+    model: str
+
+
+class ModelLoadStatus(Struct):
+    model: str
+    status: str
+
+
 class ModelList(Struct):
     data: list[ModelCard]
     object: str = "list"

@@ -27,6 +27,24 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = ""
     #: The id clients send as ``model`` and see in ``/v1/models`` (default: derived from ``model``).
     served_model_name: str | None = None
+    #: Several models in one server (see :mod:`ruvllm_server.pool`): more model references besides
+    #: ``model``, every GGUF file and model folder in ``models_dir`` (named by file stem), and
+    #: ``models_config``, a TOML file of per-model settings (``[models.NAME]`` tables). A request's
+    #: ``model`` picks one; a model not loaded loads on first use.
+    models: list[str] = []
+    models_dir: str | None = None
+    models_config: str | None = None
+    #: Most models loaded at once (least recently used unloaded first beyond it).
+    models_max: Positive = 3
+    #: Memory the loaded models (weights + KV caches) may take (``12GiB``); default: 80% of the memory
+    #: available when the server starts.
+    models_memory: str | int | None = None
+    #: How long a model stays loaded after its last request (Ollama's ``keep_alive``: seconds or a
+    #: duration such as ``5m``; ``-1``: until the server stops; ``0``: unloaded after each request).
+    #: A request may say its own (Ollama's ``keep_alive``). With one model: it stays loaded.
+    keep_alive: str | float = "5m"
+    #: Seconds a request waits for its model to load (and for room to load it) before a 503.
+    model_load_timeout: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     backend: str | None = None
     #: ``auto``: the backend's fastest form that keeps the checkpoint's weights (see LoadOptions).
     quantization: str = "auto"
@@ -186,7 +204,7 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _FIELDS = {f.name: f for f in msgspec.structs.fields(ServerSettings)}
-_LIST_FIELDS = {"api_keys", "cors_origins", "lora_modules"}
+_LIST_FIELDS = {"api_keys", "cors_origins", "lora_modules", "models"}
 #: Singular spellings accepted in TOML and the environment (``RUVLLM_API_KEY``).
 _ALIASES = {"api_key": "api_keys", "cors_origin": "cors_origins"}
 ENV_PREFIX = "RUVLLM_"

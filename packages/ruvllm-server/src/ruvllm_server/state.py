@@ -186,13 +186,25 @@ def check_plugin_options(host: Any, options: dict[str, dict[str, str]]) -> None:
 
 class ServerState:
     def __init__(
-        self, settings: ServerSettings, model: LoadedModel | None = None, *, start_in_background: bool = False
+        self,
+        settings: ServerSettings,
+        model: LoadedModel | None = None,
+        *,
+        start_in_background: bool = False,
+        admission: AdmissionController | None = None,
+        aliases: tuple[str, ...] = (),
+        kv_memory_available: int | None = None,
     ) -> None:
+        """``admission``: a server's controller this model shares (several models in one server);
+        ``aliases``: other names requests may give it; ``kv_memory_available``: the memory the
+        engine's default KV rule sizes within (None: what the machine has left)."""
         self.settings = settings
         self.start_in_background = start_in_background
         self.model_name = settings.model_name
+        self.aliases = frozenset(aliases)
+        self.kv_memory_available = kv_memory_available
         self.metrics = ServerMetrics()
-        self.admission = AdmissionController(settings.max_concurrent, settings.max_queue)
+        self.admission = admission or AdmissionController(settings.max_concurrent, settings.max_queue)
         self.limiter = (
             TokenBucketLimiter(settings.rate_limit, settings.rate_limit_burst) if settings.rate_limit > 0 else None
         )
@@ -261,15 +273,31 @@ class ServerState:
         else:
             self._loader = asyncio.create_task(self._load_then_start())
 
+    async def open(self) -> None:
+        """Load the model (unless one was handed in) and start serving it; raises what failed."""
+        if self.model is None and self.pooling is None:
+            self.model = await anyio.to_thread.run_sync(load_model, self.settings)
+            self._adopt_pooling()
+        if self.pooling is not None:
+            self._start_pooling()
+            return
+        await self._start_engine()
+
+    def memory_bytes(self) -> int:
+        """What the model holds: its weights as the backend reports them (else its files' size) and
+        its KV cache (an embedding model: its weights)."""
+        from ruvllm.backend import ReportsWeightBytes
+
+        loaded = self.pooling.model.encoder if self.pooling is not None else self.model
+        assert loaded is not None
+        inner = loaded.model
+        weights = inner.weight_bytes if isinstance(inner, ReportsWeightBytes) else loaded.checkpoint.size_bytes
+        kv = self.engine.engine.kv_cache_bytes if self.engine is not None else 0
+        return int(weights) + int(kv)
+
     async def _load_then_start(self) -> None:
         try:
-            if self.model is None and self.pooling is None:
-                self.model = await anyio.to_thread.run_sync(load_model, self.settings)
-                self._adopt_pooling()
-            if self.pooling is not None:
-                self._start_pooling()
-                return
-            await self._start_engine()
+            await self.open()
         except Exception as exc:  # any failure to load is reported by /ready, never left at "loading"
             self.load_error = str(exc) if isinstance(exc, RuvllmError) else f"{type(exc).__name__}: {exc}"
             log.error("model failed to load", model=self.settings.model, error=self.load_error)
@@ -287,6 +315,7 @@ class ServerState:
             max_num_batched_tokens=s.max_num_batched_tokens,
             enable_prefix_caching=s.enable_prefix_caching,
             kv_cache_memory_bytes=kv_memory_budget(s, self.model),
+            kv_memory_available=self.kv_memory_available,
             max_step_ms=s.max_step_ms or None,
             max_step_ratio=s.max_step_ratio or None,
             kv_cache_options=kv_cache_options(s),

@@ -16,12 +16,12 @@ from ruvllm_server.anthropic.wire import CountTokensRequest, Message, MessagesRe
 from ruvllm_server.errors import APIError
 from ruvllm_server.generation import ChatJob, cancel_on_disconnect, check_model
 from ruvllm_server.generation.sse import SSE_HEADERS
-from ruvllm_server.request_context import request_user, track_stream
+from ruvllm_server.request_context import request_user, served_state, track_stream
 from ruvllm_server.state import ServerState
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state["ruvllm"]
+    return served_state(request)
 
 
 @post("/v1/messages", status_code=200, summary="Create a message (the Anthropic Messages API)", tags=["anthropic"])

@@ -26,7 +26,7 @@ MAX_STOP_STRINGS = 16
 
 def check_model(state: ServerState, name: str | None) -> Any:
     """The LoRA adapter ``name`` picks (None: the base model); an unknown name is a 404."""
-    if name is None or name == state.model_name:
+    if name is None or name == state.model_name or name in state.aliases:
         return None
     adapter = state.adapters.get(name)
     if adapter is None:

@@ -4,21 +4,29 @@ list, ``/api/show``'s details and ``/api/ps``'s memory, read from the checkpoint
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from ruvllm.backend import ReportsDeviceMemory, ReportsWeightBytes
 from ruvllm_server.ollama.translate import tagged
 from ruvllm_server.ollama.wire import ListedModel, ModelDetails, RunningModel, ShowResponse
 
 if TYPE_CHECKING:
+    from ruvllm.checkpoint import Checkpoint
+    from ruvllm_server.pool import Entry, ModelPool
     from ruvllm_server.state import ServerState
 
 
 def _modified(state: ServerState) -> str:
     """When the model's file (or folder) last changed."""
     assert state.model is not None
-    stamp = state.model.checkpoint.path.stat().st_mtime
-    return datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z")
+    return _stamp(state.model.checkpoint.path)
+
+
+def _stamp(path: Path) -> str:
+    return datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
 
 
 def parameter_size(n: int) -> str:
@@ -30,7 +38,10 @@ def parameter_size(n: int) -> str:
 
 def details(state: ServerState, parent: str = "") -> ModelDetails:
     assert state.model is not None
-    ck = state.model.checkpoint
+    return checkpoint_details(state.model.checkpoint, parent)
+
+
+def checkpoint_details(ck: Checkpoint, parent: str = "") -> ModelDetails:
     family = ck.config.architecture
     return ModelDetails(
         parent_model=parent,
@@ -124,3 +135,50 @@ def show(state: ServerState, name: str) -> ShowResponse:
         capabilities=capabilities(state),
         modified_at=_modified(state),
     )
+
+
+# --- several models ----------------------------------------------------------------------------
+
+
+def _unloaded(entry: Entry) -> ListedModel:
+    """An unloaded model as ``/api/tags`` lists it, read from its file's header (nothing loaded)."""
+    from ruvllm.checkpoint import open_checkpoint
+    from ruvllm.resolve import resolve
+
+    name = tagged(entry.spec.name)
+    ck = open_checkpoint(resolve(entry.spec.settings.model))
+    return ListedModel(name=name, model=name, modified_at=_stamp(ck.path), size=ck.size_bytes,
+                       details=checkpoint_details(ck))  # fmt: skip
+
+
+def pool_listed(pool: ModelPool) -> list[ListedModel]:
+    """Every model of the server, loaded or not (a model whose file cannot be read is left out, logged)."""
+    import structlog
+
+    from ruvllm.errors import RuvllmError
+
+    out: list[ListedModel] = []
+    for entry in pool.entries.values():
+        if entry.status == "loaded" and entry.state is not None and entry.state.model is not None:
+            out += listed(entry.state)
+            continue
+        try:
+            out.append(_unloaded(entry))
+        except (RuvllmError, OSError) as exc:
+            structlog.get_logger("ruvllm.server.ollama").warning(
+                "model not listed", model=entry.spec.name, error=str(exc)
+            )
+    return out
+
+
+def pool_running(pool: ModelPool) -> list[RunningModel]:
+    """The loaded models, each with when it unloads if idle (``expires_at``; none: kept)."""
+    out: list[RunningModel] = []
+    for entry in pool.entries.values():
+        state = entry.state
+        if entry.status != "loaded" or state is None or state.model is None or state.engine is None:
+            continue
+        expires = pool.expires_at(entry)
+        stamp = None if expires is None else datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z")
+        out += [msgspec.structs.replace(m, expires_at=stamp) for m in running(state)]
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
+import anyio
 from litestar import Request, Response, get, post
 from litestar.params import Body
 from litestar.response import Stream
@@ -15,7 +16,7 @@ from ruvllm_server import __version__
 from ruvllm_server.embedding_api import openai_embeddings
 from ruvllm_server.errors import bad_request
 from ruvllm_server.generation import ChatJob, CompletionJob, Run, cancel_on_disconnect, completion_prompts
-from ruvllm_server.ollama.models import listed, running, show
+from ruvllm_server.ollama.models import listed, pool_listed, pool_running, running, show
 from ruvllm_server.ollama.stream import NDJSON, Parts, ndjson_lines
 from ruvllm_server.ollama.translate import (
     Translated,
@@ -40,7 +41,8 @@ from ruvllm_server.ollama.wire import (
     Tags,
     Version,
 )
-from ruvllm_server.request_context import request_user, track_stream
+from ruvllm_server.pool import ModelPool
+from ruvllm_server.request_context import request_user, served_state, track_stream
 from ruvllm_server.schemas import ChatCompletionRequest, EmbeddingRequest
 from ruvllm_server.state import ServerState
 
@@ -49,7 +51,17 @@ NDJSON_HEADERS = {"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state["ruvllm"]
+    return served_state(request)
+
+
+def _load_or_unload(request: Request, name: str, keep_alive: float | str | None) -> tuple[str, str]:
+    """A request with nothing to answer: the model is loaded (the guard did it, with several models)
+    or, with ``keep_alive`` 0 and several models, was unloaded; ``(model name, done_reason)``."""
+    check_keep_alive(keep_alive)
+    unloaded = request.scope["state"].get("ruvllm_unloaded")
+    if unloaded is not None:
+        return name, "unload"
+    return served_name(_state(request), name), "load"
 
 
 def _metrics(run: Run) -> RequestMetrics | None:
@@ -80,13 +92,12 @@ async def _answer(request: Request, translated: Translated, generate: bool) -> A
 
 @post("/api/chat", status_code=200, summary="Chat (Ollama's API)", tags=["ollama"])
 async def chat(request: Request, data: Annotated[ChatRequest, Body()]) -> ChatPart | Stream | Response[bytes]:
-    state = _state(request)
-    if not data.messages:  # Ollama's way to load a model: it is loaded already
-        check_keep_alive(data.keep_alive)
-        model = served_name(state, data.model)
+    if not data.messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+        model, reason = _load_or_unload(request, data.model, data.keep_alive)
         return ChatPart(
-            model=model, created_at=now_iso(), message=AssistantMessage(content=""), done=True, done_reason="load"
+            model=model, created_at=now_iso(), message=AssistantMessage(content=""), done=True, done_reason=reason
         )
+    state = _state(request)
     return await _answer(request, chat_request(data, state), generate=False)
 
 
@@ -94,11 +105,10 @@ async def chat(request: Request, data: Annotated[ChatRequest, Body()]) -> ChatPa
 async def generate(
     request: Request, data: Annotated[GenerateRequest, Body()]
 ) -> GeneratePart | Stream | Response[bytes]:
-    state = _state(request)
     if not data.prompt and not data.system:
-        check_keep_alive(data.keep_alive)
-        model = served_name(state, data.model)
-        return GeneratePart(model=model, created_at=now_iso(), response="", done=True, done_reason="load")
+        model, reason = _load_or_unload(request, data.model, data.keep_alive)
+        return GeneratePart(model=model, created_at=now_iso(), response="", done=True, done_reason=reason)
+    state = _state(request)
     return await _answer(request, generate_request(data, state), generate=True)
 
 
@@ -134,12 +144,16 @@ async def embed(request: Request, data: Annotated[EmbedRequest, Body()]) -> Embe
 
 @get("/api/tags", summary="The served models (Ollama's API)", tags=["ollama"])
 async def tags(request: Request) -> Tags:
-    return Tags(listed(_state(request)))
+    state = _state(request)
+    if isinstance(state, ModelPool):
+        return Tags(await anyio.to_thread.run_sync(pool_listed, state))  # reads each unloaded file's header
+    return Tags(listed(state))
 
 
 @get("/api/ps", summary="The loaded models (Ollama's API)", tags=["ollama"])
 async def ps(request: Request) -> Running:
-    return Running(running(_state(request)))
+    state = _state(request)
+    return Running(pool_running(state) if isinstance(state, ModelPool) else running(state))
 
 
 @post("/api/show", status_code=200, summary="A model's details (Ollama's API)", tags=["ollama"])

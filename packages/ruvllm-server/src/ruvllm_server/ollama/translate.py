@@ -87,7 +87,7 @@ def tagged(name: str) -> str:
 def served_name(state: ServerState, name: str) -> str:
     """The served model or adapter ``name`` means: itself, or without the ``:latest`` Ollama's
     clients add; anything else is Ollama's not-found."""
-    known = {state.model_name, *state.adapters}
+    known = {state.model_name, *state.aliases, *state.adapters}
     if name in known:
         return name
     base, _, tag = name.rpartition(":")

@@ -14,7 +14,7 @@ from ruvllm.errors import RequestError
 from ruvllm_server.errors import APIError, bad_request
 from ruvllm_server.generation import ChatJob, cancel_on_disconnect
 from ruvllm_server.generation.sse import SSE_HEADERS
-from ruvllm_server.request_context import request_user, track_stream
+from ruvllm_server.request_context import request_user, served_state, track_stream
 from ruvllm_server.responses.events import ResponseEvents, response_events
 from ruvllm_server.responses.store import ResponseStore
 from ruvllm_server.responses.translate import (
@@ -31,7 +31,7 @@ from ruvllm_server.state import ServerState
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state["ruvllm"]
+    return served_state(request)
 
 
 def response_store(request: Request) -> ResponseStore:
