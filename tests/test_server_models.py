@@ -20,7 +20,7 @@ from _candle_compat_fixtures import write_tiny_hf_checkpoint
 from _server_fixtures import live_server
 from _tiny_served_fixtures import write_word_tokenizer
 
-from ruvllm_server.pool import keep_alive_seconds, model_specs
+from ruvllm_server.pool_config import keep_alive_seconds, model_specs
 from ruvllm_server.settings import ServerConfigError, ServerSettings
 
 pytestmark = pytest.mark.timeout(600)

@@ -39,7 +39,8 @@ from ruvllm_server.generation.sse import SSE_HEADERS
 from ruvllm_server.hookspecs import RouteContext, server_hooks
 from ruvllm_server.middleware import RequestContextMiddleware, guard_middleware
 from ruvllm_server.ollama.routes import OLLAMA_ROUTES
-from ruvllm_server.pool import Entry, ModelPool, model_specs, pooled
+from ruvllm_server.pool import Entry, ModelPool
+from ruvllm_server.pool_config import model_specs, pooled
 from ruvllm_server.request_context import CURRENT_MODEL, request_user, served_state, track_stream
 from ruvllm_server.responses import RESPONSES_ROUTES
 from ruvllm_server.schemas import (

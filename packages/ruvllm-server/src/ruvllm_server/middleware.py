@@ -235,7 +235,7 @@ def guard_middleware(app: ASGIApp, state: ServerState | ModelPool) -> ASGIApp:
 
     async def _with_model(pool: ModelPool, scope: Scope, receive: Receive, send: Send) -> None:
         """Pick the request's model, load it if needed, hold it until the response is sent."""
-        from ruvllm_server.pool import keep_alive_seconds
+        from ruvllm_server.pool_config import keep_alive_seconds
 
         receive, picked = await _pick(scope, receive, settings.max_body_bytes)
         entry = pool.resolve(picked.model or picked.name)

@@ -337,7 +337,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         # The server's access lines are INFO; RUVLLM_LOG still wins when set.
         os.environ.setdefault("RUVLLM_LOG", "INFO")
     configure_logging(verbose=getattr(args, "verbose", False), json=settings.log_json)
-    from ruvllm_server.pool import model_specs, pooled
+    from ruvllm_server.pool_config import model_specs, pooled
 
     if pooled(settings):
         from ruvllm.resolve import resolve
