@@ -7,6 +7,7 @@ errors, the real ``anthropic`` and ``ollama`` clients, and resident memory over 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -286,7 +287,7 @@ def test_settings_of_several_models(tmp_path, models_dir):
     }
     for text, message in bad.items():
         config.write_text(text)
-        with pytest.raises(ServerConfigError, match=message.replace("[", r"\[").replace("`", "`")):
+        with pytest.raises(ServerConfigError, match=re.escape(message)):
             model_specs(ServerSettings(models_dir=str(models_dir), models_config=str(config)))
     with pytest.raises(ServerConfigError, match="served_model_name"):
         model_specs(ServerSettings(models=["a.gguf", "b.gguf"], served_model_name="x"))

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import tomllib
 
-from ruvllm_server.settings import ServerConfigError, ServerSettings, _normalise
+from ruvllm_server.settings import ServerConfigError, ServerSettings, _normalise, read_toml
 
 #: What a models-config table may set for its model besides the server's per-model settings.
 POOL_KEYS = frozenset({"aliases", "keep_alive", "preload"})
@@ -93,13 +92,7 @@ def _dir_models(root: str) -> list[tuple[str, str]]:
 
 
 def _config_tables(path: str) -> dict[str, dict[str, Any]]:
-    p = Path(path).expanduser()
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ServerConfigError(f"--models-config {path!r} not found") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ServerConfigError(f"--models-config {path!r} is not valid TOML: {exc}") from None
+    data = read_toml(path, "--models-config")
     extra = set(data) - {"models"}
     if extra or not isinstance(data.get("models"), dict):
         raise ServerConfigError(f"--models-config {path!r}: put each model in a [models.NAME] table (found {extra})")

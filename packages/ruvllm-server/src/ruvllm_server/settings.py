@@ -251,15 +251,21 @@ def parse_plugin_options(value: Any, source: str = "flags") -> dict[str, dict[st
     return out
 
 
+def read_toml(path: str | os.PathLike[str], what: str = "config file") -> dict[str, Any]:
+    """A TOML file's tables, or a one-line error naming ``what`` and the path."""
+    p = Path(path).expanduser()
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ServerConfigError(f"{what} {str(path)!r} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ServerConfigError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
+
+
 def from_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Settings in a TOML file: top-level keys, or a ``[server]`` table."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ServerConfigError(f"config file {str(p)!r} not found") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ServerConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    data = read_toml(path)
     if isinstance(data.get("server"), dict) and len(data) == 1:
         data = data["server"]
     return _normalise(f"config file {str(p)!r}", data)
