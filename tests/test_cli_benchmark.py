@@ -190,3 +190,35 @@ def test_kv_cache_dtype_reaches_the_jax_backend(smollm2_path: Path) -> None:
     assert half["dtype"] == full["dtype"] == "float32"
     assert half["settings"]["kv_cache_options"] == {"dtype": "bfloat16"} and full["settings"]["kv_cache_options"] == {}
     assert half["memory"]["kv_cache_bytes"] * 2 == full["memory"]["kv_cache_bytes"]
+
+
+def test_benchmark_of_an_embedding_model_and_a_cross_encoder(tmp_path: Path) -> None:
+    """An embedding folder is benchmarked as texts/s through its whole pipeline; a cross-encoder as
+    pairs/s; the generative settings are refused by name."""
+    from _embedding_fixtures import write_bert_embedder, write_cross_encoder
+
+    from ruvllm.embed_bench import PASSAGE
+    from ruvllm.embedding import load_embedding_model
+
+    embedder = write_bert_embedder(tmp_path / "bert")
+    scorer = write_cross_encoder(tmp_path / "cross")
+    for path, kind in ((embedder, "embedding"), (scorer, "cross-encoder")):
+        args = [str(path), "--backend", "candle-compat", "--batch", "4", "--prompt-length", "6", "--iterations", "3"]
+        done = run_benchmark_cli(*args, "--format", "json")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["kind"] == kind and report["settings"]["batch"] == 4
+        seconds = report["seconds"]
+        assert len(seconds) == 3
+        texts = report["metrics"]["texts_per_s"]
+        assert texts["median"] == pytest.approx(statistics.median(4 / s for s in seconds))
+        tokens = report["tokens_per_batch"]
+        model = load_embedding_model(str(path), backend="candle-compat")
+        texts = model.pieces(PASSAGE, 6, 4)
+        pairs = [(texts[0], t) for t in texts]
+        assert tokens == (model.tokenize(texts) if kind == "embedding" else model.tokenize_pairs(pairs)).tokens
+        assert report["metrics"]["tokens_per_s"]["max"] == pytest.approx(tokens / min(seconds))
+    done = run_benchmark_cli(str(embedder), "--backend", "candle-compat", "--gen-length", "8")
+    assert done.returncode != 0 and "--gen-length: not for an embedding" in done.stderr
+    done = run_benchmark_cli(str(embedder), "--backend", "candle-compat", "--prompt-length", "100")
+    assert done.returncode != 0 and "more than the model takes" in done.stderr

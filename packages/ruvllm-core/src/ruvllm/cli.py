@@ -385,7 +385,10 @@ def cmd_download(args: argparse.Namespace, host: PluginHost) -> int:
 
 def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
     from ruvllm.bench_cli import BenchmarkSettings, ProgressBar, check_format, render, run_benchmark
+    from ruvllm.embed_bench import is_embedding_ref
 
+    if is_embedding_ref(args.model, args.cache_dir):
+        return _embed_benchmark(args, host)
     settings = BenchmarkSettings(
         prompt_length=args.prompt_length,
         gen_length=args.gen_length,
@@ -410,6 +413,32 @@ def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
         if progress is not None:
             progress.close()  # before any error line, which would otherwise land on the bar
     sys.stdout.write(render(report, args.format))
+    return 0
+
+
+def _embed_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
+    """``ruvllm benchmark`` of an embedding or cross-encoder folder: texts/s at ``--batch``."""
+    from ruvllm.backend import LoadOptions
+    from ruvllm.bench_cli import check_format
+    from ruvllm.embed_bench import EmbedBenchmarkError, EmbedBenchmarkSettings, render_embed, run_embed_benchmark
+    from ruvllm.embedding import load_embedding_model
+
+    generative = {"--gen-length": args.gen_length != 32, "--speculative": args.speculative is not None,
+                  "--draft-model": args.draft_model is not None, "--kv-cache-dtype": args.kv_cache_dtype != "auto",
+                  "--quantization": args.quantization not in (None, "auto", "none")}  # fmt: skip
+    given = [flag for flag, set_ in generative.items() if set_]
+    if given:
+        raise EmbedBenchmarkError(f"{', '.join(given)}: not for an embedding or cross-encoder model")
+    settings = EmbedBenchmarkSettings(args.batch, args.prompt_length, args.iterations, args.warmup)
+    settings.validate()
+    check_format(args.format)
+    extra = backend_extra(threads=args.threads, device=args.device, options=args.backend_option)
+    model = load_embedding_model(
+        args.model, backend=args.backend, options=LoadOptions(dtype=args.dtype, extra=extra), host=host,
+        cache_dir=args.cache_dir,
+    )  # fmt: skip
+    settings.validate(model.max_tokens)
+    sys.stdout.write(render_embed(run_embed_benchmark(model, settings), args.format))
     return 0
 
 

@@ -173,6 +173,17 @@ class EmbeddingModel:
                     enc[i] = e
         return enc
 
+    def pieces(self, text: str, tokens: int, n: int) -> list[str]:
+        """``n`` texts of ``tokens`` tokens each (without the special tokens), cut from ``text``
+        (repeated as needed) at successive token offsets (``ruvllm benchmark``'s inputs)."""
+        with self._tok_lock:
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            if not ids:
+                raise RequestError("the text has no tokens")
+            while len(ids) < tokens + n:
+                ids = ids + ids
+            return [self._tokenizer.decode(ids[i : i + tokens]) for i in range(n)]
+
     def tokenize(
         self, texts: Sequence[str], *, prompt: str = "", truncate: bool | int | None = False, param: str = "input"
     ) -> Encoded:
