@@ -120,3 +120,33 @@ def test_smollm2_w4a8_weights_sit_on_huge_pages(smollm2_path):
     start, end = max(ranges, key=lambda r: r[1] - r[0])
     lo, hi = aligned_interior(start, end)
     assert anon_huge_bytes(lo, hi) >= 0.9 * (hi - lo)
+
+
+RELEASE_CHILD = """
+import numpy as np, psutil
+from ruvllm.memory import release_free_memory
+from ruvllm_jax.host_memory import keep_large_buffers
+assert keep_large_buffers() == "kept for reuse"
+keep = np.ones(4 << 20)            # 32 MiB above the freed block: it is not at the heap's top
+big = np.ones(64 << 20)            # 512 MiB on the heap (mmap is off)
+keep2 = np.ones(1 << 20)
+rss = lambda: psutil.Process().memory_info().rss
+held = rss()
+del big
+kept = rss()
+assert release_free_memory()
+print(held, kept, rss())
+"""
+
+
+def test_release_free_memory_gives_back_what_the_kept_heap_holds():
+    """With the backend's allocator policy (freed large buffers kept), a freed 512 MiB array stays
+    resident until ``ruvllm.memory.release_free_memory`` (glibc's malloc_trim) hands it back: what a
+    server of several models does after unloading one. In a child process: the policy is global."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    held, kept, released = (int(x) for x in out.stdout.split())
+    assert kept > held - (64 << 20)  # freeing alone returned (almost) nothing
+    assert released < kept - (400 << 20)  # the trim returned the array's pages

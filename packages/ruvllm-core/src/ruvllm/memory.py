@@ -90,3 +90,22 @@ def available_memory() -> int:
     be read."""
     found = [m for m in (_meminfo_available(), cgroup_headroom()) if m is not None]
     return min(found) if found else 8 * 2**30
+
+
+def release_free_memory() -> bool:
+    """Hand the C allocator's free memory back to the system (glibc's ``malloc_trim(0)``, which also
+    releases free pages inside the heap, not only at its top); False where the allocator has no such
+    call. For a process that just dropped a large object (a server unloading a model): a backend may
+    have told the allocator to keep freed buffers for reuse, and the freed model's gigabytes would
+    otherwise stay resident."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -135,6 +135,15 @@ class PoolMetrics:
         return generate_latest(self.registry)
 
 
+def _free() -> None:
+    """Drop an unloaded model's arrays now (not at some later collection) and give their memory back
+    to the system (a backend may have told the allocator to keep freed buffers)."""
+    from ruvllm.memory import release_free_memory
+
+    gc.collect()
+    release_free_memory()
+
+
 def _files_bytes(ref: str) -> int:
     from ruvllm.resolve import resolve
 
@@ -432,7 +441,7 @@ class ModelPool:
                 await state.stop()
         finally:
             del state
-            await anyio.to_thread.run_sync(gc.collect)  # the weights' arrays go now, not at some later collection
+            await anyio.to_thread.run_sync(_free)
             async with self._changed:
                 entry.status, entry.charge, entry.deadline = "unloaded", 0, None
                 entry.keep_alive_given = False
