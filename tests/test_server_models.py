@@ -175,12 +175,24 @@ def test_unknown_models_get_each_dialects_not_found(models_dir):
         r = httpx.post(srv.url("/v1/completions"), content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
         assert _statuses(srv.base_url) == dict.fromkeys(NAMES, "unloaded")
+        # Past the model's pick, each dialect's own checks, in its own shape: a missing required field,
+        # a tool_result that answers no tool_use, an Ollama option of the wrong type.
+        r = httpx.post(srv.url("/v1/messages"), json={"model": "tiny-a", "messages": []})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "3"}]}]
+        r = httpx.post(srv.url("/v1/messages"), json={"model": "tiny-a", "max_tokens": 4, "messages": orphan})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        r = httpx.post(srv.url("/api/generate"), json={"model": "tiny-b", "prompt": PROMPT, "options": {"top_k": "x"}})
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
+        assert _complete(srv.base_url, "tiny-c")  # and the server keeps serving
+        assert all(e.users == 0 for e in srv.state.entries.values())  # no request kept a model
 
 
 def test_the_clients_of_each_dialect_reach_the_model_they_name(models_dir, alone):
     with _pool(models_dir, models_max=2) as srv:
         claude = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0)
         client = ollama.Client(host=srv.base_url)
+        vectors_of: dict[str, list] = {}
         for name in ("tiny-a", "tiny-b"):
             # (the SDK takes no sampling fields any more: they go as extra_body)
             msg = claude.messages.create(
@@ -198,10 +210,15 @@ def test_the_clients_of_each_dialect_reach_the_model_they_name(models_dir, alone
                                     options={"temperature": 0, "num_predict": 6})  # fmt: skip
             assert "".join(p.response for p in parts) == alone[name][0]
             assert client.show(name).details.family == "llama"
+            vectors = client.embed(model=name, input=[PROMPT, "w9 w8"]).embeddings
+            r = httpx.post(srv.url("/v1/embeddings"), json={"model": name, "input": [PROMPT, "w9 w8"]})
+            assert vectors == [d["embedding"] for d in r.json()["data"]]
+            vectors_of[name] = vectors
         listed = {m.model for m in client.list().models}
         assert listed == {f"{n}:latest" for n in NAMES}  # unloaded ones too, read from their files
         running = {m.model for m in client.ps().models}
         assert running == {"tiny-a:latest", "tiny-b:latest"}
+        assert vectors_of["tiny-a"] != vectors_of["tiny-b"]  # each model embeds with its own weights
 
 
 def test_keep_alive_as_ollama_reads_it(models_dir):
