@@ -1,0 +1,314 @@
+"""Speculative decoding on a real draft/target pair (issue 56): Qwen2.5-Coder-0.5B-Instruct drafting for
+Qwen2.5-Coder-1.5B-Instruct (both Q4_K_M GGUF), on the code prompts kept in
+``benchmarks/prompts/code_pair.jsonl`` (edits of given code, completions, code written from a
+description): single stream, chat, greedy, ``--max-tokens`` tokens.
+
+    flock /tmp/ruvllm-cpu.lock python benchmarks/bench_speculative_pair.py --json pair.json
+    python benchmarks/bench_speculative_pair.py --limit 2 --max-tokens 32 --no-llama-cpp   # a smoke run
+
+In one process: the plain engine and one engine per speculative mode (``ngram``, ``draft``,
+``ngram+draft``) over the same loaded target and draft, taking turns prompt by prompt (the order
+rotated by one per prompt). Every mode's tokens are checked equal to the plain engine's, prompt by
+prompt. A prompt's rate is (tokens - 1) / (seconds after its first token); the report gives each
+mode's median rate and its median per-prompt ratio to the plain engine, per prompt kind and overall,
+its lowest ratio and its acceptance. Also measured in this process, before the prompts: a draft
+step's and a target step's milliseconds (one token, 200 tokens of context, the forward and its
+logits on the host), and their ratio.
+
+llama.cpp: its plain rate through llama-cpp-python (the same GGUF, greedy, in this process) and its
+speculative rate through the ``llama-speculative-simple`` binary (``--llama-spec-bin``; its
+``decoded N tokens in S seconds`` line), each ``--llama-spec`` setting tried on the first
+``--tune-prompts`` prompts, the best of them then run on every prompt in turn with the others. The
+CPU is named in the report. Nothing here is run by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_speculative import Run, llama_cpp_single
+from provenance import cpu_summary
+
+PROMPTS = Path(__file__).parent / "prompts" / "code_pair.jsonl"
+MODELS = Path("/work/models")
+TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+MODES = ("plain", "ngram", "draft", "ngram+draft")
+#: llama.cpp's speculative settings tried (``--spec-type`` and its arguments).
+LLAMA_SPEC = (
+    "draft-simple:2",
+    "draft-simple:4",
+    "draft-simple:8",
+    "draft-simple:16",
+    "ngram-simple",
+    "ngram-mod",
+    "ngram-map-k",
+    "draft-simple,ngram-mod:8",
+)
+
+
+@dataclass
+class Prompt:
+    kind: str
+    text: str  # the chat template applied
+    tokens: list[int]
+
+
+def load_prompts(tokenizer: Any, limit: int | None) -> list[Prompt]:
+    lines = [json.loads(x) for x in PROMPTS.read_text().splitlines() if x.strip()][:limit]
+    out = []
+    for x in lines:
+        text = tokenizer.apply_chat_template(x["messages"], add_generation_prompt=True)
+        out.append(Prompt(x["kind"], text, tokenizer.encode(text)))
+    return out
+
+
+def engine_for(target: Any, draft: Any, mode: str, args: argparse.Namespace) -> Any:
+    from ruvllm.engine import EngineConfig, LLMEngine
+
+    speculative = None if mode == "plain" else mode
+    uses_draft = speculative in ("draft", "ngram+draft")
+    config = EngineConfig(
+        max_num_seqs=1,
+        max_model_len=2048,
+        num_blocks=2048 // 16 + 8,
+        speculative=speculative,
+        num_speculative_tokens=args.k,
+        draft_model=str(args.draft) if uses_draft else None,
+    )
+    engine = LLMEngine(target, config, draft_model=draft if uses_draft else None)
+    t0 = time.perf_counter()
+    engine.precompile()  # nothing compiles while timed
+    print(f"{mode}: precompiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return engine
+
+
+def ruvllm_single(engine: Any, prompt: list[int], max_tokens: int) -> Run:
+    from ruvllm.engine import GenerationRequest
+    from ruvllm.sampling import SamplingParams
+
+    tokens: list[int] = []
+    first = None
+    for out in engine.stream(GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))):
+        for d in out.deltas:
+            tokens += d.token_ids
+        if first is None and tokens:
+            first = time.perf_counter()
+    assert first is not None
+    return Run(tokens, time.perf_counter() - first)
+
+
+def step_ms(model: Any, prompt: list[int], steps: int) -> list[float]:
+    """Milliseconds of ``steps`` one-token forward passes of ``model`` after ``prompt`` (its own
+    cache), each with its logits brought to the host as the draft proposer takes them."""
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.engine.batch import block_table
+
+    block = 16
+    blocks = -(-(len(prompt) + steps + 1) // block)
+    cache = model.allocate_cache(blocks + 1, block)
+    table = block_table(list(range(blocks)))
+    out = model.forward(ForwardBatch([SequenceChunk(np.asarray(prompt, np.int32), 0, table)], block), cache)
+    token = int(np.argmax(np.asarray(out.logits)[-1]))
+    ms = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        chunk = SequenceChunk(np.asarray([token], np.int32), len(prompt) + i, table)
+        out = model.forward(ForwardBatch([chunk], block), cache)
+        token = int(np.argmax(np.asarray(out.logits, dtype=np.float64)[-1]))
+        ms.append(1000.0 * (time.perf_counter() - t0))
+    return ms
+
+
+def draft_step_cost(target: Any, draft: Any, prompt: list[int], rounds: int = 5, steps: int = 24) -> dict[str, float]:
+    """A draft step's and a target step's median milliseconds, the two taking turns ``rounds`` times
+    (the first round is a warm-up), and their ratio."""
+    t_ms: list[float] = []
+    d_ms: list[float] = []
+    for r in range(rounds):
+        t, d = step_ms(target, prompt, steps), step_ms(draft, prompt, steps)
+        if r:
+            t_ms += t[2:]
+            d_ms += d[2:]
+    t_med, d_med = statistics.median(t_ms), statistics.median(d_ms)
+    return {"target_step_ms": t_med, "draft_step_ms": d_med, "draft_over_target": d_med / t_med}
+
+
+def llama_spec_run(binary: Path, setting: str, prompt: Prompt, args: argparse.Namespace) -> Run:
+    """One prompt through ``llama-speculative-simple`` with ``setting`` (``types[:n_max]``): the tokens
+    it decoded (their count only: the binary prints text) and its decode seconds."""
+    types, _, n_max = setting.partition(":")
+    cmd = [str(binary), "-m", str(args.target), "-n", str(args.max_tokens), "--temp", "0", "--top-k", "1"]
+    cmd += ["-t", str(args.threads), "-c", "2048", "--spec-type", types]
+    if "draft" in types:
+        cmd += ["-md", str(args.draft), "-td", str(args.threads)]
+    if n_max:
+        cmd += ["--spec-draft-n-max", n_max] if "draft" in types else ["--spec-ngram-mod-n-max", n_max]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt.text)
+        f.flush()
+        # OpenMP's waiting threads spin: two contexts' teams on two cores starve each other otherwise.
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE" if "draft" in types else "ACTIVE")
+        done = subprocess.run([*cmd, "-f", f.name], capture_output=True, text=True, env=env, timeout=600)
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr)
+    if done.returncode != 0 or m is None:
+        raise RuntimeError(f"llama-speculative-simple {setting} failed: {done.stderr[-800:]}")
+    n, s = int(m.group(1)), float(m.group(2))
+    acc = re.search(r"accept\s+=\s+([\d.]+)%", done.stderr)
+    run = Run([0] * (n + 1), s)  # n tokens decoded after the first: the same rate formula as ruvllm's
+    run.acceptance = float(acc.group(1)) / 100 if acc else None  # type: ignore[attr-defined]
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=TARGET)
+    p.add_argument("--draft", type=Path, default=DRAFT)
+    p.add_argument("--backend", default="jax")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the most per step)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts (a smoke run)")
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--llama-spec-bin", type=Path, default=None, help="llama-speculative-simple")
+    p.add_argument("--llama-spec", nargs="+", default=list(LLAMA_SPEC), help="settings: TYPES[:N_MAX]")
+    p.add_argument("--tune-prompts", type=int, default=4, help="prompts each llama.cpp setting is tried on")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    assert modes[0] == "plain", "the plain engine comes first: the others are checked against it"
+
+    from ruvllm.backend import LoadOptions
+    from ruvllm.runtime import load_model
+
+    options = LoadOptions(quantization="auto")
+    target = load_model(str(args.target), backend=args.backend, options=options)
+    draft = load_model(str(args.draft), backend=args.backend, options=options)
+    prompts = load_prompts(target.tokenizer, args.limit)
+    report: dict[str, Any] = {
+        "cpu": cpu_summary(),
+        "target": args.target.name,
+        "draft": args.draft.name,
+        "backend": f"{args.backend} ({target.options.quantization})",
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "prompts": len(prompts),
+    }
+    # The cost of a draft step against a target step, measured here before anything else runs.
+    cost_prompt = (prompts[0].tokens * 4)[:200]
+    report["step_cost"] = draft_step_cost(target, draft, cost_prompt)
+    print(f"step cost: {report['step_cost']}", file=sys.stderr)
+
+    engines = {m: engine_for(target, draft, m, args) for m in modes}
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
+
+    plain_llama = None if args.no_llama_cpp else llama_cpp_single(args.target, args.threads)
+    spec_bin = None if args.no_llama_cpp else args.llama_spec_bin
+    best_setting = None
+    if spec_bin is not None:
+        tried = {}
+        for setting in args.llama_spec:
+            got = [llama_spec_run(spec_bin, setting, q, args) for q in prompts[: args.tune_prompts]]
+            tried[setting] = statistics.median(r.tok_s for r in got)
+            print(f"llama.cpp {setting}: median {tried[setting]:.1f} tok/s", file=sys.stderr)
+        best_setting = max(tried, key=tried.__getitem__)
+        report["llama_cpp_tuning"] = {"prompts": args.tune_prompts, "median_tok_s": tried, "best": best_setting}
+    turns = list(modes) + (["llama plain"] if plain_llama else []) + (["llama spec"] if best_setting else [])
+    for name in turns[len(modes) :]:
+        runs[name] = []
+    mismatches: list[tuple[int, str]] = []
+    before = {m: (e.speculator.stats.drafted, e.speculator.stats.accepted) for m, e in engines.items() if e.speculator}
+    for i, q in enumerate(prompts):
+        got: dict[str, Run] = {}
+        for name in turns[i % len(turns) :] + turns[: i % len(turns)]:
+            time.sleep(0.05)
+            if name == "llama plain":
+                n = len(got["plain"].tokens) if "plain" in got else args.max_tokens
+                got[name] = plain_llama(q.tokens, n)  # type: ignore[misc]
+            elif name == "llama spec":
+                got[name] = llama_spec_run(spec_bin, best_setting, q, args)  # type: ignore[arg-type]
+            else:
+                got[name] = ruvllm_single(engines[name], q.tokens, args.max_tokens)
+        for name, run in got.items():
+            runs[name].append(run)
+            if name in modes and run.tokens != got["plain"].tokens:
+                mismatches.append((i, name))
+        print(
+            f"{i:2d} {q.kind:8s} " + ", ".join(f"{n} {r.tok_s:.1f}" for n, r in got.items()) + " tok/s", file=sys.stderr
+        )
+
+    plain = runs["plain"]
+    rows: dict[str, Any] = {}
+    for name in turns:
+        rs = runs[name]
+        ratios = [r.tok_s / b.tok_s for r, b in zip(rs, plain, strict=True)]
+        row: dict[str, Any] = {
+            "median_tok_s": statistics.median(r.tok_s for r in rs),
+            "median_ratio": statistics.median(ratios),
+            "min_ratio": min(ratios),
+            "by_kind": {},
+        }
+        for kind in sorted({q.kind for q in prompts}):
+            at = [j for j, q in enumerate(prompts) if q.kind == kind]
+            row["by_kind"][kind] = {
+                "median_tok_s": statistics.median(rs[j].tok_s for j in at),
+                "median_ratio": statistics.median(ratios[j] for j in at),
+            }
+        e = engines.get(name)
+        if e is not None and e.speculator is not None:
+            d0, a0 = before[name]
+            drafted, accepted = e.speculator.stats.drafted - d0, e.speculator.stats.accepted - a0
+            row["acceptance"] = accepted / drafted if drafted else None
+            row["drafted_per_token"] = drafted / sum(len(r.tokens) for r in rs)
+            row["by_source"] = dict(e.speculator.stats.by_source)
+        rows[name] = row
+    report["modes"] = rows
+    report["greedy_mismatches"] = mismatches
+    report["per_prompt"] = [
+        {"kind": q.kind, **{n: round(runs[n][j].tok_s, 2) for n in turns}} for j, q in enumerate(prompts)
+    ]
+
+    sc = report["step_cost"]
+    lines = [
+        f"CPU: {report['cpu']}",
+        f"target {args.target.name}, draft {args.draft.name}, {report['backend']}, greedy chat, "
+        f"{args.max_tokens} tokens, {len(prompts)} prompts, k <= {args.k}",
+        f"one-token step: target {sc['target_step_ms']:.1f} ms, draft {sc['draft_step_ms']:.1f} ms "
+        f"(draft/target {sc['draft_over_target']:.2f})",
+    ]
+    for name, row in rows.items():
+        kinds = ", ".join(f"{k} {v['median_ratio']:.2f}x" for k, v in row["by_kind"].items())
+        line = (
+            f"{name:12s} median {row['median_tok_s']:5.1f} tok/s, {row['median_ratio']:.2f}x plain "
+            f"(min {row['min_ratio']:.2f}x; {kinds})"
+        )
+        if row.get("acceptance") is not None:
+            line += f", acceptance {row['acceptance']:.0%}, {row['drafted_per_token']:.2f} drafted/token"
+        lines.append(line)
+    if best_setting:
+        lines.append(
+            f"llama.cpp speculative setting (best of {len(report['llama_cpp_tuning']['median_tok_s'])} tried "
+            f"on {args.tune_prompts} prompts): {best_setting}"
+        )
+    lines.append(f"greedy outputs differing from the plain engine's: {len(mismatches)} {mismatches or ''}")
+    print("\n".join(lines))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
