@@ -237,6 +237,9 @@ def bench(session: nox.Session) -> None:
     """Benchmarks with their peers (llama.cpp through llama-cpp-python, HF transformers) in one run."""
     install_project(session, require_native=True)
     session.install("torch==2.13.0", "transformers>=4.46", "accelerate>=1.0", "openai>=1.40", "httpx>=0.27")
+    # bench_embeddings.py: sentence-transformers is the reference; llama.cpp's converter reads Gemma's
+    # sentencepiece tokenizer.
+    session.install("sentence-transformers>=3", "sentencepiece")
     cmake = os.environ.get("CMAKE_ARGS") or llama_cpp_cmake_args()
     stamp = Path(session.virtualenv.location) / LLAMA_CPP_CMAKE_ARGS_FILE
     if not stamp.exists() or stamp.read_text() != cmake:

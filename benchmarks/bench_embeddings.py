@@ -1,11 +1,19 @@
-"""Embedding throughput against sentence-transformers (torch, CPU), same machine, same run: texts/s at
-batch 1, 32 and 256 for each model and backend (never run by the test suite).
+"""Embedding throughput against sentence-transformers (torch, CPU) and llama.cpp's embedding mode,
+same machine, same run: texts/s at batch 1, 32 and 256 for each model and backend (never run by the
+test suite).
 
 Each figure is the median of ``--rounds`` timed passes, the engines taking turns, after one untimed
 pass each (jax compiles its shapes there), over the same texts (sentences of 8-40 words). The CPU is
 printed from /proc/cpuinfo.
 
-    JAX_PLATFORMS=cpu python benchmarks/bench_embeddings.py MODELS/all-MiniLM-L6-v2 MODELS/embeddinggemma-300m
+llama.cpp (``--llama-cpp``, through llama-cpp-python) runs the model's folder converted to a float32
+GGUF by llama.cpp's own converter (``convert_hf_to_gguf.py`` with
+``--sentence-transformers-dense-modules``, so EmbeddingGemma's two Dense layers are in it), taken
+from the source distribution of the installed llama-cpp-python, and kept under ``--gguf-dir``; its
+vectors are checked against sentence-transformers' (cosine printed) before it is timed.
+
+    JAX_PLATFORMS=cpu python benchmarks/bench_embeddings.py MODELS/all-MiniLM-L6-v2 MODELS/embeddinggemma-300m \
+        --llama-cpp
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 
 def cpu_name() -> str:
@@ -45,6 +54,59 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))) for _ in range(n)]
 
 
+def llama_cpp_converter(work: Path) -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py`` (with its ``gguf-py``) from the source distribution of the
+    installed llama-cpp-python, unpacked under ``work`` once."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    import tarfile
+
+    version = importlib.metadata.version("llama-cpp-python")
+    root = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (root / "convert_hf_to_gguf.py").exists():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
+             f"llama-cpp-python=={version}"],
+            check=True,
+        )  # fmt: skip
+        (sdist,) = work.glob(f"llama_cpp_python-{version}.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+    return root
+
+
+def gguf_of(folder: str, gguf_dir: Path) -> Path:
+    """The model folder as a float32 GGUF written by llama.cpp's converter (made once)."""
+    import os
+    import subprocess
+    import sys
+
+    name = folder.rstrip("/").split("/")[-1]
+    out = gguf_dir / f"{name}-f32.gguf"
+    if not out.exists():
+        root = llama_cpp_converter(gguf_dir / "llama.cpp-src")
+        env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+        subprocess.run(
+            [sys.executable, str(root / "convert_hf_to_gguf.py"), folder, "--sentence-transformers-dense-modules",
+             "--outtype", "f32", "--outfile", str(out)],
+            check=True, env=env,
+        )  # fmt: skip
+    return out
+
+
+def llama_cpp_engine(gguf: Path, threads: int, largest_batch: int) -> Any:
+    import llama_cpp
+
+    tokens = 64 * largest_batch  # the texts are at most 40 words: room for a whole batch in one pass
+    llm = llama_cpp.Llama(
+        str(gguf), embedding=True, n_ctx=tokens, n_batch=tokens, n_ubatch=tokens, n_threads=threads,
+        n_seq_max=max(1, largest_batch), verbose=False,
+    )  # fmt: skip
+    return lambda b: llm.embed(b, normalize=True)
+
+
 def rates(engines: dict, batch: int, items: list[str], rounds: int) -> dict[str, float]:
     """texts/s of each engine: ``items`` in chunks of ``batch``, one untimed pass each (jax compiles
     every chunk's shape there), then ``rounds`` timed passes with the engines taking turns; the
@@ -70,6 +132,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--texts", type=int, default=256, help="texts per timed run (batch 1 runs 32 of them)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp's embedding mode as a peer too")
+    ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "ruvllm-bench" / "embed")
     args = ap.parse_args()
     import torch
     from sentence_transformers import SentenceTransformer
@@ -82,6 +146,15 @@ def main() -> None:
         name = path.rstrip("/").split("/")[-1]
         st = SentenceTransformer(path, device="cpu")
         engines = {"sentence-transformers": lambda b, st=st: st.encode(b, batch_size=len(b))}
+        if args.llama_cpp:
+            import numpy as np
+
+            batches = [int(b) for b in args.batches.split(",")]
+            run = llama_cpp_engine(gguf_of(path, args.gguf_dir), torch.get_num_threads(), max(batches))
+            got, ref = np.array(run(items[:64])), st.encode(items[:64])
+            cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+            print(json.dumps({"model": name, "llama.cpp cosine to sentence-transformers, min": float(cos.min())}))
+            engines["llama.cpp"] = run
         for backend in args.backends.split(","):
             m = load_embedding_model(path, backend=backend)
             engines[f"ruvllm-{backend}"] = lambda b, m=m: m.embed(b, truncate=True)
@@ -92,6 +165,8 @@ def main() -> None:
             st_rate = got["sentence-transformers"]
             ours = {k: v for k, v in got.items() if k.startswith("ruvllm")}
             row.update({f"{k} / sentence-transformers": round(v / st_rate, 2) for k, v in ours.items()})
+            if "llama.cpp" in got:
+                row.update({f"{k} / llama.cpp": round(v / got["llama.cpp"], 2) for k, v in ours.items()})
             print(json.dumps(row), flush=True)
 
 
