@@ -7,13 +7,14 @@ description): single stream, chat, greedy, ``--max-tokens`` tokens.
     python benchmarks/bench_speculative_pair.py --limit 2 --max-tokens 32 --no-llama-cpp   # a smoke run
 
 In one process: the plain engine and one engine per speculative mode (``ngram``, ``draft``,
-``ngram+draft``) over the same loaded target and draft, taking turns prompt by prompt (the order
+``ngram+draft``; ``MODE@N``: its draft over its N commonest tokens, ``draft_vocab_size``) over the
+same loaded target and draft, taking turns prompt by prompt (the order
 rotated by one per prompt). Every mode's tokens are checked equal to the plain engine's, prompt by
 prompt. A prompt's rate is (tokens - 1) / (seconds after its first token); the report gives each
 mode's median rate and its median per-prompt ratio to the plain engine, per prompt kind and overall,
 its lowest ratio and its acceptance. Also measured in this process, before the prompts: a draft
 step's and a target step's milliseconds (one token, 200 tokens of context, the forward and its
-logits on the host), and their ratio.
+logits on the host), and their ratio, for the whole draft and each cut one.
 
 llama.cpp: its plain rate through llama-cpp-python (the same GGUF, greedy, in this process) and its
 speculative rate through the ``llama-speculative-simple`` binary (``--llama-spec-bin``; its
@@ -45,11 +46,10 @@ PROMPTS = Path(__file__).parent / "prompts" / "code_pair.jsonl"
 MODELS = Path("/work/models")
 TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-MODES = ("plain", "ngram", "draft", "ngram+draft")
+MODES = ("plain", "ngram", "draft", "draft@32768", "ngram+draft", "ngram+draft@32768")
 #: llama.cpp's speculative settings tried (``--spec-type`` and its arguments).
 LLAMA_SPEC = (
-    "draft-simple:2",
-    "draft-simple:4",
+    "draft-simple:3",
     "draft-simple:8",
     "draft-simple:16",
     "ngram-simple",
@@ -76,9 +76,12 @@ def load_prompts(tokenizer: Any, limit: int | None) -> list[Prompt]:
 
 
 def engine_for(target: Any, draft: Any, mode: str, args: argparse.Namespace) -> Any:
+    """The engine of ``mode``: ``plain``, a speculative method, or ``METHOD@N`` (its draft over its
+    ``N`` commonest tokens: ``draft`` is then a copy of the draft loaded for that, its head cut)."""
     from ruvllm.engine import EngineConfig, LLMEngine
 
-    speculative = None if mode == "plain" else mode
+    method, _, vocab = mode.partition("@")
+    speculative = None if method == "plain" else method
     uses_draft = speculative in ("draft", "ngram+draft")
     config = EngineConfig(
         max_num_seqs=1,
@@ -87,6 +90,7 @@ def engine_for(target: Any, draft: Any, mode: str, args: argparse.Namespace) -> 
         speculative=speculative,
         num_speculative_tokens=args.k,
         draft_model=str(args.draft) if uses_draft else None,
+        draft_vocab_size=int(vocab) if vocab else None,
     )
     engine = LLMEngine(target, config, draft_model=draft if uses_draft else None)
     t0 = time.perf_counter()
@@ -132,18 +136,21 @@ def step_ms(model: Any, prompt: list[int], steps: int) -> list[float]:
     return ms
 
 
-def draft_step_cost(target: Any, draft: Any, prompt: list[int], rounds: int = 5, steps: int = 24) -> dict[str, float]:
-    """A draft step's and a target step's median milliseconds, the two taking turns ``rounds`` times
-    (the first round is a warm-up), and their ratio."""
-    t_ms: list[float] = []
-    d_ms: list[float] = []
+def draft_step_cost(
+    target: Any, drafts: dict[str, Any], prompt: list[int], rounds: int = 5, steps: int = 24
+) -> dict[str, float]:
+    """A target step's and each draft's (by name) median milliseconds, taking turns ``rounds`` times
+    (the first round is a warm-up), and each draft's ratio to the target."""
+    ms: dict[str, list[float]] = {"target": [], **{name: [] for name in drafts}}
     for r in range(rounds):
-        t, d = step_ms(target, prompt, steps), step_ms(draft, prompt, steps)
-        if r:
-            t_ms += t[2:]
-            d_ms += d[2:]
-    t_med, d_med = statistics.median(t_ms), statistics.median(d_ms)
-    return {"target_step_ms": t_med, "draft_step_ms": d_med, "draft_over_target": d_med / t_med}
+        for name, model in [("target", target), *drafts.items()]:
+            got = step_ms(model, prompt, steps)
+            if r:
+                ms[name] += got[2:]
+    med = {name: statistics.median(v) for name, v in ms.items()}
+    out = {f"{name}_step_ms": m for name, m in med.items()}
+    out.update({f"{name}_over_target": med[name] / med["target"] for name in drafts})
+    return out
 
 
 def llama_spec_run(binary: Path, setting: str, prompt: Prompt, args: argparse.Namespace) -> Run:
@@ -197,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     options = LoadOptions(quantization="auto")
     target = load_model(str(args.target), backend=args.backend, options=options)
     draft = load_model(str(args.draft), backend=args.backend, options=options)
+    # A draft of its own per reduced vocabulary (its head is cut in place).
+    cut_drafts = {
+        int(v): load_model(str(args.draft), backend=args.backend, options=options)
+        for v in {m.partition("@")[2] for m in modes}
+        if v
+    }
     prompts = load_prompts(target.tokenizer, args.limit)
     report: dict[str, Any] = {
         "cpu": cpu_summary(),
@@ -207,13 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "prompts": len(prompts),
     }
-    # The cost of a draft step against a target step, measured here before anything else runs.
-    cost_prompt = (prompts[0].tokens * 4)[:200]
-    report["step_cost"] = draft_step_cost(target, draft, cost_prompt)
-    print(f"step cost: {report['step_cost']}", file=sys.stderr)
+    engines = {}
+    for m in modes:  # the first engine of a vocabulary cuts its draft's head, before the costs
+        vocab = m.partition("@")[2]
+        engines[m] = engine_for(target, cut_drafts[int(vocab)] if vocab else draft, m, args)
 
-    engines = {m: engine_for(target, draft, m, args) for m in modes}
     runs: dict[str, list[Run]] = {m: [] for m in modes}
+    # The cost of a draft step against a target step (each draft: whole head, cut heads), measured here.
+    cost_prompt = (prompts[0].tokens * 4)[:200]
+    report["step_cost"] = draft_step_cost(
+        target, {"draft": draft, **{f"draft@{v}": d for v, d in cut_drafts.items()}}, cost_prompt
+    )
+    print(f"step cost: {report['step_cost']}", file=sys.stderr)
 
     plain_llama = None if args.no_llama_cpp else llama_cpp_single(args.target, args.threads)
     spec_bin = None if args.no_llama_cpp else args.llama_spec_bin
@@ -286,8 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU: {report['cpu']}",
         f"target {args.target.name}, draft {args.draft.name}, {report['backend']}, greedy chat, "
         f"{args.max_tokens} tokens, {len(prompts)} prompts, k <= {args.k}",
-        f"one-token step: target {sc['target_step_ms']:.1f} ms, draft {sc['draft_step_ms']:.1f} ms "
-        f"(draft/target {sc['draft_over_target']:.2f})",
+        f"one-token step: target {sc['target_step_ms']:.1f} ms; "
+        + ", ".join(
+            f"{k[: -len('_over_target')]} {sc[k[: -len('_over_target')] + '_step_ms']:.1f} ms ({v:.2f} of it)"
+            for k, v in sc.items()
+            if k.endswith("_over_target")
+        ),
     ]
     for name, row in rows.items():
         kinds = ", ".join(f"{k} {v['median_ratio']:.2f}x" for k, v in row["by_kind"].items())

@@ -3,7 +3,8 @@ from the draft model otherwise. On tiny random checkpoints written here (jax and
 greedy output equals the non-speculative output token for token, alone and four at a time, with both
 proposers used; a draft that disagrees with the target changes nothing but acceptance; a seeded
 sampled request gives the same tokens run to run; the grammar's mask holds; a draft model is
-required by name."""
+required by name. And the reduced draft vocabulary (``draft_vocab_size``): a cut head's logits are
+the full head's for its tokens, and greedy output is unchanged with it."""
 
 from __future__ import annotations
 
@@ -112,6 +113,57 @@ def test_structured_output_keeps_its_mask(pair):
     got = _tokens(engine, prompt, sampling)[0]
     assert got == plain and engine.stats().spec_accepted_tokens > 0
     assert re.fullmatch(regex, target.tokenizer.decode(got))
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("cut"), 0)
+
+
+@pytest.mark.parametrize("backend", ["candle-compat", "jax"])
+def test_a_cut_head_gives_the_full_heads_logits_for_its_tokens(paths, backend):
+    """restrict_head keeps the kept tokens' logits as they were (the jax head's panel layout kept)."""
+    import numpy as np
+
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.engine.batch import block_table
+    from ruvllm.runtime import load_model
+
+    full, cut = (load_model(str(paths), backend=backend) for _ in range(2))
+    keep = np.asarray(sorted({*range(0, 90, 2), 93, 95, 96}), np.int64)[:48]
+    cut.model.restrict_head(keep)
+
+    def logits(model):
+        cache = model.allocate_cache(4, 16)
+        chunk = SequenceChunk(np.asarray(_prompts(1)[0], np.int32), 0, block_table([0, 1]))
+        return np.asarray(model.forward(ForwardBatch([chunk], 16), cache).logits)
+
+    want, got = logits(full), logits(cut)
+    assert got.shape == (1, 48)
+    np.testing.assert_allclose(got, want[:, keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["candle-compat", "jax"])
+@pytest.mark.parametrize("speculative", ["draft", "ngram+draft"])
+def test_a_reduced_draft_vocabulary_leaves_greedy_output_unchanged(paths, backend, speculative):
+    """The draft (the target's weights, loaded apart) drafts over its 48 lowest ids only: the target
+    keeps its drafts where they are its own choice and outputs what it would alone."""
+    from ruvllm.runtime import load_model
+
+    target = load_model(str(paths), backend=backend)
+    draft = load_model(str(paths), backend=backend)
+    prompts = _prompts(2)
+    sampling = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = _tokens(LLMEngine(target, _config(None)), prompts, sampling)
+    engine = LLMEngine(target, _config(speculative, draft_vocab_size=48), draft_model=draft)
+    assert engine.drafter is not None and engine.drafter.vocab is not None and len(engine.drafter.vocab) == 48
+    assert _tokens(engine, prompts, sampling) == plain
+    drafted, kept = engine.speculator.stats.by_source["draft"]
+    assert drafted > 0 and kept > 0
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=2, ignore_eos=True)
+    assert all(len(t) == 16 for t in _tokens(engine, prompts, sampled))
+    with pytest.raises(EngineConfigError, match="the draft must be loaded apart from the target"):
+        LLMEngine(target, _config(speculative, draft_vocab_size=48), draft_model=target)
 
 
 def test_a_draft_model_is_required(pair):

@@ -340,6 +340,11 @@ class CandleCompatModel:
         how far a chunk's last query reaches, which a dropped speculative draft would have moved."""
         return isinstance(cache, PagedKVCache) and not isinstance(cache, TwoTierKVCache)
 
+    def restrict_head(self, token_ids: np.ndarray) -> None:
+        """:class:`ruvllm.backend.RestrictsHead`: the output rows of ``token_ids`` (a copy; the
+        embedding stays whole), so a step reads only those rows."""
+        self.lm_head = np.ascontiguousarray(self.lm_head[np.asarray(token_ids, dtype=np.int64)])
+
     def kv_block_bytes(self, block_size: int, options: dict[str, Any]) -> int:
         """float32 keys and values of every layer (a two-tier cache's blocks start float32 too)."""
         return kv_block_bytes(self.config, block_size)
@@ -364,7 +369,7 @@ class CandleCompatModel:
                 raise RequestError("local_block_copies given to a cache without a windowed layers' pool")
             cache.copy_block(src, dst, local=True)
         if not batch.chunks:
-            return ForwardOutput(logits=np.zeros((0, cfg.vocab_size), np.float32))
+            return ForwardOutput(logits=np.zeros((0, len(self.lm_head)), np.float32))
         with_adapters = [p for p in plans if p.adapter is not None]
         tokens = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in batch.chunks])
         positions = np.concatenate([np.arange(p.start_pos, p.start_pos + (p.rows.stop - p.rows.start)) for p in plans])
@@ -442,7 +447,7 @@ class CandleCompatModel:
         all_logits = {i: self._head(x[p.rows]) for i, (c, p) in pairs if c.all_logits}
         hidden = {i: x[p.rows].copy() for i, (c, p) in pairs if c.hidden_states}
         last_rows = [p.rows.stop - 1 for i, p in enumerate(plans) if i not in all_logits]
-        logits = np.empty((len(plans), self.config.vocab_size), np.float32)
+        logits = np.empty((len(plans), len(self.lm_head)), np.float32)
         if last_rows:
             logits[[i for i in range(len(plans)) if i not in all_logits]] = self._head(x[last_rows])
         for i, rows in all_logits.items():

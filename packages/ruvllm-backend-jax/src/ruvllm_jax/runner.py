@@ -40,6 +40,7 @@ from ruvllm.sampling import overlay_widths
 from ruvllm_jax import batch_invariant, native, weight_cache
 from ruvllm_jax import sampling as device_sampling
 from ruvllm_jax.compiled_steps import CompiledCache, CompileStats, compile_step
+from ruvllm_jax.draft_head import restricted_head
 from ruvllm_jax.host_memory import huge_pages, keep_large_buffers
 from ruvllm_jax.kv_cache import (
     DEFAULT_RECENT_BLOCKS,
@@ -169,6 +170,8 @@ class JaxModel:
     gpu_cores: int | None = field(init=False, default=None)
     #: Option ``batch_invariant`` on XLA's path: every step's tokens (:func:`batch_invariant.step_tokens`).
     step_tokens: int | None = field(init=False, default=None)
+    #: The output rows kept by :meth:`restrict_head` (0: the whole vocabulary).
+    head_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.native = native_option(self.options, self.mesh.size)
@@ -307,6 +310,12 @@ class JaxModel:
         ``local_block_table``)."""
         return allocate_cache(self.spec, self.mesh, self.attention, num_blocks, block_size, options)
 
+    def restrict_head(self, token_ids: np.ndarray) -> None:
+        """:class:`ruvllm.backend.RestrictsHead` (one device): see :mod:`ruvllm_jax.draft_head`."""
+        if self.mesh.size > 1:
+            raise BackendError("jax backend: a reduced output head runs on one device only")
+        self.weights, self.head_rows = restricted_head(self.weights, token_ids), len(token_ids)
+
     # -- one step --------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: JaxKVCache) -> ForwardOutput:
         if not isinstance(cache, JaxKVCache):
@@ -318,10 +327,10 @@ class JaxModel:
         if batch.block_copies or batch.local_block_copies:
             self.block_copier.copy(cache, batch.block_copies, batch.local_block_copies)
         chunks = batch.chunks
+        vocab = self.head_rows or self.spec.vocab_size  # logits' columns
         if not chunks:
-            return ForwardOutput(np.zeros((0, self.spec.vocab_size), np.float32))
+            return ForwardOutput(np.zeros((0, vocab), np.float32))
         check_chunks(chunks, cache.block_size, cache.num_blocks, cache.local_blocks, self.spec)
-        vocab = self.spec.vocab_size
         ds = batch.sampling
         if ds is not None and len(ds.greedy) != len(chunks):
             raise BackendError(f"device sampling has {len(ds.greedy)} rows for {len(chunks)} chunks")

@@ -414,6 +414,18 @@ class RewritesKVPositions(Protocol):
         ...
 
 
+@runtime_checkable
+class RestrictsHead(Protocol):
+    """A model whose output projection can be cut to some tokens' rows: its logits then have one
+    column per kept token, in the order given (a draft model drafting over its most frequent tokens,
+    the target still verifying over the whole vocabulary). Without it: a reduced draft vocabulary is
+    refused."""
+
+    def restrict_head(self, token_ids: np.ndarray) -> None:
+        """Keep the output rows of ``token_ids`` (int ``[n]``, distinct) only, from now on."""
+        ...
+
+
 class PreparedStep(Protocol):
     """A step of decoding chunks (one token each) built before its tokens are known
     (:class:`PreparesSteps`)."""
@@ -445,6 +457,7 @@ OPTIONAL_MODEL_FEATURES: tuple[type, ...] = (
     ReportsDeviceMemory,
     ReportsWeightBytes,
     RewritesKVPositions,
+    RestrictsHead,
     PreparesSteps,
 )
 

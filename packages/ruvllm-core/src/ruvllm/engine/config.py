@@ -91,6 +91,10 @@ class EngineConfig:
     #: float target; None: auto).
     draft_model: str | None = None
     draft_quantization: str | None = None
+    #: The draft model drafts only over this many tokens (the lowest ids: a BPE vocabulary's commonest
+    #: pieces, plus the special ones), its output head cut to their rows: a cheaper draft step, the
+    #: target still verifying over the whole vocabulary (output unchanged). None: every token.
+    draft_vocab_size: int | None = None
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -133,8 +137,13 @@ class EngineConfig:
                 bad(f"speculative_position_cost must be in [0, 1], got {self.speculative_position_cost}")
             if not 0.0 <= self.speculative_min_acceptance < 1.0:
                 bad(f"speculative_min_acceptance must be in [0, 1), got {self.speculative_min_acceptance}")
-        if (self.draft_model or self.draft_quantization) and self.speculative not in ("draft", "ngram+draft"):
-            bad("draft_model and draft_quantization are for speculative='draft' or 'ngram+draft'")
+        if (self.draft_model or self.draft_quantization or self.draft_vocab_size) and self.speculative not in (
+            "draft",
+            "ngram+draft",
+        ):
+            bad("draft_model, draft_quantization and draft_vocab_size are for speculative='draft' or 'ngram+draft'")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 16:
+            bad(f"draft_vocab_size must be at least 16, got {self.draft_vocab_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

@@ -21,7 +21,7 @@ from ruvllm.backend import RewritesKVPositions, StepLimits
 from ruvllm.engine.config import EngineConfig, EngineConfigError
 from ruvllm.errors import BackendError
 from ruvllm.speculative import DraftLength, NgramIndex, SpeculationStats, StepCosts, verify_draft
-from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer
+from ruvllm.speculative.draft import DraftProposer, DraftRequest, check_same_tokenizer, draft_vocabulary
 from ruvllm.speculative.source import MODEL, NGRAM, DraftPassCosts, SequenceDrafting
 
 #: What a draft model's pass costs, as a fraction of a target step, until one is measured (and for a
@@ -72,12 +72,22 @@ class Speculation:
         if config.speculative in ("draft", "ngram+draft"):
             draft = draft_model if draft_model is not None else self._load_draft()
             check_same_tokenizer(draft, model)
+            vocab = None
+            if config.draft_vocab_size is not None:
+                if draft is model or draft.model is model.model:
+                    raise EngineConfigError(
+                        "draft_vocab_size cuts the draft's output head: the draft must be loaded apart "
+                        "from the target (not the target's own model object)"
+                    )
+                special = [*outputs.eos_token_ids, *draft.tokenizer.inner.get_added_tokens_decoder()]
+                vocab = draft_vocabulary(draft.config.vocab_size, config.draft_vocab_size, special)
             # Catching up is one chunk per sequence, no longer than a step's (a precompiled shape).
             self.drafter = DraftProposer(
                 draft,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 max_chunk=config.max_num_batched_tokens,
+                vocab=vocab,
             )
 
     def _check(self) -> None:

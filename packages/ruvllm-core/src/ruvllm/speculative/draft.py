@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ruvllm.backend import ForwardBatch, SequenceChunk
+from ruvllm.backend import ForwardBatch, RestrictsHead, SequenceChunk
 from ruvllm.block_manager import BlockManager
 from ruvllm.engine.batch import block_table
 from ruvllm.errors import RuvllmError
@@ -44,6 +44,45 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
         )
 
 
+#: A reduced draft head's row count is rounded up to this (the jax backend's panel layout).
+HEAD_ROWS_MULTIPLE = 16
+
+
+def draft_vocabulary(vocab_size: int, keep: int, special: list[int]) -> np.ndarray:
+    """The token ids a reduced draft head keeps: the first ``keep`` ids (a BPE vocabulary lists its
+    tokens in merge order: the lowest ids are the commonest pieces) and the ``special`` ones (EOS and
+    other added tokens, which end a draft's answer), ``keep`` rounded up to a multiple of
+    :data:`HEAD_ROWS_MULTIPLE` rows in all."""
+    ids = sorted({i for i in special if 0 <= i < vocab_size})
+    want = -(-(keep + len(ids)) // HEAD_ROWS_MULTIPLE) * HEAD_ROWS_MULTIPLE
+    chosen = set(ids)
+    for i in range(vocab_size):
+        if len(chosen) >= want:
+            break
+        chosen.add(i)
+    return np.asarray(sorted(chosen), dtype=np.int64)
+
+
+#: The vocabulary each loaded draft's head was cut to (by ``id`` of its backend model): a head is cut
+#: once, in place, so engines sharing a draft must ask for the same vocabulary.
+_CUT_HEADS: dict[int, np.ndarray] = {}
+
+
+def _cut_head(model: LoadedModel, vocab: np.ndarray) -> None:
+    if not isinstance(model.model, RestrictsHead):
+        raise DraftModelError(
+            f"backend {model.backend.name!r} cannot cut its output head to some tokens; "
+            "draft_vocab_size needs one that can"
+        )
+    done = _CUT_HEADS.get(id(model.model))
+    if done is not None:
+        if not np.array_equal(done, vocab):
+            raise DraftModelError(f"draft model {model.name!r} was cut to another vocabulary by another engine")
+        return
+    model.model.restrict_head(vocab)
+    _CUT_HEADS[id(model.model)] = vocab
+
+
 @dataclass
 class _Fed:
     """What the draft cache holds of one sequence: the tokens fed (their keys/values are written)."""
@@ -63,10 +102,24 @@ class DraftRequest:
 
 
 class DraftProposer:
-    """Drafts with ``model`` on a cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+    """Drafts with ``model`` on a cache of ``num_blocks`` blocks of ``block_size`` tokens; ``vocab``:
+    the only token ids it drafts (its output head cut to their rows, :class:`RestrictsHead`), None:
+    every token. The target verifies over its whole vocabulary whatever the draft offers."""
 
-    def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int, max_chunk: int = 2048) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_chunk: int = 2048,
+        vocab: np.ndarray | None = None,
+    ) -> None:
         self.model = model
+        self.vocab = vocab
+        self.vocab_size = model.config.vocab_size
+        if vocab is not None:
+            _cut_head(model, vocab)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.cache = model.allocate_cache(num_blocks, block_size)
         self.max_chunk = max_chunk
@@ -109,6 +162,12 @@ class DraftProposer:
             pending = []
             for row, (r, _) in enumerate(batch):
                 token, q = _draw(logits[row], r.params, r.rng)
+                if self.vocab is not None:  # the reduced head's column -> the token id
+                    token = int(self.vocab[token])
+                    if q is not None:
+                        full = np.zeros(self.vocab_size)
+                        full[self.vocab] = q
+                        q = full
                 tokens, probs = out[r.seq_id]
                 tokens.append(token)
                 if q is not None:
