@@ -63,9 +63,11 @@ class BenchmarkSettings:
     #: drafts verified), and the report adds the acceptance rate; None: raw forward steps.
     speculative: str | None = None
     num_speculative_tokens: int = 4
-    #: ``speculative="draft"``: the draft model (``same``: the benchmarked checkpoint) and its quantization.
+    #: ``speculative="draft"`` or ``"ngram+draft"``: the draft model (``same``: the benchmarked
+    #: checkpoint), its quantization and its reduced vocabulary (``EngineConfig.draft_vocab_size``).
     draft_model: str | None = None
     draft_quantization: str | None = None
+    draft_vocab_size: int | None = None
 
     def validate(self) -> None:
         """Check what can be checked before the model is loaded."""
@@ -97,6 +99,7 @@ class BenchmarkSettings:
             num_speculative_tokens=self.num_speculative_tokens,
             draft_model=self.draft_model,
             draft_quantization=self.draft_quantization,
+            draft_vocab_size=self.draft_vocab_size,
             speculative_step_tokens=self.batch * (1 + self.num_speculative_tokens),
         )
 

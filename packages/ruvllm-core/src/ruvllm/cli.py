@@ -400,6 +400,7 @@ def cmd_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,
         draft_quantization=args.draft_quantization,
+        draft_vocab_size=args.draft_vocab_size,
     )
     settings.validate()  # before the model load, so a typo fails fast
     check_format(args.format)
@@ -526,6 +527,12 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     )
     p.add_argument("--draft-model", default=None, help="--speculative draft or ngram+draft: the draft model, or 'same'")
     p.add_argument("--draft-quantization", default=None, help="the draft model's quantization (default auto)")
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="the draft drafts over its N commonest tokens only, its output head cut (default: every token)",
+    )
     p.set_defaults(func=cmd_benchmark)
 
     from ruvllm.embed_cli import add_embed_parser
