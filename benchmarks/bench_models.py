@@ -166,7 +166,11 @@ def main() -> None:
                 print(f"  {i + 1}/{args.alternations}: rss {rss[-1] / 2**20:.0f} MiB", flush=True)
         models = httpx.get(base + "/v1/models", timeout=10).json()["data"]
     loads = load_seconds(log)
-    warm_at = max(1, len(rss) // 10)
+    warm_at = max(len(names), len(rss) // 10)
+    # The loaded pair differs with the request's place in the cycle: compare each place with itself.
+    cycle = len(names)
+    last = range(max(warm_at, len(rss) - cycle), len(rss))
+    growth = [rss[i] - rss[warm_at + (i - warm_at) % cycle] for i in last]
     report = {
         "cpu": cpu_summary(),
         "backend": args.backend,
@@ -184,7 +188,8 @@ def main() -> None:
             "after_first_tenth": round(rss[warm_at - 1] / 2**20, 1) if rss else None,
             "end": round(rss[-1] / 2**20, 1) if rss else None,
             "peak": round(max(rss) / 2**20, 1) if rss else None,
-            "growth_after_first_tenth": round((rss[-1] - rss[warm_at - 1]) / 2**20, 1) if rss else None,
+            "growth_same_place_in_cycle_since_first_tenth": [round(g / 2**20, 1) for g in growth],
+            "per_request": [round(r / 2**20, 1) for r in rss],
         },
         "final_states": {m["id"]: m["status"] for m in models},
     }
