@@ -35,6 +35,7 @@ from ruvllm_server.anthropic.wire import (
     ToolUseBlock,
     Usage,
 )
+from ruvllm_server.generation.sse import named_event, sse_objects
 from ruvllm_server.schemas import ChatCompletionChunk
 from ruvllm_server.schemas import Usage as ChatUsage
 
@@ -44,8 +45,7 @@ ERROR_TYPES = {"server_error": "api_error", "service_unavailable": "overloaded_e
 
 def encode_event(event: StreamEvent | ErrorEvent) -> bytes:
     """One SSE event: its ``event:`` line names the type, as Anthropic's stream does."""
-    kind = type(event).__struct_config__.tag
-    return b"event: " + str(kind).encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+    return named_event(event)
 
 
 @dataclass
@@ -146,12 +146,7 @@ async def message_events(
     try:
         async for piece in chat_stream:
             out: list[bytes] = []
-            # JSON escapes newlines, so a blank line ends an event and nothing else.
-            for raw in piece.split(b"\n\n"):
-                data = raw.removeprefix(b"data: ").strip()
-                if not data or data == b"[DONE]":
-                    continue
-                obj = msgspec.json.decode(data)
+            for obj in sse_objects(piece):
                 if "error" in obj:
                     yield b"".join(out) + events.error(obj)
                     return

@@ -29,6 +29,26 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def named_event(event: msgspec.Struct) -> bytes:
+    """One SSE event whose ``event:`` line names its type (the Struct's tag), as Anthropic's stream and
+    OpenAI's Responses stream send them."""
+    kind = type(event).__struct_config__.tag
+    return b"event: " + str(kind).encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+def sse_objects(piece: bytes) -> list[Any]:
+    """The objects of the ``data:`` events in one piece of the chat path's SSE stream (a piece may
+    hold several: outputs that arrived together; ``[DONE]`` is left out). JSON escapes newlines, so
+    a blank line ends an event and nothing else. The dialects read the chat path's stream so: it
+    stays the one place that streams a run."""
+    out = []
+    for raw in piece.split(b"\n\n"):
+        data = raw.removeprefix(b"data: ").strip()
+        if data and data != b"[DONE]":
+            out.append(msgspec.json.decode(data))
+    return out
+
+
 #: Stands for the text while a :class:`TextEvent` is built (no other part of the event holds it).
 _SLOT = "\x00"
 _SLOT_JSON = msgspec.json.encode(_SLOT)

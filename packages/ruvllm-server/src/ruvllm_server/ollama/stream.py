@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from ruvllm.engine.types import RequestMetrics
+from ruvllm_server.generation.sse import sse_objects
 from ruvllm_server.ollama.translate import (
     Translated,
     done_reason,
@@ -110,11 +111,7 @@ async def ndjson_lines(
     try:
         async for piece in source:
             out: list[bytes] = []
-            for raw in piece.split(b"\n\n"):
-                data = raw.removeprefix(b"data: ").strip()
-                if not data or data == b"[DONE]":
-                    continue
-                obj = msgspec.json.decode(data)
+            for obj in sse_objects(piece):
                 if "error" in obj:
                     err = obj["error"] or {}
                     yield b"".join(out) + line({"error": str(err.get("message", "error"))})

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from ruvllm_server.generation.sse import named_event, sse_objects
 from ruvllm_server.responses.translate import ResponseShell, new_id, responses_param
 from ruvllm_server.responses.wire import (
     ContentPartAdded,
@@ -43,8 +44,7 @@ from ruvllm_server.schemas import ChatCompletionChunk, ToolCallDelta, Usage
 
 def encode_event(event: ResponseEvent) -> bytes:
     """One SSE event: its ``event:`` line names the type, as OpenAI's stream does."""
-    kind = type(event).__struct_config__.tag
-    return b"event: " + str(kind).encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+    return named_event(event)
 
 
 @dataclass
@@ -201,12 +201,7 @@ async def response_events(
     for b in events.start():
         yield b, None
     async for piece in chat_stream:
-        # JSON escapes newlines, so a blank line ends an event and nothing else.
-        for raw in piece.split(b"\n\n"):
-            data = raw.removeprefix(b"data: ").strip()
-            if not data or data == b"[DONE]":
-                continue
-            obj = msgspec.json.decode(data)
+        for obj in sse_objects(piece):
             if "error" in obj:
                 yield events.error(obj), None
                 return
