@@ -136,6 +136,31 @@ def step_ms(model: Any, prompt: list[int], steps: int) -> list[float]:
     return ms
 
 
+def verify_step_ms(model: Any, prompt: list[int], max_rows: int, rounds: int = 12) -> dict[int, float]:
+    """Median milliseconds of a target step verifying ``rows - 1`` draft tokens (a verification chunk
+    of ``rows`` positions after ``prompt``, every position's logits to the host), ``rows`` from 1 to
+    ``max_rows``, the row counts taking turns ``rounds`` times (the first round is a warm-up)."""
+    from ruvllm.backend import ForwardBatch, SequenceChunk
+    from ruvllm.engine.batch import block_table
+
+    block = 16
+    blocks = -(-(len(prompt) + max_rows + 1) // block)
+    cache = model.allocate_cache(blocks + 1, block)
+    table = block_table(list(range(blocks)))
+    model.forward(ForwardBatch([SequenceChunk(np.asarray(prompt, np.int32), 0, table)], block), cache)
+    ms: dict[int, list[float]] = {n: [] for n in range(1, max_rows + 1)}
+    for r in range(rounds):
+        for n in ms:
+            tokens = np.asarray(prompt[-n:], np.int32)  # any tokens: the cost does not depend on them
+            chunk = SequenceChunk(tokens, len(prompt), table, all_logits=n > 1, verify=n > 1)
+            t0 = time.perf_counter()
+            out = model.forward(ForwardBatch([chunk], block), cache)
+            np.asarray(out.all_logits[0] if n > 1 else out.logits)
+            if r:
+                ms[n].append(1000.0 * (time.perf_counter() - t0))
+    return {n: statistics.median(v) for n, v in ms.items()}
+
+
 def draft_step_cost(
     target: Any, drafts: dict[str, Any], prompt: list[int], rounds: int = 5, steps: int = 24
 ) -> dict[str, float]:
@@ -232,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         target, {"draft": draft, **{f"draft@{v}": d for v, d in cut_drafts.items()}}, cost_prompt
     )
     print(f"step cost: {report['step_cost']}", file=sys.stderr)
+    report["verify_step_ms"] = verify_step_ms(target, cost_prompt, args.k + 1)
+    print(f"verify step ms by rows: {report['verify_step_ms']}", file=sys.stderr)
 
     plain_llama = None if args.no_llama_cpp else llama_cpp_single(args.target, args.threads)
     spec_bin = None if args.no_llama_cpp else args.llama_spec_bin
@@ -311,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             if k.endswith("_over_target")
         ),
     ]
+    vs = report["verify_step_ms"]
+    lines.append("target step verifying rows - 1 drafts: " + ", ".join(f"{n} rows {m:.1f} ms" for n, m in vs.items()))
     for name, row in rows.items():
         kinds = ", ".join(f"{k} {v['median_ratio']:.2f}x" for k, v in row["by_kind"].items())
         line = (
