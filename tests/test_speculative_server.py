@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from _server_fixtures import live_server, smollm2_model  # noqa: F401
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick"
@@ -35,3 +36,14 @@ def test_served_with_speculation(smollm2_model):  # noqa: F811
         assert _counter(metrics, "ruvllm_spec_decode_acceptance_rate") == accepted / drafted
         health = httpx.get(srv.url("/health"), timeout=30).json()
         assert health["spec_acceptance_rate"] == round(accepted / drafted, 4)
+
+
+def test_serve_takes_the_combined_mode_and_a_draft_vocabulary() -> None:
+    """``--speculative ngram+draft`` and ``--draft-vocab-size`` reach the engine's config; another mode
+    is refused by name when the settings load."""
+    from ruvllm_server.settings import ServerConfigError, load_settings
+
+    s = load_settings({"model": "x", "speculative": "ngram+draft", "draft_model": "d.gguf", "draft_vocab_size": 4096})
+    assert (s.speculative, s.draft_vocab_size) == ("ngram+draft", 4096)
+    with pytest.raises(ServerConfigError, match="speculative"):
+        load_settings({"model": "x", "speculative": "auto"})

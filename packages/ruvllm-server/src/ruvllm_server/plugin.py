@@ -167,10 +167,17 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram", "draft"],
+        choices=["ngram", "draft", "ngram+draft"],
         help="speculative decoding: ngram drafts tokens by prompt lookup over each request's prompt and output, "
-        "draft with a second model (--draft-model); greedy output is unchanged, sampled output keeps the "
-        "model's distribution (default off)",
+        "draft with a second model (--draft-model), ngram+draft whichever pays more for each sequence each "
+        "step; greedy output is unchanged, sampled output keeps the model's distribution (default off)",
+    )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="the draft model drafts over this many of its commonest tokens (its output head cut); the served "
+        "model still verifies over the whole vocabulary (default: all)",
     )
     p.add_argument(
         "--draft-model",
@@ -319,6 +326,7 @@ def cmd_serve(args: argparse.Namespace, host: Any = None) -> int:
         "num_speculative_tokens": args.num_speculative_tokens,
         "draft_model": args.draft_model,
         "draft_quantization": args.draft_quantization,
+        "draft_vocab_size": args.draft_vocab_size,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "responses_store_max": args.responses_store_max,

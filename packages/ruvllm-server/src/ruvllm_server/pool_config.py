@@ -20,9 +20,9 @@ PER_MODEL = frozenset(
     {"model", "backend", "quantization", "dtype", "threads", "device", "backend_options", "max_context",
      "kv_cache_memory", "num_kv_blocks", "kv_cache_quantization", "kv_cache_dtype", "max_num_seqs",
      "max_num_batched_tokens", "sampling", "max_step_ms", "max_step_ratio", "precompile", "pipeline_decode",
-     "speculative", "num_speculative_tokens", "draft_model", "draft_quantization", "tool_call_parser",
-     "reasoning_parser", "lora_modules", "max_lora_rank", "max_loras", "plugin_options", "sona", "sona_scope",
-     "sona_state_dir", "embedding_max_tokens", "max_embedding_inputs", "matryoshka_dimensions"}
+     "speculative", "num_speculative_tokens", "draft_model", "draft_quantization", "draft_vocab_size",
+     "tool_call_parser", "reasoning_parser", "lora_modules", "max_lora_rank", "max_loras", "plugin_options",
+     "sona", "sona_scope", "sona_state_dir", "embedding_max_tokens", "max_embedding_inputs", "matryoshka_dimensions"}
 )  # fmt: skip
 #: Server settings that have no meaning with several models.
 NOT_POOLED = {

@@ -129,15 +129,19 @@ class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Launch the next decoding step before this one's outputs are made, where the backend runs steps
     #: asynchronously (jax); outputs are the same either way.
     pipeline_decode: bool = True
-    #: Speculative decoding: ``ngram`` (prompt lookup over each request's own prompt and output);
+    #: Speculative decoding: ``ngram`` (prompt lookup over each request's own prompt and output),
+    #: ``draft`` (a draft model), ``ngram+draft`` (each step, each sequence, the one that pays more);
     #: None: off. Greedy output is unchanged; a request may opt out (``"speculative": false``).
-    speculative: Literal["ngram", "draft"] | None = None
+    speculative: Literal["ngram", "draft", "ngram+draft"] | None = None
     #: Most draft tokens a stream offers per step (each stream's own count adapts below it).
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     #: ``speculative="draft"``: the draft model (a reference, or ``same``: the served checkpoint) and
     #: its quantization (``w4a8`` under a float model: quantized self-drafting; None: auto).
     draft_model: str | None = None
     draft_quantization: str | None = None
+    #: The draft drafts over its commonest tokens only (its output head cut to the lowest ids and the
+    #: special ones, this many); the target still verifies over the whole vocabulary. None: all.
+    draft_vocab_size: Positive | None = None
     enable_prefix_caching: bool = True
     #: Seconds to wait for in-flight requests at shutdown.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0

@@ -326,6 +326,7 @@ class ServerState:
             num_speculative_tokens=s.num_speculative_tokens,
             draft_model=s.draft_model,
             draft_quantization=s.draft_quantization,
+            draft_vocab_size=s.draft_vocab_size,
         )
         model_context = self.model.config.max_position_embeddings
         if s.max_context is not None and s.max_context > model_context:
