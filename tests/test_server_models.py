@@ -50,8 +50,8 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _pool(models_dir: Path, **settings):
-    settings.setdefault("models_dir", str(models_dir))
+def _pool(models_dir: Path | None, /, **settings):
+    settings.setdefault("models_dir", None if models_dir is None else str(models_dir))
     settings.setdefault("backend", "candle-compat")
     settings.setdefault("num_kv_blocks", 64)
     settings.setdefault("drain_timeout", 10.0)
@@ -311,3 +311,45 @@ def test_settings_of_several_models(tmp_path, models_dir):
     assert [keep_alive_seconds(v) for v in ("5m", "1h30m", 10, "0", "-1", "300ms")] == [300, 5400, 10, 0, None, 0.3]
     with pytest.raises(ServerConfigError, match="duration"):
         keep_alive_seconds("5 minutes")
+
+
+def test_a_tool_round_trip_and_token_counts_on_the_model_named(models_dir, smollm2_path, tmp_path):
+    """The ``anthropic`` SDK against SmolLM2 (which writes tool calls) and a tiny model in one server:
+    a forced tool call, its result sent back, and ``count_tokens`` counted by each model's own
+    tokenizer and template, equal to what a server holding SmolLM2 alone counts."""
+    from ruvllm.runtime import load_model
+
+    weather = {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                         "required": ["city"], "additionalProperties": False},
+    }  # fmt: skip
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    config = tmp_path / "models.toml"
+    tiny_a = models_dir / "tiny-a"
+    config.write_text(f'[models.smollm2]\nmodel = "{smollm2_path}"\n\n[models.tiny-a]\nmodel = "{tiny_a}"\n')
+    with live_server(load_model(str(smollm2_path), backend="candle-compat")) as alone:
+        one = anthropic.Anthropic(base_url=alone.base_url, api_key="unused", max_retries=0)
+        counted_alone = one.messages.count_tokens(model="smollm2", messages=ask, tools=[weather]).input_tokens
+    with _pool(None, models_config=str(config), models_max=2) as srv:
+        claude = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
+        m = claude.messages.create(
+            model="smollm2", max_tokens=40, messages=ask, tools=[weather], extra_body={"temperature": 0},
+            tool_choice={"type": "tool", "name": "get_weather"},
+        )  # fmt: skip
+        assert m.stop_reason == "tool_use"
+        (call,) = [b for b in m.content if b.type == "tool_use"]
+        assert call.name == "get_weather" and isinstance(call.input.get("city"), str)
+        followup = [
+            *ask,
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]},
+        ]
+        answer = claude.messages.create(model="smollm2", max_tokens=8, messages=followup, tools=[weather],
+                                        tool_choice={"type": "none"}, extra_body={"temperature": 0})  # fmt: skip
+        assert [b.type for b in answer.content] == ["text"]
+        counted = claude.messages.count_tokens(model="smollm2", messages=ask, tools=[weather]).input_tokens
+        assert counted == counted_alone
+        tiny = claude.messages.count_tokens(model="tiny-a", messages=[{"role": "user", "content": PROMPT}])
+        assert tiny.input_tokens == len(PROMPT.split()) + 1  # its template: the words, then w1
