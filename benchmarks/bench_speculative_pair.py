@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_speculative import Run, llama_cpp_single
+from bench_speculative import Run, llama_cpp_single, ruvllm_single
 from provenance import cpu_summary
 
 PROMPTS = Path(__file__).parent / "prompts" / "code_pair.jsonl"
@@ -97,21 +97,6 @@ def engine_for(target: Any, draft: Any, mode: str, args: argparse.Namespace) -> 
     engine.precompile()  # nothing compiles while timed
     print(f"{mode}: precompiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return engine
-
-
-def ruvllm_single(engine: Any, prompt: list[int], max_tokens: int) -> Run:
-    from ruvllm.engine import GenerationRequest
-    from ruvllm.sampling import SamplingParams
-
-    tokens: list[int] = []
-    first = None
-    for out in engine.stream(GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))):
-        for d in out.deltas:
-            tokens += d.token_ids
-        if first is None and tokens:
-            first = time.perf_counter()
-    assert first is not None
-    return Run(tokens, time.perf_counter() - first)
 
 
 def step_ms(model: Any, prompt: list[int], steps: int) -> list[float]:

@@ -24,20 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from ruvllm import __version__
 from ruvllm.backend import ReportsWeightBytes
+from ruvllm.bench_cli import PROMPT_TEXT
 from ruvllm.errors import RuvllmError
 
 if TYPE_CHECKING:
     from ruvllm.embedding import EmbeddingModel
 
-#: The passage texts are cut from (repeated as needed).
-PASSAGE = (
-    "A lighthouse keeper on a small northern island kept a logbook for forty years. Every evening he wrote "
-    "down the direction of the wind, the height of the waves, the ships that passed and the birds that rested "
-    "on the gallery rail. Storms arrived in autumn and stayed until spring; in the calm weeks of summer he "
-    "painted the tower, oiled the clockwork that turned the lens and rowed to the mainland for flour, lamp oil "
-    "and letters. When the light was finally automated, the logbooks went to the town library, where they "
-    "are still read by sailors, scientists and children who want to know what the sea was like long ago. "
-)
+#: The passage texts are cut from (repeated as needed): the one generative benchmarks cut prompts from.
+PASSAGE = PROMPT_TEXT
 
 
 class EmbedBenchmarkError(RuvllmError):
