@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ruvllm import __version__
 from ruvllm.backend import ReportsWeightBytes
-from ruvllm.bench_cli import PROMPT_TEXT
+from ruvllm.bench_cli import PROMPT_TEXT, BenchmarkSettingsError
 from ruvllm.errors import RuvllmError
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 PASSAGE = PROMPT_TEXT
 
 
-class EmbedBenchmarkError(RuvllmError):
-    """A setting of an embedding benchmark is out of range or means nothing for an encoder."""
+#: A setting of an embedding benchmark out of range, or one that means nothing for an encoder.
+EmbedBenchmarkError = BenchmarkSettingsError
 
 
 @dataclass(frozen=True)
