@@ -504,3 +504,35 @@ def test_cli_with_an_unsupported_cpu_isa_is_a_one_line_error():
     assert "Traceback" not in out.stderr, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "RUVLLM_CPU_ISA=sse9" in lines[0], out.stderr
+
+
+def _own_form_operands(k: dict[str, np.ndarray], bits: int, q6k: bool) -> tuple[jax.Array | None, ...]:
+    """The same matrix in the form the file holds it (``gguf_blocks.kernel_form``): Q6_K symmetric (no
+    Dm, no mn: Dm = 32 D, mn = sc in the kernels), Q4_K / Q5_K with sc and mn per 32."""
+    codes = jnp.asarray(_panel_codes(_pack(k["codes"], bits), k["codes"].shape[1] // 32))
+    if q6k:
+        return (codes, jnp.asarray(_panel_rows(k["D"])), None, jnp.asarray(_panel_rows(k["sc"])), None)
+    per32 = [jnp.asarray(_panel_rows(np.ascontiguousarray(k[f][:, ::2]))) for f in ("sc", "mn")]
+    return (codes, jnp.asarray(_panel_rows(k["D"])), jnp.asarray(_panel_rows(k["Dm"])), *per32)
+
+
+@pytest.mark.parametrize("isa", ["scalar", *VECTOR_ISAS])
+@pytest.mark.parametrize(("bits", "q6k"), [(4, False), (5, False), (6, False), (8, False), (6, True)])
+def test_kquant_own_forms_give_the_sixteen_wide_forms_bits(isa, bits, q6k):
+    """Sub-scales per 32 (read for both half groups) and the symmetric form (Dm, mn formed in the
+    kernel) do the 16-wide form's arithmetic on the same values: equal bits, every variant and block
+    of activation rows, and the native call refuses factors of other sizes."""
+    _supported(isa)
+    rng = np.random.default_rng(100 + bits + 10 * q6k)
+    for out, cols in ((16, 256), (48, 512), (32, 1536)):
+        k = _random_kquant(rng, out, cols, bits, q6k)
+        wide, own = _kquant_operands(k, bits), _own_form_operands(k, bits, q6k)
+        for rows in (1, 2, 3, 5, 8, 9, 19):
+            x = jnp.asarray(rng.standard_normal((rows, cols)).astype(np.float32))
+            with native.use_isa(isa):
+                a = np.asarray(native.kxa8_group(x, jnp.int32(0), [wide])[0])
+                b = np.asarray(native.kxa8_group(x, jnp.int32(0), [own])[0])
+            np.testing.assert_array_equal(b, a, err_msg=f"{isa} {bits}-bit q6k={q6k} {rows}x{out}x{cols}")
+    bad = (*own[:3], own[3][:, :-1], own[4])
+    with pytest.raises(Exception, match="k-quant factors have the wrong sizes"):
+        native.kxa8_group(x, jnp.int32(0), [bad])[0].block_until_ready()

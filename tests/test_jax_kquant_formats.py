@@ -28,7 +28,7 @@ from _kquant_files import cached_q4_k_m, quantize, requantize_gguf
 from ruvllm.checkpoint import _fast_gguf_reader, open_checkpoint
 from ruvllm.errors import BackendError, ModelFormatError
 from ruvllm_jax import native
-from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES, kernel_form, wxa8_from_gguf_blocks
+from ruvllm_jax.gguf_blocks import WXA8_GGUF_TYPES, kernel_form, sixteen_form, wxa8_from_gguf_blocks
 from ruvllm_jax.loading import _stack
 from ruvllm_jax.quant import QuantArray, from_panels, linear, take_rows, to_panels, unpack_codes
 
@@ -192,14 +192,23 @@ def _reference_kquant(x: np.ndarray, w: QuantArray) -> np.ndarray:
     return y
 
 
-#: Forms of the tests below: the file's types as converted, and the k-quants in the kernel form.
-FORMS = [*KQUANTS, "Q5_0", "Q5_1", "Q4_K in the kernel form", "Q5_K in the kernel form", "Q6_K in the kernel form"]
+#: Forms of the tests below: the file's types as converted, and the k-quants in the kernel form (the
+#: file's own: sub-scales per 32 for Q4_K / Q5_K, Q6_K symmetric) and the 16-wide form of mixed stacks.
+FORMS = [
+    *KQUANTS, "Q5_0", "Q5_1", "Q4_K in the kernel form", "Q5_K in the kernel form", "Q6_K in the kernel form",
+    "Q4_K in the 16-wide form", "Q6_K in the 16-wide form",
+]  # fmt: skip
 
 
 def _form(form: str, out: int, cols: int, seed: int) -> QuantArray:
     w = wxa8_from_gguf_blocks(form[:4], _blocks(form[:4], out, cols, seed=seed), (out, cols))
     if form.endswith("kernel form"):
         w = kernel_form(w)
+        q6k = form.startswith("Q6_K")
+        assert (w.sub_group, w.zero_point, w.offset is None) == ((16, 32, True) if q6k else (32, 0, False))
+        assert np.asarray(w.sub_scale).dtype == np.int8
+    elif form.endswith("16-wide form"):
+        w = sixteen_form(w)
         assert (w.sub_group, w.zero_point) == (16, 0) and w.offset is not None
     return w
 
@@ -270,10 +279,10 @@ def test_5_and_6_bit_panels_are_the_kernels_layout(form):
 @pytest.mark.parametrize(
     ("ggml_types", "want"),
     [
-        (("Q4_K", "Q4_K"), (4, 16, 0)),  # one type: 4-bit codes, the kernel form's factors
-        (("Q5_K", "Q5_K"), (5, 16, 0)),  # 5-bit codes as they are
+        (("Q4_K", "Q4_K"), (4, 32, 0)),  # one type: 4-bit codes, the file's factors (per 32)
+        (("Q5_K", "Q5_K"), (5, 32, 0)),  # 5-bit codes as they are
         (("Q4_K", "Q5_K", "Q4_K"), (5, 16, 0)),  # Q4_K's codes in the 5-bit form, fifth bits zero
-        (("Q6_K", "Q6_K"), (6, 16, 0)),  # 6-bit codes as they are
+        (("Q6_K", "Q6_K"), (6, 16, 32)),  # 6-bit codes as they are, symmetric
         (("Q4_K", "Q6_K"), (6, 16, 0)),  # Q4_K's codes in the 6-bit form, fifth and sixth bits zero
         (("Q4_K", "Q6_K", "Q5_K", "Q6_K"), (6, 16, 0)),  # llama.cpp Q4_K_M's ffn_down: factors per layer
         (("Q5_0", "Q5_1"), (5, 0, 0)),
@@ -409,11 +418,14 @@ def test_tiny_q4_k_m_loads_in_w4a8_with_the_files_weights(tiny_q4_k_m):
     assert (types["blk.0.ffn_down.weight"], types["blk.1.ffn_down.weight"]) == ("Q5_K", "Q6_K")
     model = load_jax(ckpt, quantization="w4a8", extra={"native": False})
     lw = model.weights.layers
-    assert (lw.q_proj.bits, lw.q_proj.sub_group, lw.q_proj.panel) == (4, 16, 16)  # Q4_K codes as they are
+    assert (lw.q_proj.bits, lw.q_proj.sub_group, lw.q_proj.panel) == (4, 32, 16)  # Q4_K as the file has it
+    # The file's bytes: 4-bit codes, d and dmin per 256, 6-bit scale and min per 32 held as int8.
+    assert lw.q_proj.nbytes == (0.5 + 4 / 256 + 2 / 32) * np.prod(lw.q_proj.shape)
     for mixed in (lw.v_proj, lw.down_proj):  # Q4_K or Q5_K + Q6_K: 6-bit codes, factors per layer
         assert (mixed.bits, mixed.sub_group, mixed.zero_point) == (6, 16, 0)
     embed = model.weights.embed
-    assert (embed.bits, embed.sub_group, embed.panel) == (6, 16, 0)  # 258 rows: row-major
+    assert (embed.bits, embed.sub_group, embed.zero_point, embed.panel) == (6, 16, 32, 0)  # 258 rows: row-major
+    assert embed.offset is None and embed.nbytes == 210 / 256 * np.prod(embed.shape)  # Q6_K's own bytes
     _assert_layers_are_the_files(model, ckpt, [0, 1])
     np.testing.assert_array_equal(_dequantized(model.weights.embed), ckpt.tensor("model.embed_tokens.weight"))
     ids = list(np.random.default_rng(0).integers(0, 256, 40))
@@ -553,8 +565,8 @@ def test_real_q4_k_m_matrices_through_the_native_kernel(gemma_q4_k_m):
         t = tensors[name]
         shape = (int(t.shape[1]), int(t.shape[0]))
         w = to_panels(kernel_form(wxa8_from_gguf_blocks(t.tensor_type.name, t.data, shape)))
-        ops = [(jnp.asarray(w.quant), jnp.asarray(w.scale), jnp.asarray(w.offset), jnp.asarray(w.sub_scale),
-                jnp.asarray(w.sub_offset))]  # fmt: skip
+        ops = [tuple(None if a is None else jnp.asarray(a) for a in (w.quant, w.scale, w.offset, w.sub_scale,
+                                                                        w.sub_offset))]  # fmt: skip
         x = np.random.default_rng(0).standard_normal((5, shape[1])).astype(np.float32)
         want = _reference_kquant(x, from_panels(w))
         with native.use_isa("scalar"):

@@ -447,30 +447,38 @@ void check_panel(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
   }
 }
 
+// Each k-quant form (cpu_kernels.h, KMatrix): 16-wide with Dm and mn, sc / mn per 32, symmetric.
 void check_kpanel(Rng& r, const KernelTable* ref, std::vector<Variant>& vs) {
-  for (int bits : {4, 5, 6, 8}) {
-    for (int64_t K : {256, 1536}) {
-      for (int64_t N : {16, 48}) {
-        const int64_t G = K / 32, P = N / 16, SB = K / 256;
-        const std::vector<uint8_t> q = panels(codes(r, N, K, bits), N, K, bits);
-        const std::vector<uint16_t> D = halves(r, N * SB), Dm = halves(r, N * SB);
-        std::vector<int8_t> sc(N * 2 * G);
-        std::vector<int8_t> mn(N * 2 * G);
-        for (auto& v : sc) v = static_cast<int8_t>(r.range(-128, 127));
-        for (auto& v : mn) v = static_cast<int8_t>(r.range(-128, 127));
-        for (int64_t M : kRows) {
-          std::vector<float> x = activations(r, M, K);
-          GroupActsBuf a;
-          a.quantize(x.data(), M, K);
-          std::vector<float> want(M * N, NAN);
-          ref->kpanel_rows(a.view(), {q.data(), D.data(), Dm.data(), sc.data(), mn.data(), want.data(), N, bits}, 0, P);
-          for (auto& v : vs) {
-            if (!v.runs || v.ref) continue;
-            std::vector<float> got(M * N, NAN);
-            const ruvllm::KMatrix km{q.data(), D.data(), Dm.data(), sc.data(), mn.data(), got.data(), N, bits};
-            v.table()->kpanel_rows(a.view(), km, 0, P / 2);
-            v.table()->kpanel_rows(a.view(), km, P / 2, P);
-            record(v.out[kKPanel], shape("k-quant panel", M, N, K, bits), mismatch(got, want));
+  const char* names[] = {"k-quant panel", "k-quant panel sub32", "k-quant panel symmetric"};
+  for (int form = 0; form < 3; ++form) {
+    for (int bits : {4, 5, 6, 8}) {
+      for (int64_t K : {256, 1536}) {
+        for (int64_t N : {16, 48}) {
+          const int64_t G = K / 32, P = N / 16, SB = K / 256;
+          const int sub = form == 1 ? 32 : 16;
+          const std::vector<uint8_t> q = panels(codes(r, N, K, bits), N, K, bits);
+          const std::vector<uint16_t> D = halves(r, N * SB), Dm = halves(r, N * SB);
+          std::vector<int8_t> sc(N * (K / sub));
+          std::vector<int8_t> mn(N * (K / sub));
+          for (auto& v : sc) v = static_cast<int8_t>(r.range(-128, 127));
+          for (auto& v : mn) v = static_cast<int8_t>(r.range(-128, 127));
+          ruvllm::KMatrix km{q.data(), D.data(), form == 2 ? nullptr : Dm.data(), sc.data(),
+                             form == 2 ? nullptr : mn.data(), nullptr, N, bits, sub};
+          for (int64_t M : kRows) {
+            std::vector<float> x = activations(r, M, K);
+            GroupActsBuf a;
+            a.quantize(x.data(), M, K);
+            std::vector<float> want(M * N, NAN);
+            km.y = want.data();
+            ref->kpanel_rows(a.view(), km, 0, P);
+            for (auto& v : vs) {
+              if (!v.runs || v.ref) continue;
+              std::vector<float> got(M * N, NAN);
+              km.y = got.data();
+              v.table()->kpanel_rows(a.view(), km, 0, P / 2);
+              v.table()->kpanel_rows(a.view(), km, P / 2, P);
+              record(v.out[kKPanel], shape(names[form], M, N, K, bits), mismatch(got, want));
+            }
           }
         }
       }

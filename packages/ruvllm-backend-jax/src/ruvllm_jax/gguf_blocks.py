@@ -3,8 +3,8 @@ the layers of one weight in one storage form when the file's types differ by lay
 
 ``from_gguf_blocks`` keeps Q8_0 / Q4_0 / Q4_1 for the weight-only paths; ``wxa8_from_gguf_blocks``
 turns those and Q5_0 / Q5_1 and the k-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K into the ``w4a8`` form the native
-kernels multiply; ``kernel_form`` and ``common_format`` bring k-quants and mixed stacks to the one
-form the kernels read. Corrupt blocks (non-finite scales) and data of the wrong size are
+kernels multiply; ``kernel_form`` gives k-quants the form the kernels read at the file's size, and
+``common_format`` brings mixed stacks to one form. Corrupt blocks (non-finite scales) and data of the wrong size are
 :class:`ModelFormatError` here; the loader adds the tensor's name.
 """
 
@@ -269,11 +269,26 @@ def storage_format(w: QuantArray) -> tuple:
 
 
 def kernel_form(w: QuantArray) -> QuantArray:
-    """A k-quant in the one form the native kernels read (``cpu_kernels.h``, KMatrix), the same values:
-    16-wide sub-groups, no zero point, ``W = (scale sc) code - (offset mn)`` with ``scale`` / ``offset``
-    float16 per super-block, ``sc`` and ``mn`` int8 per 16. Q4_K / Q5_K: their ``d``, ``dmin``, ``sc``
-    and ``mn`` each repeated per 16; Q6_K: ``offset = 32 d`` and ``mn = sc`` (so ``d sc (code - 32)``).
-    Every product is exact in float32. Other matrices come back unchanged."""
+    """A k-quant in a form the native kernels read (``cpu_kernels.h``, KMatrix), as the file holds it:
+    Q4_K / Q5_K with their ``d``, ``dmin`` per super-block and 6-bit ``sc``, ``mn`` per 32 as int8;
+    Q6_K symmetric (zero point 32, no offset, ``sc`` int8 per 16). Nothing is widened, so the kernels
+    read the file's bytes. Q2_K / Q3_K (already 16-wide) and other matrices come back unchanged."""
+    if w.sub_group == 32:
+        return dataclasses.replace(
+            w, sub_scale=np.asarray(w.sub_scale).astype(np.int8), sub_offset=np.asarray(w.sub_offset).astype(np.int8)
+        )
+    if w.sub_group == 16 and w.offset is None:
+        return dataclasses.replace(w, sub_scale=np.asarray(w.sub_scale).astype(np.int8))
+    return w
+
+
+def sixteen_form(w: QuantArray) -> QuantArray:
+    """A k-quant in the 16-wide form every k-quant shares (what layers of one weight stored in
+    different types are brought to, :func:`common_format`), the same values: no zero point,
+    ``W = (scale sc) code - (offset mn)`` with ``scale`` / ``offset`` float16 per super-block, ``sc``
+    and ``mn`` int8 per 16. Q4_K / Q5_K: their ``sc`` and ``mn`` each repeated per 16; Q6_K:
+    ``offset = 32 d`` and ``mn = sc`` (so ``d sc (code - 32)``). Every product is exact in float32.
+    Other matrices come back unchanged."""
     if not w.sub_group or (w.sub_group == 16 and w.zero_point == 0 and w.offset is not None):
         return w
     sc = np.asarray(w.sub_scale)
@@ -299,16 +314,20 @@ def kernel_form(w: QuantArray) -> QuantArray:
 def common_format(mats: list[QuantArray]) -> list[QuantArray]:
     """Row-major ``w4a8`` matrices of one weight in several layers, in one storage format where the
     file's types differ by layer (llama.cpp's Q4_K_M gives ``attn_v`` and ``ffn_down`` Q6_K in some
-    layers and Q4_K, or Q8_0 and Q5_0, in others), each converted exactly: k-quants to
-    :func:`kernel_form` (which every k-quant shares, its factors per layer), and codes to the widest
-    form any layer has (4 < 5 < 6 < 8 bits: narrower codes fit a wider form with zero high bits, so
-    Q4_K / Q5_K with Q6_K are stored 6-bit; with 8-bit codes in some layers all are stored one per
-    byte). Symmetric layers (Q4_0, Q5_0, Q8_0: a zero point, no offset) mixed with others get their
-    offsets ``-zero_point d`` stored, as the asymmetric ones carry theirs. Other mixes (k-quants with
-    32-group forms) come back unchanged for the caller to refuse."""
+    layers and Q4_K, or Q8_0 and Q5_0, in others), each converted exactly: one type's layers keep
+    :func:`kernel_form`; k-quants of several types go to :func:`sixteen_form` (which every k-quant
+    shares, its factors per layer), and codes to the widest form any layer has (4 < 5 < 6 < 8 bits:
+    narrower codes fit a wider form with zero high bits, so Q4_K / Q5_K with Q6_K are stored 6-bit;
+    with 8-bit codes in some layers all are stored one per byte). Symmetric layers (Q4_0, Q5_0,
+    Q8_0: a zero point, no offset) mixed with others get their offsets ``-zero_point d`` stored, as
+    the asymmetric ones carry theirs. Other mixes (k-quants with 32-group forms) come back unchanged
+    for the caller to refuse."""
     if not all(w.wxa8 and not w.panel for w in mats):
         return mats
     mats = [kernel_form(w) for w in mats]
+    if len({storage_format(w) for w in mats}) == 1:
+        return mats
+    mats = [sixteen_form(w) for w in mats]
     if len({storage_format(w) for w in mats}) == 1 or len({w.sub_group for w in mats}) > 1:
         return mats
     bits = max(w.bits for w in mats)

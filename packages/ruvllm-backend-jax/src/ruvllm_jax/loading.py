@@ -165,22 +165,25 @@ class WeightLoader:
             return quantize_wxa8(w, 4)
         return quantize(w, self.quantization)
 
-    def _native_bits(self, names: list[str]) -> int | None:
-        """The code width :func:`~ruvllm_jax.repack.repack_kquant` gives the matrices ``names`` (one
-        weight's layers) in their common form, or None where it does not take them all (another load
-        form, a type or shape it does not repack): the widest of their types' own widths, as
-        :func:`common_format` widens them."""
+    def _native_form(self, names: list[str]) -> tuple[int | None] | None:
+        """How :func:`~ruvllm_jax.repack.repack_kquant` repacks the matrices ``names`` (one weight's
+        layers), as the argument tuple ``(bits,)``: ``(None,)`` where they share one type (its own
+        form, the file's bytes), the widest of their types' widths where they do not (the 16-wide
+        form :func:`common_format` gives them); None where it does not take them all (another load
+        form, a type or shape it does not repack)."""
         if self.quantization != "w4a8" or self.keep_gguf_blocks or self.ckpt.format != "gguf":
             return None
         raws = [self.ckpt.raw_tensor(n) for n in names]
         if any(r.ggml_type not in NATIVE_REPACK_TYPES for r in raws):
             return None
-        bits = max(NATIVE_REPACK_TYPES[r.ggml_type][1] for r in raws)
-        return bits if all(native_repack_applies(r.ggml_type, r.shape, bits) for r in raws) else None
+        types = {r.ggml_type for r in raws}
+        bits = None if len(types) == 1 else max(NATIVE_REPACK_TYPES[t][1] for t in types)
+        return (bits,) if all(native_repack_applies(r.ggml_type, r.shape, bits) for r in raws) else None
 
-    def _repacked(self, name: str, bits: int) -> QuantArray:
-        """``name``'s GGUF blocks in the kernels' panel form with ``bits``-wide codes, repacked natively
-        (the bytes :meth:`_direct`, :func:`common_format` and :func:`to_panels` give)."""
+    def _repacked(self, name: str, bits: int | None) -> QuantArray:
+        """``name``'s GGUF blocks in the kernels' panel form, repacked natively: the type's own form
+        (``bits`` None), or the 16-wide one with ``bits``-wide codes (the bytes :meth:`_direct`,
+        :func:`common_format` and :func:`to_panels` give)."""
         raw = self.ckpt.raw_tensor(name)
         try:
             out = repack_kquant(raw.ggml_type, raw.data, raw.shape, bits)
@@ -191,9 +194,9 @@ class WeightLoader:
         return out
 
     def embedding(self, name: str):
-        bits = self._native_bits([name])
-        if bits is not None:
-            return self._repacked(name, bits)
+        form = self._native_form([name])
+        if form is not None:
+            return self._repacked(name, *form)
         direct = self._direct(name)
         if direct is not None:
             return to_panels(direct)
@@ -294,8 +297,8 @@ class WeightLoader:
         if missing:
             raise ModelFormatError(f"{self.ckpt.path}: tensor {missing[0]!r} is missing")
         reps: dict[str, QuantArray] = {}  # one matrix per GGUF type among the layers, where they differ
-        bits = self._native_bits(names)
-        if self.ckpt.format == "gguf" and bits is None:
+        repack = self._native_form(names)
+        if self.ckpt.format == "gguf" and repack is None:
             kinds = {self.ckpt.raw_tensor(n).ggml_type: n for n in reversed(names)}
             if len(kinds) > 1:
                 # In their common form already, so that bringing each layer to it converts that layer
@@ -306,7 +309,7 @@ class WeightLoader:
         first: QuantArray | np.ndarray | None = None
         out: dict[str, np.ndarray] = {}
         for i, name in enumerate(names):
-            m = self.matrix(name) if bits is None else self._repacked(name, bits)
+            m = self.matrix(name) if repack is None else self._repacked(name, *repack)
             if isinstance(m, QuantArray):
                 if reps:
                     m = common_format([m, *reps.values()])[0]

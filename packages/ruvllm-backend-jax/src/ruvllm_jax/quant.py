@@ -341,17 +341,17 @@ def _linear_wxa8(x: jax.Array, w: QuantArray) -> jax.Array:
 
 def _linear_kquant(x: jax.Array, w: QuantArray) -> jax.Array:
     """``x @ w.T`` for k-quant weights and activations quantized per group of 32 (as for
-    :func:`_linear_wxa8`). Per sub-group ``h`` (16 or 32 inputs, inside activation group ``g``) the
-    integer dot ``p_h = codes . xq`` and ``isum_h = sum(xq)`` are exact in int32; then, in float32,
-    ``y = sum_h (d sc_h) dx_g (p_h - zero_point isum_h) - (dmin mn_h) dx_g isum_h`` with ``d sc_h`` and
-    ``dmin mn_h`` the exact products of :func:`_kquant_factors`. For 32-wide sub-groups ``dx_g
-    isum_h`` is :func:`quantize_activation_groups`'s ``sx``. This is the reference the native kernels
-    are checked against."""
+    :func:`_linear_wxa8`), in the native kernels' arithmetic (``cpu_kernels.h``, KMatrix): per half
+    group ``h`` of 16 inputs (inside activation group ``g``) the integer dot ``p_h = codes . xq`` and
+    ``isum_h = sum(xq)`` exact in int32; then, in float32, ``y = sum_h p_h (d sc_h) dx_g - (dmin
+    mn_h) dx_g isum_h`` with the exact products of :func:`_kquant_factors`, a 32-wide sub-group's
+    factors read for both its halves and a symmetric one's ``dmin mn_h = zero_point d sc_h`` (a power
+    of two: exact). This is the reference the native kernels are checked against."""
     if w.panel:
         w = from_panels(w)
     lead, cols = x.shape[:-1], x.shape[-1]
     xq, dx, _ = quantize_activation_groups(x.reshape(-1, cols))
-    rows, sg = xq.shape[0], w.sub_group
+    rows, sg = xq.shape[0], 16
     subs = cols // sg
     codes = unpack_codes(w)
     out = codes.shape[0]
@@ -364,14 +364,17 @@ def _linear_kquant(x: jax.Array, w: QuantArray) -> jax.Array:
         preferred_element_type=jnp.int32,
     )
     isum = jnp.sum(xh.astype(jnp.int32), axis=-1)  # [rows, subs]
-    if w.zero_point:
-        p = p - w.zero_point * jnp.transpose(isum)[:, :, None]
-    dxh = jnp.repeat(dx, ACT_GROUP // sg, axis=-1)  # [rows, subs]: each sub-group's activation scale
-    d, m = _kquant_factors(w)  # [out, subs]
+    dxh = jnp.repeat(dx, ACT_GROUP // sg, axis=-1)  # [rows, subs]: each half group's activation scale
+    d, m = _kquant_factors(w)  # [out, in // sub_group]
+    if m is None:
+        m = d * jnp.float32(w.zero_point)
+    elif w.zero_point:
+        raise BackendError("a k-quant with both a zero point and offsets has no kernel form")
+    if w.sub_group != sg:
+        d, m = (jnp.repeat(a, w.sub_group // sg, axis=-1) for a in (d, m))
     y = jnp.einsum("hro,oh,rh->ro", p.astype(jnp.float32), d, dxh, precision=lax.Precision.HIGHEST)
-    if m is not None:
-        sx = dxh * isum.astype(jnp.float32)
-        y = y - jnp.einsum("rh,oh->ro", sx, m, precision=lax.Precision.HIGHEST)
+    sx = dxh * isum.astype(jnp.float32)
+    y = y - jnp.einsum("rh,oh->ro", sx, m, precision=lax.Precision.HIGHEST)
     return y.reshape(*lead, out).astype(x.dtype)
 
 

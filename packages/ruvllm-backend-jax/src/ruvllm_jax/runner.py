@@ -220,6 +220,7 @@ class JaxModel:
             attention=attention,
             native_kernels=native.isa() if model.native else "off",
             weight_bytes=model.weight_bytes,
+            decode_weight_bytes=weights.decode_nbytes(),
             compilation_cache=str(compilation_cache) if compilation_cache else "off",
             weight_cache=cached,
             seconds=round(time.perf_counter() - t0, 2),

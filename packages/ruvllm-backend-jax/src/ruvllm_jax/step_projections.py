@@ -28,8 +28,9 @@ def native_format(w: object) -> str | None:
     kernel reads."""
     if not isinstance(w, QuantArray) or w.act_bits != 8:
         return None
-    if w.sub_group:
-        return "wxa8" if w.panel else None
+    if w.sub_group:  # the kernels' k-quant forms: with offsets and no zero point, or symmetric
+        symmetric_ok = w.offset is None and w.zero_point == 1 << (w.bits - 1)
+        return "wxa8" if w.panel and (symmetric_ok or (w.offset is not None and not w.zero_point)) else None
     if w.wxa8 and w.offset is None and w.zero_point != 1 << (w.bits - 1):
         return None  # the kernels' symmetric form is code - 2^(bits-1)
     return "wxa8" if w.wxa8 else "w8a8"

@@ -14,7 +14,7 @@ import numpy as np
 from ruvllm.errors import BackendError
 from ruvllm.model_config import ModelConfig
 from ruvllm.modeling import ACTIVATION_NAMES, LayerWeights, projection_shape
-from ruvllm_jax.quant import Weight
+from ruvllm_jax.quant import Weight, weight_nbytes
 
 
 def bucket(n: int) -> int:
@@ -147,6 +147,12 @@ class Weights:
     final_norm: jax.Array
     #: None when the output projection is tied to ``embed``.
     lm_head: Weight | None = None
+
+    def decode_nbytes(self) -> int:
+        """Bytes of these weights one decode token reads: all but an untied embedding, of which it
+        reads one row (a tied one is the output projection too, read whole)."""
+        skip = 0 if self.lm_head is None else weight_nbytes(self.embed)
+        return weight_nbytes(self) - skip
 
 
 @dataclass(frozen=True)

@@ -320,31 +320,27 @@ def wxa8_group(
 
 def kxa8_group(x: jax.Array, layer: jax.Array, weights: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
     """``x @ W_i.T`` for panel-layout matrices given as 5-tuples: k-quants ``(codes, D float16
-    [L?, N, K/256], Dm float16 [L?, N, K/256], sc int8 [L?, N, K/16], mn int8 [L?, N, K/16])`` (see
-    ``cpu_kernels.h``, KMatrix) or plain group-quantized ``(codes, d, m)`` (3-tuples), mixed freely;
-    ``x`` is quantized once for all of them."""
+    [L?, N, K/256], Dm float16 [L?, N, K/256], sc int8 [L?, N, K/sub], mn int8 [L?, N, K/sub])`` with
+    ``sub`` 16 or 32, or symmetric ``(codes, D, None, sc, None)`` (see ``cpu_kernels.h``, KMatrix), or
+    plain group-quantized ``(codes, d, m)`` (3-tuples), mixed freely; ``x`` is quantized once for all
+    of them."""
     _lib()
     rows = x.shape[0]
     results = [jax.ShapeDtypeStruct((rows, w[0].shape[-2]), jnp.float32) for w in weights]
-    operands: list[jax.Array] = []
-    for w in weights:
-        if len(w) == 3:
-            w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int8))
-        q, a, b, sc, mn = w
-        b = _no_offset() if b is None else b.astype(jnp.float16)  # None: a symmetric plain matrix
-        operands += [q, a.astype(jnp.float16), b, sc, mn]  # int8, or the kernel refuses them
     call = jax.ffi.ffi_call(KXA8_PANEL_TARGET, results)
-    return list(call(x.astype(jnp.float32), _layer_operand(layer), *operands))
+    return list(call(x.astype(jnp.float32), _layer_operand(layer), *_kxa8_operands(weights)))
 
 
 def _kxa8_operands(weights: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
-    """The 5-tuple operands of ``weights`` as :func:`kxa8_group` takes them (3-tuples: plain matrices)."""
+    """The 5-tuple operands of ``weights`` as :func:`kxa8_group` takes them (3-tuples: plain matrices;
+    a None offset or min: symmetric, passed empty)."""
     operands: list[jax.Array] = []
     for w in weights:
         if len(w) == 3:
             w = (*w, jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int8))
         q, a, b, sc, mn = w
-        b = _no_offset() if b is None else b.astype(jnp.float16)  # None: a symmetric plain matrix
+        b = _no_offset() if b is None else b.astype(jnp.float16)
+        mn = jnp.zeros((0,), jnp.int8) if mn is None else mn
         operands += [q, a.astype(jnp.float16), b, sc, mn]  # int8, or the kernel refuses them
     return operands
 

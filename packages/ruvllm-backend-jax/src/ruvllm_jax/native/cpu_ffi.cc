@@ -72,6 +72,30 @@ ffi::Error code_layout(const ffi::AnyBuffer& q, int64_t K, int64_t layer, const 
   return ffi::Error::Success();
 }
 
+// A k-quant's factors (cpu_kernels.h, KMatrix) for `stacked` matrices of N rows and K inputs: D, and Dm
+// unless symmetric, float16 per super-block; sc, and mn unless symmetric, int8 per 16 or per 32
+// inputs. The form follows from the sizes (b and mn empty: symmetric). Returns what is wrong, or
+// nullptr with the matrix `m`'s factors in `out` (its q, y, N and bits left to the caller).
+const char* kquant_factors(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& sc,
+                           const ffi::AnyBuffer& mn, int64_t stacked, int64_t N, int64_t K, int64_t m,
+                           ruvllm::KMatrix& out) {
+  if (K % 256 != 0) return "k-quants need a multiple of 256 inputs";
+  const int64_t SB = K / 256, subs = static_cast<int64_t>(sc.element_count());
+  const bool symmetric = b.element_count() == 0 && mn.element_count() == 0;
+  const int sub = subs == stacked * N * (K / 16) ? 16 : subs == stacked * N * (K / 32) ? 32 : 0;
+  if (sub == 0 || static_cast<int64_t>(a.element_count()) != stacked * N * SB ||
+      (!symmetric && (static_cast<int64_t>(b.element_count()) != stacked * N * SB ||
+                      static_cast<int64_t>(mn.element_count()) != subs)))
+    return "k-quant factors have the wrong sizes";
+  const int64_t per = N * (K / sub);
+  out.D = reinterpret_cast<const uint16_t*>(a.untyped_data()) + m * N * SB;
+  out.Dm = symmetric ? nullptr : reinterpret_cast<const uint16_t*>(b.untyped_data()) + m * N * SB;
+  out.sc = reinterpret_cast<const int8_t*>(sc.untyped_data()) + m * per;
+  out.mn = symmetric ? nullptr : reinterpret_cast<const int8_t*>(mn.untyped_data()) + m * per;
+  out.sub = sub;
+  return nullptr;
+}
+
 // Rows of x that carry tokens: the layer operand is [layer] or [layer, live rows]. A step's padding
 // rows come after its live ones; they get zeros instead of products, so padding a step to its
 // compiled shape costs no arithmetic.
@@ -191,14 +215,14 @@ ffi::Error KxA8PanelImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi:
                                  (*y)->typed_data<float>(), N, bits, true});
       continue;
     }
-    if (K % 256 != 0) return ffi::Error::InvalidArgument("ruvllm_kxa8: k-quants need a multiple of 256 inputs");
-    const int64_t SB = K / 256;
-    if (static_cast<int64_t>(a->element_count()) != L * N * SB || static_cast<int64_t>(b->element_count()) != L * N * SB ||
-        static_cast<int64_t>(sc->element_count()) != L * N * 2 * G ||
-        static_cast<int64_t>(mn->element_count()) != L * N * 2 * G)
-      return ffi::Error::InvalidArgument("ruvllm_kxa8: k-quant factors have the wrong sizes");
-    kmats.push_back(ruvllm::KMatrix{codes, ap + l * N * SB, bp + l * N * SB, sc->typed_data<int8_t>() + l * N * 2 * G,
-                                    mn->typed_data<int8_t>() + l * N * 2 * G, (*y)->typed_data<float>(), N, bits});
+    ruvllm::KMatrix k{};
+    if (const char* bad = kquant_factors(*a, *b, *sc, *mn, L, N, K, l, k))
+      return ffi::Error::InvalidArgument(std::string("ruvllm_kxa8: ") + bad);
+    k.q = codes;
+    k.y = (*y)->typed_data<float>();
+    k.N = N;
+    k.bits = bits;
+    kmats.push_back(k);
   }
   const int64_t live = live_rows(layer, M);
   for (const auto& m : mats) zero_rows(m.y, live, M, m.N);
@@ -297,13 +321,9 @@ ffi::Error ExpertsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::B
           (!symmetric && static_cast<int64_t>(b->element_count()) != stacked * N * G))
         return ffi::Error::InvalidArgument(who + ": one scale (and offset) per group of 32 expected");
     } else {
-      if (K % 256 != 0) return ffi::Error::InvalidArgument(who + ": k-quants need a multiple of 256 inputs");
-      const int64_t SB = K / 256;
-      if (static_cast<int64_t>(a->element_count()) != stacked * N * SB ||
-          static_cast<int64_t>(b->element_count()) != stacked * N * SB ||
-          static_cast<int64_t>(sc->element_count()) != stacked * N * 2 * G ||
-          static_cast<int64_t>(mn->element_count()) != stacked * N * 2 * G)
-        return ffi::Error::InvalidArgument(who + ": k-quant factors have the wrong sizes");
+      ruvllm::KMatrix k{};
+      if (const char* bad = kquant_factors(*a, *b, *sc, *mn, stacked, N, K, 0, k))
+        return ffi::Error::InvalidArgument(who + ": " + bad);
     }
     for (int64_t e = 0; e < E; ++e) {
       const int64_t m = l * E + e;  // the matrix index in the stack; only experts with rows are read
@@ -313,10 +333,13 @@ ffi::Error ExpertsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::B
         mats.push_back(GroupMatrix{codes + m * N * row_bytes, ap + m * N * G, symmetric ? nullptr : bp + m * N * G,
                                    ye, N, c.bits, true});
       } else {
-        const int64_t SB = K / 256;
-        kmats.push_back(ruvllm::KMatrix{codes + m * N * row_bytes, ap + m * N * SB, bp + m * N * SB,
-                                        sc->typed_data<int8_t>() + m * N * 2 * G,
-                                        mn->typed_data<int8_t>() + m * N * 2 * G, ye, N, c.bits});
+        ruvllm::KMatrix k{};
+        kquant_factors(*a, *b, *sc, *mn, stacked, N, K, m, k);  // checked above
+        k.q = codes + m * N * row_bytes;
+        k.y = ye;
+        k.N = N;
+        k.bits = c.bits;
+        kmats.push_back(k);
       }
     }
   }

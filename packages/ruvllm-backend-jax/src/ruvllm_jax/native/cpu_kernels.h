@@ -68,25 +68,42 @@ struct GroupMatrix {
   bool panel;
 };
 
-// k-quants (GGUF Q4_K, Q5_K, Q6_K; ruvllm_jax.gguf_blocks.kernel_form), always in the panel layout: codes
-// as for GroupMatrix (4-bit packed or one byte each) and two-level factors per half group h (16
-// weights):
+// k-quants (GGUF Q4_K, Q5_K, Q6_K, and Q2_K / Q3_K; ruvllm_jax.gguf_blocks.kernel_form), always in the
+// panel layout: codes as for GroupMatrix (4-bit packed or one byte each) and two-level factors per
+// half group h (16 weights):
 //   w = (D * sc[h]) * code - (Dm * mn[h])
-// with D, Dm float16 per super-block of 256 inputs and sc, mn int8 per 16 inputs (Q4_K / Q5_K:
-// D = d, sc = the 6-bit scale, Dm = dmin, mn = the 6-bit min; Q6_K: D = d, Dm = 32 d, sc = mn = its
-// scale). Every product is exact in float32, so the weights are the file's values. Per group g
-// and half h: acc = fma(p_h, (D * sc) * dx, acc); acc = fma(-(Dm * mn), sx16, acc).
+// with D, Dm float16 per super-block of 256 inputs and sc, mn int8 per 16 or per 32 inputs (`sub`).
+// Three forms, each holding the file's values:
+// * sub 32 (Q4_K / Q5_K as the file has them): D = d, Dm = dmin, sc / mn the 6-bit scale and min of
+//   each sub-block of 32, read for both of its half groups;
+// * symmetric (Dm and mn null; Q6_K as the file has it, sub 16): Dm = 2^(bits - 1) D formed in
+//   float32 (exact) and mn = sc, so w = D sc (code - 32): the file's bytes, nothing more;
+// * sub 16 with both (Q2_K, Q3_K, and layers of one weight stored in different types, brought to one
+//   form: gguf_blocks.common_format).
+// Every product is exact in float32, so the weights are the file's values, and every form does the
+// same arithmetic per group g and half h: acc = fma(p_h, (D * sc) * dx, acc); acc = fma(-(Dm * mn),
+// sx16, acc), so a matrix gives the same bits in any form.
 // Panel layout of the factors: [N / 16, columns, 16] (for each panel and column, its 16 rows).
 struct KMatrix {
   const uint8_t* q;     // panel layout, as GroupMatrix
   const uint16_t* D;    // [N / 16, K / 256, 16] float16 bits
-  const uint16_t* Dm;   // [N / 16, K / 256, 16] float16 bits
-  const int8_t* sc;     // [N / 16, K / 16, 16]
-  const int8_t* mn;     // [N / 16, K / 16, 16]
+  const uint16_t* Dm;   // [N / 16, K / 256, 16] float16 bits, or null: symmetric
+  const int8_t* sc;     // [N / 16, K / sub, 16]
+  const int8_t* mn;     // [N / 16, K / sub, 16], or null: symmetric (mn = sc)
   float* y;             // [M, N]
   int64_t N;
   int bits;
+  int sub = 16;         // inputs per sc / mn: 16 or 32
 };
+
+// Where the 16 rows' sc (and mn) of panel p, group g, half group h start.
+static inline int64_t ksub_at(const KMatrix& w, int64_t p, int64_t G, int64_t g, int h) {
+  return w.sub == 32 ? (p * G + g) * 16 : (p * 2 * G + 2 * g + h) * 16;
+}
+// The mins a k-quant's kernels read: mn, or sc for a symmetric one.
+static inline const int8_t* kmins(const KMatrix& w) { return w.mn != nullptr ? w.mn : w.sc; }
+// Dm / D of a symmetric k-quant with `bits`-wide codes: its zero point.
+static inline float ksym_zero(int bits) { return static_cast<float>(1 << (bits - 1)); }
 
 // Element type of a paged K/V cache: float32 (k, v), or float16 / bfloat16 (k16, v16), whose rows
 // the kernels widen to float32 as they read them (exact), so a 16-bit cache attends as a float32

@@ -186,12 +186,12 @@ void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1)
           p[j / 16] += ruvllm::code_at(w.q, w.bits, true, n, g, j, G) * static_cast<int32_t>(xq[j]);
         }
         const float D = half_to_float(w.D[(P * SB + g / 8) * 16 + r]);
-        const float Dm = half_to_float(w.Dm[(P * SB + g / 8) * 16 + r]);
+        const float Dm = w.Dm != nullptr ? half_to_float(w.Dm[(P * SB + g / 8) * 16 + r]) : D * ruvllm::ksym_zero(w.bits);
         const float dx = x.dx[m * x.Gp + g];
         for (int h = 0; h < 2; ++h) {
-          const int64_t k = (P * 2 * G + 2 * g + h) * 16 + r;
+          const int64_t k = ruvllm::ksub_at(w, P, G, g, h) + r;
           const float dh = D * static_cast<float>(w.sc[k]);
-          const float mh = Dm * static_cast<float>(w.mn[k]);
+          const float mh = Dm * static_cast<float>(ruvllm::kmins(w)[k]);
           acc = fmaf(static_cast<float>(p[h]), dh * dx, acc);
           acc = fmaf(-mh, x.sx16[m * 2 * x.Gp + 2 * g + h], acc);
         }

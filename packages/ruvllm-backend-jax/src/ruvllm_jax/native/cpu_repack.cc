@@ -1,12 +1,13 @@
 // GGUF k-quant blocks (Q4_K, Q5_K, Q6_K) repacked straight into the form the k-quant panel kernels
 // read (cpu_kernels.h, KMatrix): the same bytes ruvllm_jax's NumPy conversion gives
-// (gguf_blocks.wxa8_from_gguf_blocks, kernel_form, common_format's widening, quant.to_panels), made
-// in one pass over the file's blocks instead of a dozen whole-matrix NumPy passes. Loading an 8B
-// Q4_K_M file spent about a minute in those passes; here it is about as long as reading the bytes.
+// (gguf_blocks.wxa8_from_gguf_blocks, kernel_form or sixteen_form with common_format's widening,
+// quant.to_panels), made in one pass over the file's blocks instead of a dozen whole-matrix NumPy
+// passes. Loading an 8B Q4_K_M file spent about a minute in those passes; here it is about as long as
+// reading the bytes.
 //
 // Every weight keeps the file's value: codes are moved, never recomputed, and the factors are the
-// file's float16 bits (Q6_K's offset 32 d is d with its exponent raised by 5: exact, or refused when
-// it would overflow float16).
+// file's float16 bits (in the 16-wide form, Q6_K's offset 32 d is d with its exponent raised by 5:
+// exact, or refused when it would overflow float16).
 
 #include <cstdint>
 #include <cstring>
@@ -127,18 +128,24 @@ void put_q4_k_block(const uint8_t* qs, int64_t n, int64_t g0, int64_t G, uint8_t
 
 }  // namespace
 
-// Repacks one matrix of N rows of K values (src: N rows of K / 256 blocks of `type`) into the panel
-// k-quant form with `bits`-wide codes (no narrower than the type's own: 4 for Q4_K, 5 for Q5_K, 6 for
-// Q6_K): q [N / 16, K / 32, gb, 16]-ordered panel bytes, D and Dm float16 bits [N / 16, K / 256, 16],
-// sc and mn int8 [N / 16, K / 16, 16]. Returns 0; 1 for a non-finite float16 factor and 2 for a Q6_K
-// factor whose 32-fold overflows float16 (bad_row / bad_block name the first such block), 3 for
-// arguments it does not take (a type it does not repack, N not a multiple of 16, K not of 256, bits
-// narrower than the type's or wider than 6).
-extern "C" int ruvllm_repack_kquant(const uint8_t* src, int64_t N, int64_t K, int type, int bits, uint8_t* q,
-                                    uint16_t* D, uint16_t* Dm, int8_t* sc, int8_t* mn, int64_t* bad_row,
+// Repacks one matrix of N rows of K values (src: N rows of K / 256 blocks of `type`) into a panel
+// k-quant form (cpu_kernels.h, KMatrix): q [N / 16, K / 32, gb, 16]-ordered panel bytes, D (and Dm)
+// float16 bits [N / 16, K / 256, 16], sc (and mn) int8 [N / 16, K / sub, 16].
+// own != 0: the type's own form, `bits` its width: Q4_K / Q5_K with sub 32 (their 6-bit scales and
+//   mins), Q6_K symmetric with sub 16 (Dm and mn not written; they may be null): the file's bytes.
+// own == 0: the 16-wide form with `bits`-wide codes (no narrower than the type's own: 4 for Q4_K, 5
+//   for Q5_K, 6 for Q6_K), Dm and mn written, sub 16, which every k-quant shares (one weight's layers
+//   in different types).
+// Returns 0; 1 for a non-finite float16 factor and 2 for a Q6_K factor whose 32-fold overflows
+// float16 in the 16-wide form (bad_row / bad_block name the first such block), 3 for arguments it
+// does not take (a type it does not repack, N not a multiple of 16, K not of 256, bits narrower than
+// the type's or wider than 6, or another width than the type's own for its own form).
+extern "C" int ruvllm_repack_kquant(const uint8_t* src, int64_t N, int64_t K, int type, int bits, int own_form,
+                                    uint8_t* q, uint16_t* D, uint16_t* Dm, int8_t* sc, int8_t* mn, int64_t* bad_row,
                                     int64_t* bad_block) {
   const int own = type == kQ4_K ? 4 : type == kQ5_K ? 5 : type == kQ6_K ? 6 : 0;
-  if (own == 0 || N % 16 != 0 || K % kSuper != 0 || N <= 0 || bits < own || bits > 6) return 3;
+  if (own == 0 || N % 16 != 0 || K % kSuper != 0 || N <= 0 || bits < own || bits > 6 || (own_form && bits != own))
+    return 3;
   const int64_t bb = block_bytes(type), SB = K / kSuper, G = K / 32, S16 = K / 16;
   // The factors first, all of them: a bad one is refused before anything is written.
   for (int64_t n = 0; n < N; ++n)
@@ -149,7 +156,7 @@ extern "C" int ruvllm_repack_kquant(const uint8_t* src, int64_t N, int64_t K, in
       int why = 0;
       if (!half_finite(d) || (type != kQ6_K && !half_finite(half_at(b + 2))))
         why = 1;
-      else if (type == kQ6_K && !half_times_32(d, &unused))
+      else if (type == kQ6_K && !own_form && !half_times_32(d, &unused))
         why = 2;
       if (why) {
         *bad_row = n;
@@ -176,20 +183,29 @@ extern "C" int ruvllm_repack_kquant(const uint8_t* src, int64_t N, int64_t K, in
               const int64_t f = (P * SB + s) * 16 + r;
               if (type == kQ6_K) {
                 D[f] = half_at(b + 208);
-                half_times_32(D[f], &Dm[f]);
+                if (!own_form) half_times_32(D[f], &Dm[f]);
                 for (int j = 0; j < 16; ++j) {
                   const int64_t k = (P * S16 + s * 16 + j) * 16 + r;
-                  sc[k] = mn[k] = static_cast<int8_t>(b[192 + j]);
+                  sc[k] = static_cast<int8_t>(b[192 + j]);
+                  if (!own_form) mn[k] = sc[k];
                 }
               } else {
                 D[f] = half_at(b);
                 Dm[f] = half_at(b + 2);
                 uint8_t s6[8], m6[8];
                 scales_mins(b + 4, s6, m6);
-                for (int j = 0; j < 16; ++j) {
-                  const int64_t k = (P * S16 + s * 16 + j) * 16 + r;
-                  sc[k] = static_cast<int8_t>(s6[j / 2]);
-                  mn[k] = static_cast<int8_t>(m6[j / 2]);
+                if (own_form) {
+                  for (int j = 0; j < 8; ++j) {
+                    const int64_t k = (P * G + s * 8 + j) * 16 + r;
+                    sc[k] = static_cast<int8_t>(s6[j]);
+                    mn[k] = static_cast<int8_t>(m6[j]);
+                  }
+                } else {
+                  for (int j = 0; j < 16; ++j) {
+                    const int64_t k = (P * S16 + s * 16 + j) * 16 + r;
+                    sc[k] = static_cast<int8_t>(s6[j / 2]);
+                    mn[k] = static_cast<int8_t>(m6[j / 2]);
+                  }
                 }
               }
             }
