@@ -28,6 +28,7 @@ from ruvllm_jax.host_memory import drop_file_pages
 from ruvllm_jax.model import ModelSpec, Weights
 from ruvllm_jax.quant import ROW_FIELDS, QuantArray, quantize, quantize_int8, quantize_w8a8, quantize_wxa8, to_panels
 from ruvllm_jax.repack import NATIVE_REPACK_TYPES, native_repack_applies, repack_kquant
+from ruvllm_jax.split_stack import SplitStack
 
 log = structlog.get_logger("ruvllm_jax.loading")
 
@@ -121,6 +122,10 @@ class WeightLoader:
         self.mmap_experts = mmap_experts
         #: GGUF types already logged as not kept (:meth:`_not_kept`).
         self._not_kept_types: set[str] = set()
+        #: A weight whose layers the file stores in different k-quant types is held as a
+        #: :class:`SplitStack` (each type's layers in its own form; native ``w4a8`` steps only), not
+        #: in the one wider form :func:`common_format` gives them.
+        self.split_mixed = False
 
     def _direct(self, name: str) -> QuantArray | None:
         wxa8 = self.quantization == "w4a8"
@@ -298,6 +303,8 @@ class WeightLoader:
             raise ModelFormatError(f"{self.ckpt.path}: tensor {missing[0]!r} is missing")
         reps: dict[str, QuantArray] = {}  # one matrix per GGUF type among the layers, where they differ
         repack = self._native_form(names)
+        if self.split_mixed and repack is not None and repack[0] is not None:  # several types
+            return self._split_stack(names)
         if self.ckpt.format == "gguf" and repack is None:
             kinds = {self.ckpt.raw_tensor(n).ggml_type: n for n in reversed(names)}
             if len(kinds) > 1:
@@ -334,6 +341,30 @@ class WeightLoader:
         if isinstance(first, QuantArray):
             return dataclasses.replace(first, **out)
         return out[""]
+
+    def _split_stack(self, names: list[str]) -> SplitStack:
+        """The layers ``names`` of one weight, stored in several k-quant types, as one stack per type
+        in the type's own form (the file's bytes), each written layer by layer into arrays made once
+        by :attr:`alloc`."""
+        types = [self.ckpt.raw_tensor(n).ggml_type for n in names]
+        order = sorted(set(types), key=types.index)
+        parts = []
+        for kind in order:
+            chosen = [n for n, t in zip(names, types, strict=True) if t == kind]
+            out: dict[str, np.ndarray] = {}
+            first = None
+            for j, name in enumerate(chosen):
+                m = self._repacked(name, None)
+                arrays = {f: np.asarray(getattr(m, f)) for f in ("quant", *ROW_FIELDS) if getattr(m, f) is not None}
+                if first is None:
+                    first = m
+                    out = {f: self.alloc((len(chosen), *a.shape), a.dtype) for f, a in arrays.items()}
+                for f, a in arrays.items():
+                    out[f][j] = a
+                del m, arrays
+            parts.append(dataclasses.replace(first, **out))
+        index = tuple(types[:i].count(t) for i, t in enumerate(types))
+        return SplitStack(tuple(parts), tuple(order.index(t) for t in types), index)
 
     def _expert_stack(self, t: LayerTensor) -> QuantArray:
         """Every layer's ``w4a8`` experts of ``t``, ``[layers, experts, out, in]`` in the kernels' panel

@@ -20,6 +20,7 @@ from ruvllm_jax.experts import StoredExperts
 from ruvllm_jax.kv_state import KVState, kv_scale_groups
 from ruvllm_jax.model import LayerWeights, ModelSpec, Weights
 from ruvllm_jax.quant import KQ_BLOCK, QuantArray
+from ruvllm_jax.split_stack import SplitStack
 
 log = structlog.get_logger("ruvllm_jax.sharding")
 
@@ -108,6 +109,8 @@ def _place(value, axes: tuple[str, ...], spec: ModelSpec, mesh: Mesh, stacked: b
         return None
     if isinstance(value, StoredExperts):  # experts left in the file: only where they lie (one device)
         return dataclasses.replace(value, table=jax.device_put(value.table))
+    if isinstance(value, SplitStack):  # native kernels only (one device): each part as a stack
+        return dataclasses.replace(value, parts=tuple(_place(p, axes, spec, mesh, stacked) for p in value.parts))
     if isinstance(value, QuantArray):
         *lead, out_axis, in_axis = axes  # lead: a mixture of experts' expert axis
         cols = value.shape[-1]

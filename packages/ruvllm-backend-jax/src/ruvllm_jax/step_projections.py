@@ -16,6 +16,7 @@ from ruvllm.modeling import EXPERT_FIELDS, PROJECTION_GROUPS, LayerWeights
 from ruvllm_jax import native
 from ruvllm_jax.experts import native_experts, native_project_experts, router_product, xla_quantized_experts
 from ruvllm_jax.quant import QuantArray, linear
+from ruvllm_jax.split_stack import SplitStack, split_projection
 from ruvllm_jax.step_types import StepInputs, StepPlan
 
 #: Projections that share one input, so one native call quantizes the input once for all of them.
@@ -26,6 +27,8 @@ def native_format(w: object) -> str | None:
     """``w8a8`` or ``wxa8`` for the quantized forms the native kernels multiply, else None. The k-quants
     count as ``wxa8`` (one call takes both) when they are in the panel layout, the only one their
     kernel reads."""
+    if isinstance(w, SplitStack):  # its parts are k-quants in their own forms
+        return "wxa8"
     if not isinstance(w, QuantArray) or w.act_bits != 8:
         return None
     if w.sub_group:  # the kernels' k-quant forms: with offsets and no zero point, or symmetric
@@ -44,6 +47,12 @@ def native_projections(
     ``mats[0]``'s serve all). ``live``: rows of ``x`` that are real; the rest (padding) come out 0."""
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols)
+    split = [i for i, m in enumerate(mats) if isinstance(m, SplitStack)]
+    if split:  # each in its own call (its part's row is not the others' layer); the rest together
+        rest = [i for i in range(len(mats)) if i not in split]
+        ys = dict(zip(rest, native_projections(x2, [mats[i] for i in rest], layer, live) if rest else [], strict=True))
+        ys |= {i: split_projection(x2, mats[i], layer, live).astype(x.dtype) for i in split}
+        return [ys[i].reshape(*lead, -1) for i in range(len(mats))]
     if live is not None:  # the kernels read [layer, live rows] from their layer operand
         layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(live, jnp.int32).reshape(())])
     if native_format(mats[0]) == "wxa8":

@@ -44,7 +44,8 @@ FORMAT_VERSION = 1
 #: kernels' vector loads, and each array's pages are its own.
 ALIGN = 4096
 #: Modules whose code decides the repacked bytes (their digest is part of the key).
-_CODE = ("loading.py", "gguf_blocks.py", "quant.py", "repack.py", "native/cpu_repack.cc", "weight_cache.py")
+_CODE = ("loading.py", "gguf_blocks.py", "quant.py", "repack.py", "split_stack.py", "native/cpu_repack.cc")
+_CODE += ("weight_cache.py",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +255,15 @@ class WeightCache:
         return _map(self.data, skeleton, size), "written"
 
 
+def splits_mixed(options: Any, one_cpu_device: bool) -> bool:
+    """Whether a load holds a weight's layers of different k-quant types each in its own form
+    (:mod:`ruvllm_jax.split_stack`): every step of a native ``w4a8`` model on one CPU runs the
+    kernels, which take that form; XLA's steps need the one common form."""
+    from ruvllm_jax.options import native_option
+
+    return one_cpu_device and options.quantization == "w4a8" and native_option(options, 1)
+
+
 def host_weights(
     checkpoint: Checkpoint,
     spec: Any,
@@ -268,12 +278,17 @@ def host_weights(
     from ruvllm_jax.host_memory import huge_page_copy
     from ruvllm_jax.loading import Allocator, WeightLoader
 
+    split = splits_mixed(options, one_cpu_device)
+
     def build(alloc: Allocator | None = None) -> Any:
-        return WeightLoader(checkpoint, spec, options.quantization, keep_gguf_blocks, mmap_experts, alloc).load()
+        loader = WeightLoader(checkpoint, spec, options.quantization, keep_gguf_blocks, mmap_experts, alloc)
+        loader.split_mixed = split
+        return loader.load()
 
     if not (one_cpu_device and applies(checkpoint, options.quantization, mmap_experts)):
         return build(), "off", None
-    cache = WeightCache.for_checkpoint(checkpoint, {"quantization": options.quantization, "dtype": options.dtype})
+    form = {"quantization": options.quantization, "dtype": options.dtype, "split_mixed": split}
+    cache = WeightCache.for_checkpoint(checkpoint, form)
     assert cache is not None  # applies() checked the cache is on
     host, said = cache.load(build)
     if said not in ("hit", "written"):
