@@ -253,6 +253,7 @@ def ruvllm_generate(path: Path, args: argparse.Namespace, env: dict[str, str]) -
     kv = events.get("kv cache sized by the default rule", {})
     got.update(
         weight_bytes=loaded.get("weight_bytes"),
+        decode_weight_bytes=loaded.get("decode_weight_bytes"),
         weights_loaded_s=loaded.get("seconds"),
         quantization=loaded.get("quantization"),
         native_kernels=loaded.get("native_kernels"),
@@ -332,7 +333,9 @@ def child_speed(args: argparse.Namespace, engine: str) -> int:
     longest = max(args.prefill)
     # The engines' closures read the workload when called: its prefill is set to each length in turn
     # (allocated for the longest).
-    w = Workload(ids[:longest], [ids[:16]], args.decode_steps, args.iterations, [1])
+    batches = sorted({1, args.streams})
+    prompts = [ids[16 * i : 16 * (i + 1)] for i in range(max(batches))]  # a 16-token prompt each
+    w = Workload(ids[:longest], prompts, args.decode_steps, args.iterations, batches)
     t0 = time.perf_counter()
     e = bench_backends.load_engine(engine, args.file, w, args, {})
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "prefill_tok_s": {}, "prefill_s": {}}
@@ -345,6 +348,8 @@ def child_speed(args: argparse.Namespace, engine: str) -> int:
             out["prefill_tok_s"][str(n)] = n / statistics.median(times)
         step = e.decode(1)  # the median of decode_steps steps; the first (which compiles) among them
         out["decode_tok_s"] = 1 / step
+        if args.streams > 1:  # every sequence of the batch gets a token a step
+            out["decode_tok_s_streams"] = args.streams / e.decode(args.streams)
     out.update(isa=e.result.isa, weights=e.result.weights, notes=e.result.notes, build=e.result.build)
     args.out.write_text(json.dumps(out))
     return 0
@@ -367,10 +372,12 @@ ROWS = (
     ("peak_rss_anon_gb", "  of it anonymous, peak (GB)", 1, "{:.2f}"),
     ("peak_rss_file_gb", "  of it file pages, peak (GB)", 1, "{:.2f}"),
     ("weight_mib", "weights held (MiB)", 1, "{:,.0f}"),
+    ("decode_weight_mib", "weights a decode token reads (MiB)", 1, "{:,.0f}"),
     ("kv_cache_mib", "KV cache (MiB)", 1, "{:,.0f}"),
     ("rss_over_weights", "peak RSS / weights", 1, "{:.2f}"),
     ("rss_over_weights_kv", "peak RSS / (weights + KV)", 1, "{:.2f}"),
     ("decode_tok_s", "decode tok/s, batch 1", 1, "{:.2f}"),
+    ("decode_tok_s_streams", "decode tok/s, all streams (--streams)", 1, "{:.2f}"),
 )
 
 
@@ -384,6 +391,7 @@ def figures(gen: dict[str, Any], spd: dict[str, Any] | None) -> dict[str, Any]:
         "peak_rss_anon_gb": gen["peak_rss_anon_bytes"] / 1e9,
         "peak_rss_file_gb": gen["peak_rss_file_bytes"] / 1e9,
         "weight_mib": gen["weight_bytes"] / 2**20 if gen.get("weight_bytes") else None,
+        "decode_weight_mib": gen["decode_weight_bytes"] / 2**20 if gen.get("decode_weight_bytes") else None,
         "kv_cache_mib": gen["kv_cache_bytes"] / 2**20 if gen.get("kv_cache_bytes") else None,
     }
     if gen.get("weight_bytes"):
@@ -393,6 +401,8 @@ def figures(gen: dict[str, Any], spd: dict[str, Any] | None) -> dict[str, Any]:
         f["rss_over_weights_kv"] = gen["peak_rss_bytes"] / (gen["weight_bytes"] + gen["kv_cache_bytes"])
     if spd is not None:
         f["decode_tok_s"] = spd["decode_tok_s"]
+        if "decode_tok_s_streams" in spd:
+            f["decode_tok_s_streams"] = spd["decode_tok_s_streams"]
         for n, v in spd["prefill_tok_s"].items():
             f[f"prefill_tok_s@{n}"] = v
         f["speed_child_peak_rss_gb"] = spd["peak_rss_bytes"] / 1e9
@@ -479,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefill", type=int, nargs="+", default=[256, 512], help="prefill lengths (tokens)")
     ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=8, help="decode tok/s of this many sequences at once too")
     ap.add_argument("--iterations", type=int, default=1, help="timed prefills of each length (after one untimed)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ruvllm", default=str(Path(sys.executable).with_name("ruvllm")), help="ruvllm's CLI")
@@ -551,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', dropped' if dropped else ''})", file=sys.stderr, flush=True)  # fmt: skip
             g = gen(path, args, env)
             g.update(page_cache_before=cached, dropped_caches=dropped, memory_available_gb_before=avail)
+            if engine == "llama.cpp":  # its CPU backend multiplies the file's tensors (repacked, same size)
+                g["decode_weight_bytes"] = tb.total
             got[engine] = {"generate": g}
         if not args.no_speed:
             for engine, name in (("ruvllm", "jax-auto"), ("llama.cpp", "llama.cpp")):
