@@ -158,9 +158,12 @@ def test_a_share_of_the_memory_is_rounded_so_restarts_size_the_cache_alike():
 
     engine = EngineConfig()
     wanted = 64 * 2**30  # more than the share: the share decides
-    two_starts = [default_kv_memory(engine, wanted, avail) for avail in (10_432 * 2**20, 10_488 * 2**20)]
-    assert two_starts[0] == two_starts[1] == 5_120 * 2**20  # 5,216 and 5,244 MiB: one size
-    for avail in (3 * 2**30 + 12345, 777_777_777, 2**33):
+    # Shares of 4,608 / 5,216 / 5,244 / 5,632 / 6,100 MiB (starts of an 8B server): one size.
+    starts = [default_kv_memory(engine, wanted, 2 * mib * 2**20) for mib in (4_608, 5_216, 5_244, 5_632, 6_100)]
+    assert set(starts) == {4_096 * 2**20}
+    assert default_kv_memory(engine, wanted, 2 * 6_200 * 2**20) == 6_144 * 2**20  # 1.5 x 4 GiB
+    for avail in (3 * 2**30 + 12345, 777_777_777, 2**33, 2**34 - 1):
         got, share = default_kv_memory(engine, wanted, avail), int(DEFAULT_KV_MEMORY_SHARE * avail)
-        assert share * 8 / 9 <= got <= share
+        assert share * 2 / 3 <= got <= share
+        assert got >> (got.bit_length() - 2) << (got.bit_length() - 2) == got  # 2 leading bits
     assert default_kv_memory(engine, 5 * 2**20 + 3, 2**34) == 5 * 2**20 + 3  # what the contexts need, exactly
