@@ -39,15 +39,29 @@ NATIVE = ROOT / NATIVE_REL
 #: differ between commits, so a ref's are taken as its tree lists them.
 VARIANT_SOURCE = "cpu_kernels_variant.cc"
 
-#: (name, bits, rows N, inputs K, k-quant, most activation rows timed): Gemma-3-270M Q4_K_M's matrices, and
+#: k-quant factor forms (kernel_bench's KQUANT): none, per 16 with mins (Q2_K / Q3_K, mixed layers), per 32 with
+#: mins (Q4_K / Q5_K as the file has them), symmetric per 16 (Q6_K as the file has it).
+PLAIN, K16, K32, KSYM = 0, 1, 2, 3
+
+#: (name, bits, rows N, inputs K, k-quant form, most activation rows timed): Gemma-3-270M Q4_K_M's matrices,
 #: SmolLM2's Q4_1 gate/up.
 SHAPES = [
-    ("q4_1 smollm2 gate 1536x576", 4, 1536, 576, False, None),
-    ("q5_0 gate/up 2048x640", 5, 2048, 640, False, None),
-    ("q4_k o_proj 640x1024", 4, 640, 1024, True, None),
-    ("q6_k ffn_down 640x2048", 6, 640, 2048, True, None),
-    ("q8_0 attn_v 256x640", 8, 256, 640, False, None),
-    ("q8_0 lm_head 262144x640", 8, 262144, 640, False, 1),
+    ("q4_1 smollm2 gate 1536x576", 4, 1536, 576, PLAIN, None),
+    ("q5_0 gate/up 2048x640", 5, 2048, 640, PLAIN, None),
+    ("q4_k o_proj 640x1024", 4, 640, 1024, K32, None),
+    ("q6_k ffn_down 640x2048", 6, 640, 2048, KSYM, None),
+    ("q4_k/16 o_proj 640x1024", 4, 640, 1024, K16, None),
+    ("q8_0 attn_v 256x640", 8, 256, 640, PLAIN, None),
+    ("q8_0 lm_head 262144x640", 8, 262144, 640, PLAIN, 1),
+]
+#: Llama-3.1-8B's Q4_K_M matrices (``--large``): the q/o projection, gate/up, the Q6_K down projection; its gate in
+#: Q4_0 and Q8_0.
+LARGE = [
+    ("q4_k 8b q_proj 4096x4096", 4, 4096, 4096, K32, None),
+    ("q4_k 8b gate 14336x4096", 4, 14336, 4096, K32, None),
+    ("q6_k 8b ffn_down 4096x14336", 6, 4096, 14336, KSYM, None),
+    ("q4_0 8b gate 14336x4096", 4, 14336, 4096, PLAIN, None),
+    ("q8_0 8b gate 14336x4096", 8, 14336, 4096, PLAIN, None),
 ]
 
 
@@ -118,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 128], help="activation rows (default: 1 128)")
     ap.add_argument("--rounds", type=int, default=21, help="interleaved rounds per shape; medians (default 21)")
     ap.add_argument("--json", type=Path, help="write the rows here too")
+    ap.add_argument("--large", action="store_true", help="Llama-3.1-8B's shapes instead of the small models'")
+    ap.add_argument("--only", help="only the shapes whose name contains this")
     args = ap.parse_args(argv)
 
     variants_py = runpy.run_path(str(NATIVE / "variants.py"))
@@ -147,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cpu: {cpu_summary()}; one thread; medians of {args.rounds} interleaved rounds")
         print(f"builds: {', '.join(label for label, _, _ in builds)}" + (f" (base: {args.base})" if args.base else ""))
         rows = []
-        for name, bits, n, k, kq, most in SHAPES:
+        shapes = [s for s in (LARGE if args.large else SHAPES) if args.only is None or args.only in s[0]]
+        for name, bits, n, k, kq, most in shapes:
             for m in (m for m in args.rows if most is None or m <= most):
-                reps = max(1, int(3e7 // (n * k * m)))
+                reps = max(3, int(3e8 // (n * k * m)))
                 out = subprocess.run(
-                    [str(exe), str(bits), str(n), str(k), str(m), str(int(kq)), str(reps), str(args.rounds)],
+                    [str(exe), str(bits), str(n), str(k), str(m), str(kq), str(reps), str(args.rounds)],
                     capture_output=True, text=True, check=True,
                 ).stdout  # fmt: skip
                 us = {label: float(t) for label, t in (line.split() for line in out.splitlines())}

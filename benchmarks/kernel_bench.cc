@@ -7,7 +7,9 @@
 // not: on the 2-core VMs here two runs of one binary differ by 10-20%.
 //
 // Usage: kernel_bench BITS N K M KQUANT REPS ROUNDS
-//   one matrix of N x K codes of BITS bits (KQUANT: k-quant factors) against M activation rows;
+//   one matrix of N x K codes of BITS bits against M activation rows; KQUANT 0: GroupMatrix factors,
+//   1: k-quant factors per 16 with mins, 2: per 32 with mins (Q4_K / Q5_K as the file has them),
+//   3: symmetric per 16 (Q6_K as the file has it);
 //   prints one line per build: the median over ROUNDS of the mean time of REPS calls, in us.
 #include <algorithm>
 #include <chrono>
@@ -44,9 +46,10 @@ int main(int argc, char** argv) {
   }
   const int bits = std::atoi(argv[1]);
   const int64_t N = std::atoll(argv[2]), K = std::atoll(argv[3]), M = std::atoll(argv[4]);
-  const bool kq = std::atoi(argv[5]) != 0;
+  const int kform = std::atoi(argv[5]);
+  const bool kq = kform != 0;
   const int reps = std::atoi(argv[6]), rounds = std::atoi(argv[7]);
-  if (N % 16 || K % 32 || (kq && K % 256) || M < 1 || reps < 1 || rounds < 1) {
+  if (N % 16 || K % 32 || (kq && K % 256) || M < 1 || reps < 1 || rounds < 1 || kform < 0 || kform > 3) {
     std::fprintf(stderr, "N must be a multiple of 16, K of 32 (256 for k-quants)\n");
     return 2;
   }
@@ -81,7 +84,9 @@ int main(int argc, char** argv) {
   std::vector<int8_t> sc(N * K / 16), mn(N * K / 16);
   for (auto& v : sc) v = static_cast<int8_t>(next() % 64);
   for (auto& v : mn) v = static_cast<int8_t>(next() % 64);
-  const ruvllm::KMatrix kmat{q.data(), D.data(), Dm.data(), sc.data(), mn.data(), y.data(), N, bits};
+  const bool sym = kform == 3;
+  const ruvllm::KMatrix kmat{q.data(), D.data(), sym ? nullptr : Dm.data(), sc.data(), sym ? nullptr : mn.data(),
+                             y.data(), N, bits, kform == 2 ? 32 : 16};
   const int64_t panels = N / 16;
   std::vector<std::vector<double>> times(builds.size());
   for (int r = 0; r < rounds; ++r) {

@@ -302,6 +302,15 @@ template <int BITS, int MB>
 void block(const GroupActs& x, const KMatrix& w, int64_t p, int64_t m, const uint8_t*) { kpanel_block<BITS, MB>(x, w, p, m); }
 #endif
 
+// Whether a panel's codes are unpacked once for its blocks (a variant's k-quant kernels may read them
+// packed every time: RUVLLM_KPANEL_NO_UNPACK).
+inline bool unpacks(const GroupMatrix&) { return true; }
+#ifdef RUVLLM_KPANEL_NO_UNPACK
+inline bool unpacks(const KMatrix&) { return false; }
+#else
+inline bool unpacks(const KMatrix&) { return true; }
+#endif
+
 // The last block, of fewer than the widest number of rows.
 template <int BITS, int MB, typename Mat>
 void tail_block(const GroupActs& x, const Mat& w, int64_t p, int64_t m, int left, const uint8_t* un) {
@@ -316,7 +325,7 @@ void tail_block(const GroupActs& x, const Mat& w, int64_t p, int64_t m, int left
 template <int BITS, int MBMAX, typename Mat>
 void panel_blocks(const GroupActs& x, const Mat& w, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* un = x.M > MBMAX ? unpack_panel<BITS>(w.q, x.G, p) : nullptr;
+    const uint8_t* un = x.M > MBMAX && unpacks(w) ? unpack_panel<BITS>(w.q, x.G, p) : nullptr;
     int64_t m = 0;
     for (; m + MBMAX <= x.M; m += MBMAX) block<BITS, MBMAX>(x, w, p, m, un);
     if (m < x.M) tail_block<BITS, MBMAX - 1>(x, w, p, m, static_cast<int>(x.M - m), un);
