@@ -220,7 +220,8 @@ def huge_page_copy(tree: Any) -> tuple[Any, str]:
     an 8B file's 5 GB where copying through the mapping on one core took 2.8-11.8 s), or, for an
     array that is not a view of a file, copied with its file pages dropped from the process after
     (so RSS holds the weights once). On a kernel that cannot put file pages on huge pages (no
-    ``CONFIG_READ_ONLY_THP_FOR_FS``) this is how mapped weights get them back: a decode step streams every weight byte, and huge pages
+    ``CONFIG_READ_ONLY_THP_FOR_FS``) this is how mapped weights get them back: a decode step streams
+    every weight byte, and huge pages
     made single-stream decode 7-10% faster on the small models (the journal, "Weights on huge pages").
     Returns (the new tree, what happened); the tree
     unchanged where huge pages are off (``RUVLLM_JAX_HUGE_PAGES=0``, THP ``never``, not Linux)."""
