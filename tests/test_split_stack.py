@@ -1,7 +1,8 @@
 """A weight whose layers a GGUF stores in different k-quant types (llama.cpp's Q4_K_M: ``attn_v`` and
 ``ffn_down`` Q6_K in some layers, Q4_K / Q5_K in others) is held per type in each type's own form
 (``ruvllm_jax.split_stack``) when the native kernels run the model: the file's bytes instead of one
-6-bit, 16-wide form for every layer, and the same logits bit for bit, on every kernel variant."""
+6-bit, 16-wide form for every layer, and the same logits to float32 rounding (the Q4_K / Q5_K layers'
+groups are summed at once in their own form), bit for bit the scalar loop's on every kernel variant."""
 
 from __future__ import annotations
 
@@ -68,10 +69,15 @@ def test_mixed_layers_are_held_per_type_with_the_same_logits(tiny_q4_k_m, monkey
         np.testing.assert_array_equal(np.asarray(layer.dequantize(np.float32)), np.asarray(want.dequantize(np.float32)))
     assert down.nbytes < common.weights.layers.down_proj.nbytes
     assert split.weight_bytes < common.weight_bytes
+    with native.use_isa("scalar"):
+        ref = _logits(split)
     for isa in native.supported_isas():
         with native.use_isa(isa):
-            for a, b in zip(_logits(split), _logits(common), strict=True):
-                np.testing.assert_array_equal(a, b, err_msg=isa)
+            for a, b, r in zip(_logits(split), _logits(common), ref, strict=True):
+                np.testing.assert_array_equal(a, r, err_msg=isa)  # every variant the scalar loop's bits
+                # The Q4_K / Q5_K layers' groups in one sum (cpu_kernels.h): float32 rounding apart, which
+                # the next layers' activation quantization amplifies (measured 3.3e-3 of the largest).
+                assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), isa
 
 
 def test_the_weight_cache_keeps_a_split_stack(tiny_q4_k_m, tmp_path, monkeypatch):

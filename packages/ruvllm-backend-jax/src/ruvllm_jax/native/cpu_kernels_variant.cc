@@ -188,6 +188,14 @@ void kpanel_scalar(const GroupActs& x, const KMatrix& w, int64_t p0, int64_t p1)
         const float D = half_to_float(w.D[(P * SB + g / 8) * 16 + r]);
         const float Dm = w.Dm != nullptr ? half_to_float(w.Dm[(P * SB + g / 8) * 16 + r]) : D * ruvllm::ksym_zero(w.bits);
         const float dx = x.dx[m * x.Gp + g];
+        if (w.sub == 32) {  // one scale and min for the group: its whole dot at once
+          const int64_t k = ruvllm::ksub_at(w, P, G, g, 0) + r;
+          const float dg = D * static_cast<float>(w.sc[k]);
+          const float mg = Dm * static_cast<float>(ruvllm::kmins(w)[k]);
+          acc = fmaf(static_cast<float>(p[0] + p[1]), dg * dx, acc);
+          acc = fmaf(-mg, x.sx[m * x.Gp + g], acc);
+          continue;
+        }
         for (int h = 0; h < 2; ++h) {
           const int64_t k = ruvllm::ksub_at(w, P, G, g, h) + r;
           const float dh = D * static_cast<float>(w.sc[k]);
