@@ -129,7 +129,7 @@ def rates(engines: dict, batch: int, items: list[str], rounds: int) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="+")
-    ap.add_argument("--backends", default="candle-compat,jax")
+    ap.add_argument("--backends", default="candle-compat,jax", help="backend or backend:quantization, e.g. jax:w8a8")
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--texts", type=int, default=256, help="texts per timed run (batch 1 runs 32 of them)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -139,6 +139,7 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
+    from ruvllm.backend import LoadOptions
     from ruvllm.embedding import load_embedding_model
 
     print(json.dumps({"cpu": cpu_name(), "torch_threads": torch.get_num_threads()}), flush=True)
@@ -155,9 +156,11 @@ def main() -> None:
             cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
             print(json.dumps({"model": name, "llama.cpp cosine to sentence-transformers, min": float(cos.min())}))
             engines["llama.cpp"] = run
-        for backend in args.backends.split(","):
-            m = load_embedding_model(path, backend=backend)
-            engines[f"ruvllm-{backend}"] = lambda b, m=m: m.embed(b, truncate=True)
+        for spec in args.backends.split(","):  # backend or backend:quantization (jax:w8a8)
+            backend, _, quantization = spec.partition(":")
+            options = LoadOptions(quantization=quantization or "auto")
+            m = load_embedding_model(path, backend=backend, options=options)
+            engines[f"ruvllm-{spec}"] = lambda b, m=m: m.embed(b, truncate=True)
         for batch in (int(b) for b in args.batches.split(",")):
             subset = items[:32] if batch == 1 else items
             got = rates(engines, batch, subset, args.rounds)

@@ -207,7 +207,7 @@ def test_benchmark_of_an_embedding_model_and_a_cross_encoder(tmp_path: Path) -> 
         done = run_benchmark_cli(*args, "--format", "json")
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
-        assert report["kind"] == kind and report["settings"]["batch"] == 4
+        assert report["kind"] == kind and report["settings"]["batch"] == 4 and report["quantization"] == "none"
         seconds = report["seconds"]
         assert len(seconds) == 3
         texts = report["metrics"]["texts_per_s"]
@@ -220,5 +220,7 @@ def test_benchmark_of_an_embedding_model_and_a_cross_encoder(tmp_path: Path) -> 
         assert report["metrics"]["tokens_per_s"]["max"] == pytest.approx(tokens / min(seconds))
     done = run_benchmark_cli(str(embedder), "--backend", "candle-compat", "--gen-length", "8")
     assert done.returncode != 0 and "--gen-length: not for an embedding" in done.stderr
+    done = run_benchmark_cli(str(embedder), "--backend", "candle-compat", "--quantization", "w8a8")
+    assert done.returncode != 0 and "quantization 'w8a8'" in done.stderr
     done = run_benchmark_cli(str(embedder), "--backend", "candle-compat", "--prompt-length", "100")
     assert done.returncode != 0 and "more than the model takes" in done.stderr

@@ -155,6 +155,8 @@ def test_cli_embed_writes_json_lines(folders, capsys) -> None:
     assert scored["text"] == SENTENCES[1] and 0.0 < scored["score"] < 1.0
     assert main(["generate", str(folders["bert"]), "hi", "--backend", "candle-compat"]) == 1
     assert "cannot generate text" in capsys.readouterr().err
+    assert main(["embed", str(folders["bert"]), "hi", "--backend", "candle-compat", "--quantization", "w8a8"]) == 1
+    assert "quantization 'w8a8'" in capsys.readouterr().err
 
 
 def test_the_jax_encoder_pads_to_few_lengths_with_little_waste() -> None:
@@ -174,3 +176,98 @@ def test_the_jax_encoder_pads_to_few_lengths_with_little_waste() -> None:
     from ruvllm_jax.encoder import padded_rows
 
     assert [padded_rows(n) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 8, 8, 16, 24, 32, 40]
+
+
+def test_packed_passes_place_each_sequence_whole_once() -> None:
+    """Sequences packed into rows: each whole in one row of one pass, with its own segment number and
+    positions from 0; no two overlap; a pass's shape is the bucket's length and row count; a pass
+    holds at most the positions asked (a sequence alone excepted); short ones share rows."""
+    from ruvllm.encoder import EncodeBatch, packed_passes
+
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(1, 90, 300)] + [300, 1]
+    batch = EncodeBatch([rng.integers(1, 1000, n).astype(np.int32) for n in lengths])
+    passes = packed_passes(batch, 2048, bucket=lambda n: -(-n // 16) * 16, pack_length=128,
+                           row_count=lambda r: -(-r // 8) * 8)  # fmt: skip
+    seen = []
+    shared = 0
+    for p in passes:
+        rows, length = p.ids.shape
+        assert length % 16 == 0 and rows % 8 == 0 and length >= 128
+        assert rows * length <= 2048 + 8 * length
+        used = np.zeros(p.ids.shape, bool)
+        for i, row, start in p.places:
+            n = lengths[i]
+            span = slice(start, start + n)
+            assert not used[row, span].any()
+            used[row, span] = True
+            np.testing.assert_array_equal(p.ids[row, span], batch.token_ids[i])
+            np.testing.assert_array_equal(p.positions[row, span], np.arange(n))
+            assert len(set(p.segments[row, span].tolist())) == 1 and p.segments[row, start] > 0
+            seen.append(i)
+        assert (p.segments > 0).sum() == used.sum()
+        shared += sum(np.unique(p.segments[r][p.segments[r] > 0]).size > 1 for r in range(rows))
+    assert sorted(seen) == list(range(len(lengths)))
+    assert shared > 50
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["bert", "gemma", "qwen3"])
+def test_sequences_sharing_a_row_get_what_they_get_alone(folders, name, backend) -> None:
+    """Several sequences packed into one row (bidirectional, windowed and causal attention) give
+    each the vectors it gets encoded alone, and sentence-transformers' (float32 on both sides)."""
+    from ruvllm.embedding import load_embedding_model
+
+    model = load_embedding_model(str(folders[name]), backend=backend)
+    texts = SENTENCES * 3
+    got = model.embed(texts)
+    alone = np.stack([model.embed([t])[0] for t in SENTENCES])
+    np.testing.assert_allclose(got, np.concatenate([alone] * 3), atol=ATOL)
+    np.testing.assert_allclose(got, _st(folders[name]).encode(texts, batch_size=1), atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["bert", "gemma", "qwen3", "cross"])
+def test_jax_w8a8_encoder_is_the_q8_0_arithmetic_close_to_float(folders, name, monkeypatch) -> None:
+    """``quantization="w8a8"`` on the jax encoder: the native kernels' products (Q8_0 weights, int8
+    activations per 32) give what XLA's formulation of the same arithmetic gives, and the
+    vectors stay within cosine 0.999 of sentence-transformers' float32 ones (scores within 0.02)."""
+    pytest.importorskip("ruvllm_jax")
+    from ruvllm.backend import LoadOptions
+    from ruvllm.embedding import load_embedding_model
+    from ruvllm_jax import encoder as jax_encoder
+    from ruvllm_jax import native
+    from ruvllm_jax.quant import linear
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    options = LoadOptions(quantization="w8a8")
+    model = load_embedding_model(str(folders[name]), backend="jax", options=options)
+    assert model.encoder.model.options.quantization == "w8a8"
+    pairs = list(zip(SENTENCES[:4], SENTENCES[4:], strict=True))
+    got = model.score_pairs(pairs) if name == "cross" else model.embed(SENTENCES)
+    monkeypatch.setattr(jax_encoder, "_products", lambda x, ws: [linear(x, w) for w in ws])
+    xla_model = load_embedding_model(str(folders[name]), backend="jax", options=options)
+    xla = xla_model.score_pairs(pairs) if name == "cross" else xla_model.embed(SENTENCES)
+    # One activation code rounded the other way (a float32 rounding apart before quantization) moves
+    # a tiny random model's vector by up to ~2e-3; the arithmetic itself is the same.
+    np.testing.assert_allclose(got, xla, atol=5e-3)
+    assert np.mean(np.abs(got - xla) < 1e-5) > 0.8
+    if name == "cross":
+        from sentence_transformers import CrossEncoder
+
+        ref = CrossEncoder(str(folders[name]), device="cpu").predict(pairs)
+        np.testing.assert_allclose(got, ref, atol=0.02)
+        return
+    ref = _st(folders[name]).encode(SENTENCES)
+    cos = np.sum(got * ref, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.999, cos
+
+
+def test_encoder_quantizations_not_offered_are_refused_by_name(folders) -> None:
+    from ruvllm.backend import LoadOptions
+    from ruvllm.embedding import load_embedding_model
+    from ruvllm.errors import BackendError
+
+    for backend, q in (("jax", "q4"), ("candle-compat", "w8a8")):
+        with pytest.raises(BackendError, match=q):
+            load_embedding_model(str(folders["bert"]), backend=backend, options=LoadOptions(quantization=q))

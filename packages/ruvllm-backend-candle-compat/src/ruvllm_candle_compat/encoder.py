@@ -1,5 +1,5 @@
-"""candle-compat's encoder pass: :func:`ruvllm.modeling.encode_hidden` on NumPy arrays, sequences of
-similar length padded together (no KV cache: an encoder reads each sequence whole, once)."""
+"""candle-compat's encoder pass: :func:`ruvllm.modeling.encode_hidden` on NumPy arrays, sequences
+packed into rows (no KV cache: an encoder reads each sequence whole, once)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import numpy as np
 
 from ruvllm.backend import LoadOptions
 from ruvllm.checkpoint import Checkpoint
-from ruvllm.encoder import EncodeBatch, length_groups, padded_batch
+from ruvllm.encoder import EncodeBatch, packed_passes
 from ruvllm.errors import BackendError, ModelFormatError
 from ruvllm.modeling.encoder import EncoderWeights, check_encoder, encode_hidden, load_encoder_weights
 
-#: Padded positions one NumPy pass holds (rows x longest): bounds the attention scores' memory.
+#: Positions one NumPy pass holds (rows x row length): bounds the attention scores' memory.
 _TOKENS_PER_PASS = 8192
+#: Short sequences share rows of this many positions (a row's attention scores are its length squared).
+_PACK_LENGTH = 128
 
 
 class NumpyEncoder:
@@ -40,9 +42,9 @@ class NumpyEncoder:
     def encode(self, batch: EncodeBatch) -> list[np.ndarray]:
         lengths = [len(t) for t in batch.token_ids]
         out: list[np.ndarray] = [np.empty((0, self.config.hidden_size), np.float32)] * len(lengths)
-        for group in length_groups(lengths, _TOKENS_PER_PASS):
-            ids, types, valid = padded_batch(batch, group, lengths[group[0]], len(group))
-            hidden = np.asarray(encode_hidden(self.weights, self.config, ids, types, valid), dtype=np.float32)
-            for r, i in enumerate(group):
-                out[i] = hidden[r, : lengths[i]]
+        for p in packed_passes(batch, _TOKENS_PER_PASS, pack_length=_PACK_LENGTH):
+            hidden = encode_hidden(self.weights, self.config, p.ids, p.types, p.segments, p.positions)
+            hidden = np.asarray(hidden, dtype=np.float32)
+            for i, row, start in p.places:
+                out[i] = hidden[row, start : start + lengths[i]]
         return out

@@ -425,8 +425,8 @@ def _embed_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
     from ruvllm.embedding import load_embedding_model
 
     generative = {"--gen-length": args.gen_length != 32, "--speculative": args.speculative is not None,
-                  "--draft-model": args.draft_model is not None, "--kv-cache-dtype": args.kv_cache_dtype != "auto",
-                  "--quantization": args.quantization not in (None, "auto", "none")}  # fmt: skip
+                  "--draft-model": args.draft_model is not None,
+                  "--kv-cache-dtype": args.kv_cache_dtype != "auto"}  # fmt: skip
     given = [flag for flag, set_ in generative.items() if set_]
     if given:
         raise EmbedBenchmarkError(f"{', '.join(given)}: not for an embedding or cross-encoder model")
@@ -435,8 +435,8 @@ def _embed_benchmark(args: argparse.Namespace, host: PluginHost) -> int:
     check_format(args.format)
     extra = backend_extra(threads=args.threads, device=args.device, options=args.backend_option)
     model = load_embedding_model(
-        args.model, backend=args.backend, options=LoadOptions(dtype=args.dtype, extra=extra), host=host,
-        cache_dir=args.cache_dir,
+        args.model, backend=args.backend, host=host, cache_dir=args.cache_dir,
+        options=LoadOptions(quantization=args.quantization or "auto", dtype=args.dtype, extra=extra),
     )  # fmt: skip
     settings.validate(model.max_tokens)
     sys.stdout.write(render_embed(run_embed_benchmark(model, settings), args.format))

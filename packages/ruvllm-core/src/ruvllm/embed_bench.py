@@ -65,6 +65,8 @@ class EmbedReport:
     kind: str
     backend: str
     settings: EmbedBenchmarkSettings
+    #: The weights' form as loaded (``LoadOptions.quantization``: none, w8a8).
+    quantization: str = "none"
     #: Seconds of each timed iteration, and the tokens one iteration ran (special tokens included).
     seconds: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -89,6 +91,7 @@ class EmbedReport:
             "path": self.path,
             "kind": self.kind,
             "backend": self.backend,
+            "quantization": self.quantization,
             "settings": asdict(self.settings),
             "tokens_per_batch": self.tokens,
             "spread": "min and max over the timed iterations",
@@ -151,6 +154,7 @@ def run_embed_benchmark(model: EmbeddingModel, settings: EmbedBenchmarkSettings)
         kind=model.kind,
         backend=model.encoder.backend.name,
         settings=settings,
+        quantization=inner.options.quantization,
         seconds=seconds,
         tokens=tokens,
         weight_bytes=int(inner.weight_bytes) if isinstance(inner, ReportsWeightBytes) else None,
@@ -174,7 +178,7 @@ def render_embed(report: EmbedReport, fmt: str) -> str:
         return buf.getvalue()
     lines = [
         f"model     {report.model} ({report.path}), {report.kind}",
-        f"backend   {report.backend}",
+        f"backend   {report.backend}, weights {report.quantization}",
         f"workload  batch {s.batch} x {s.text_tokens} tokens a text ({report.tokens} tokens a batch with the "
         f"model's own); {s.iterations} timed iteration(s) after {s.warmup} warm-up",
         "",

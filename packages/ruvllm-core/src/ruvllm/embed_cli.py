@@ -26,12 +26,20 @@ def add_embed_parser(sub: Any) -> None:
         default=None,
         help="the sizes --dimensions may take when the model's config does not list them, e.g. 512,256,128",
     )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "w8a8"],
+        help="none/auto: float32 weights; w8a8 (jax, native CPU kernels): int8 blocks of 32 for weights and "
+        "activations, llama.cpp's Q8_0 scheme (faster, cosine to float32 about 0.999-0.9999)",
+    )
     p.add_argument("--truncate", action="store_true", help="cut inputs longer than the model takes (default: refuse)")
     p.add_argument("--pair", action="store_true", help="cross-encoder: score TEXT[0] against each other text")
     p.set_defaults(func=cmd_embed)
 
 
 def cmd_embed(args: argparse.Namespace, host: Any) -> int:
+    from ruvllm.backend import LoadOptions
     from ruvllm.embedding import load_embedding_model
     from ruvllm.errors import RequestError
 
@@ -39,8 +47,9 @@ def cmd_embed(args: argparse.Namespace, host: Any) -> int:
     if not texts:
         raise RequestError("no texts given (as arguments or one a line on stdin)")
     model = load_embedding_model(
-        args.model, backend=args.backend, host=host, matryoshka_dimensions=args.matryoshka_dimensions
-    )
+        args.model, backend=args.backend, host=host, matryoshka_dimensions=args.matryoshka_dimensions,
+        options=LoadOptions(quantization=args.quantization),
+    )  # fmt: skip
     if args.pair or model.kind == "cross-encoder":
         if len(texts) < 2:
             raise RequestError("--pair scores TEXT[0] against the texts after it: give at least two")

@@ -8,7 +8,7 @@ returns an :class:`EncoderModel`; a backend without one is refused by name."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -100,34 +100,77 @@ def load_encoder(
     return LoadedEncoder(checkpoint, chosen, model)
 
 
-def padded_batch(
-    batch: EncodeBatch, order: Sequence[int], length: int, rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The sequences ``order`` right-padded into ``rows x length`` arrays: ids, token types, valid."""
-    ids = np.zeros((rows, length), dtype=np.int32)
-    types = np.zeros((rows, length), dtype=np.int32)
-    valid = np.zeros((rows, length), dtype=bool)
-    for r, i in enumerate(order):
-        n = len(batch.token_ids[i])
-        ids[r, :n] = batch.token_ids[i]
-        if batch.token_types is not None:
-            types[r, :n] = batch.token_types[i]
-        valid[r, :n] = True
-    return ids, types, valid
+@dataclass(frozen=True)
+class PackedPass:
+    """Sequences packed end to end into ``rows x length`` arrays for one pass: ``ids``, ``types``,
+    ``segments`` (which sequence of its row a position holds, from 1; 0 is padding, read by no query)
+    and ``positions`` (from 0 at each sequence's start), all int32; ``places`` gives each sequence's
+    ``(index in the batch, row, start)``."""
+
+    ids: np.ndarray
+    types: np.ndarray
+    segments: np.ndarray
+    positions: np.ndarray
+    places: list[tuple[int, int, int]]
 
 
-def length_groups(lengths: Sequence[int], max_tokens: int, bucket: Any = None) -> list[list[int]]:
-    """Indices grouped by length (longest first) so that each group's padded size, ``rows x length``
-    with ``length`` the group's longest (``bucket(length)`` where given), stays within ``max_tokens``
-    (a group has at least one sequence)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups:
-            longest = lengths[groups[-1][0]]
-            padded = bucket(longest) if bucket else longest
-            if padded * (len(groups[-1]) + 1) <= max_tokens:
-                groups[-1].append(i)
+def packed_passes(
+    batch: EncodeBatch,
+    max_tokens: int,
+    *,
+    bucket: Callable[[int], int] | None = None,
+    pack_length: int = 0,
+    row_count: Callable[[int], int] | None = None,
+) -> list[PackedPass]:
+    """``batch`` in passes of at most about ``max_tokens`` positions, longest sequences first, each
+    sequence whole in one row and several short ones sharing a row (first fit, longest first), so
+    little of a pass is padding. A pass's row length is ``bucket`` of its longest sequence, raised to
+    ``pack_length`` (``bucket`` of the tokens left, if fewer) so short sequences share rows; its rows
+    are ``row_count`` of those used. ``bucket`` and ``row_count`` bound the shapes a jitted pass meets."""
+    lengths = [len(t) for t in batch.token_ids]
+    left = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    size = bucket or (lambda n: n)
+    passes: list[PackedPass] = []
+    while left:
+        length = size(lengths[left[0]])
+        if pack_length:
+            length = max(length, min(pack_length, size(sum(lengths[i] for i in left))))
+        most_rows = max(1, max_tokens // length)
+        rows: list[list[int]] = []
+        free: list[int] = []
+        later: list[int] = []
+        for i in left:
+            n = lengths[i]
+            row = next((r for r, f in enumerate(free) if f >= n), None)
+            if row is None and len(rows) < most_rows:
+                rows.append([])
+                free.append(length)
+                row = len(rows) - 1
+            if row is None:
+                later.append(i)
                 continue
-        groups.append([i])
-    return groups
+            rows[row].append(i)
+            free[row] -= n
+        passes.append(_pack(batch, rows, length, row_count(len(rows)) if row_count else len(rows)))
+        left = later
+    return passes
+
+
+def _pack(batch: EncodeBatch, rows: list[list[int]], length: int, n_rows: int) -> PackedPass:
+    shape = (n_rows, length)
+    ids, types = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    segments, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    places: list[tuple[int, int, int]] = []
+    for r, members in enumerate(rows):
+        start = 0
+        for s, i in enumerate(members, 1):
+            n = len(batch.token_ids[i])
+            end = start + n
+            ids[r, start:end] = batch.token_ids[i]
+            if batch.token_types is not None:
+                types[r, start:end] = batch.token_types[i]
+            segments[r, start:end] = s
+            positions[r, start:end] = np.arange(n)
+            places.append((i, r, start))
+            start = end
+    return PackedPass(ids, types, segments, positions, places)

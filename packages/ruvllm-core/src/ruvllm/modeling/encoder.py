@@ -12,8 +12,10 @@ Two layer forms, by :attr:`ModelConfig.layout`:
   its last token), then the final RMSNorm.
 
 Written over the array API NumPy and JAX share, so candle-compat runs it as it is and the jax backend
-jits it per padded shape. Sequences are right-padded: ``valid [B, T]`` marks real tokens; a padding
-position is never a key, and its own row is garbage that pooling never reads.
+jits it per padded shape. Sequences are packed end to end into rows (several short ones share a row):
+``segments [B, T]`` says which sequence of its row a position holds (0: padding) and a query reads the
+keys of its own sequence only, so a sequence's states are those it has alone; a padding position is
+never a key, and its own row is garbage that pooling never reads.
 """
 
 from __future__ import annotations
@@ -139,27 +141,27 @@ def gelu_erf(x: Any) -> Any:
     return x * 0.5 * (1.0 + erf(x * np.float32(1.0 / np.sqrt(2.0))))
 
 
-def _linear(x: Any, w: Any, b: Any | None = None) -> Any:
-    """``x [..., in] @ w.T [in, out] (+ b)`` as one 2-D product."""
-    lead = x.shape[:-1]
-    y = x.reshape(-1, x.shape[-1]) @ w.T
-    if b is not None:
-        y = y + b
-    return y.reshape(*lead, w.shape[0])
+#: ``products(x [rows, in], [w_i]) -> [x @ w_i.T]``: the products of one input with weights the backend
+#: holds (float ``[out, in]`` arrays, or its own quantized form), so a backend may quantize the input once.
+Products = Callable[[Any, list[Any]], list[Any]]
 
 
-def allowed_keys(valid: Any, *, causal: bool, window: int) -> Any:
-    """Which keys each query may read: ``[B, 1, T, T]`` (True: read). Padding keys never; later keys
-    not when ``causal``; keys ``window`` or more positions away (either side) not when ``window``."""
-    xp = namespace(valid)
-    t = valid.shape[1]
-    pos = np.arange(t)
-    static = np.ones((t, t), dtype=bool)
+def float_products(x: Any, ws: list[Any]) -> list[Any]:
+    """:data:`Products` of float ``[out, in]`` weights."""
+    return [x @ w.T for w in ws]
+
+
+def allowed_keys(segments: Any, positions: Any, *, causal: bool, window: int) -> Any:
+    """Which keys each query may read: ``[B, 1, T, T]`` (True: read). Only keys of the query's own
+    sequence (``segments``, 0 for padding, which no query reads); earlier ones only when ``causal``;
+    fewer than ``window`` positions away (either side) when ``window``."""
+    xp = namespace(segments)
+    allowed = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
     if causal:
-        static &= pos[None, :] <= pos[:, None]
+        allowed = allowed & (positions[:, None, :] <= positions[:, :, None])
     if window:
-        static &= np.abs(pos[None, :] - pos[:, None]) < window
-    return valid[:, None, None, :] & xp.asarray(static)[None, None, :, :]
+        allowed = allowed & (xp.abs(positions[:, None, :] - positions[:, :, None]) < window)
+    return allowed[:, None, :, :]
 
 
 def dense_attention(q: Any, k: Any, v: Any, allowed: Any, scale: float) -> Any:
@@ -180,55 +182,65 @@ def dense_attention(q: Any, k: Any, v: Any, allowed: Any, scale: float) -> Any:
     return (p @ vh).transpose(0, 2, 1, 3).reshape(b, t, nh * hd)
 
 
-def bert_layer(x: Any, lw: dict[str, Any], cfg: ModelConfig, allowed: Any) -> Any:
+def bert_layer(x: Any, lw: dict[str, Any], cfg: ModelConfig, allowed: Any, products: Products = float_products) -> Any:
     """One post-norm BERT layer over ``x [B, T, hidden]``."""
-    b, t, _ = x.shape
+    b, t, hsz = x.shape
     nh, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
-    q = _linear(x, lw["q_w"], lw["q_b"]).reshape(b, t, nh, hd)
-    k = _linear(x, lw["k_w"], lw["k_b"]).reshape(b, t, nh, hd)
-    v = _linear(x, lw["v_w"], lw["v_b"]).reshape(b, t, nh, hd)
+
+    def linear(h: Any, names: tuple[str, ...]) -> list[Any]:
+        ys = products(h.reshape(b * t, -1), [lw[f"{n}_w"] for n in names])
+        return [y + lw[f"{n}_b"] for y, n in zip(ys, names, strict=True)]
+
+    q, k, v = (y.reshape(b, t, nh, hd) for y in linear(x, ("q", "k", "v")))
     a = dense_attention(q, k, v, allowed, cfg.attention_scale)
-    h = layer_norm(x + _linear(a, lw["o_w"], lw["o_b"]), lw["attn_norm_w"], lw["attn_norm_b"], eps)
-    f = _linear(gelu_erf(_linear(h, lw["up_w"], lw["up_b"])), lw["down_w"], lw["down_b"])
+    h = layer_norm(x + linear(a, ("o",))[0].reshape(b, t, hsz), lw["attn_norm_w"], lw["attn_norm_b"], eps)
+    f = linear(gelu_erf(linear(h, ("up",))[0]), ("down",))[0].reshape(b, t, hsz)
     return layer_norm(h + f, lw["out_norm_w"], lw["out_norm_b"], eps)
 
 
-def _bert_hidden(w: EncoderWeights, cfg: ModelConfig, ids: Any, types: Any, valid: Any) -> Any:
-    xp = namespace(valid)
+def _bert_hidden(
+    w: EncoderWeights, cfg: ModelConfig, ids: Any, types: Any, segments: Any, positions: Any, products: Products
+) -> Any:
+    xp = namespace(segments)
     g = w.globals
-    t = ids.shape[1]
-    x = xp.take(g["word"], ids.reshape(-1), axis=0).reshape(*ids.shape, cfg.hidden_size)
-    x = x + g["position"][:t][None, :, :] + xp.take(g["token_type"], types.reshape(-1), axis=0).reshape(x.shape)
+
+    def rows(table: Any, index: Any) -> Any:
+        return xp.take(table, index.reshape(-1), axis=0).reshape(*ids.shape, cfg.hidden_size)
+
+    x = rows(g["word"], ids) + rows(g["position"], positions) + rows(g["token_type"], types)
     x = layer_norm(x, g["emb_norm_w"], g["emb_norm_b"], cfg.rms_norm_eps)
-    allowed = allowed_keys(valid, causal=False, window=0)
+    allowed = allowed_keys(segments, positions, causal=False, window=0)
     for lw in w.layers:
-        x = bert_layer(x, lw, cfg, allowed)
+        x = bert_layer(x, lw, cfg, allowed, products)
     return x
 
 
-def _decoder_hidden(w: EncoderWeights, cfg: ModelConfig, ids: Any, valid: Any) -> Any:
-    xp = namespace(valid)
+def _decoder_hidden(
+    w: EncoderWeights, cfg: ModelConfig, ids: Any, segments: Any, positions: Any, products: Products
+) -> Any:
+    xp = namespace(segments)
     b, t = ids.shape
     hsz = cfg.hidden_size
     x = xp.take(w.globals["embed"], ids.reshape(-1), axis=0)
     if cfg.embedding_scale != 1.0:
         x = x * np.float32(cfg.embedding_scale)
-    positions = np.tile(np.arange(t), b)
+    flat = positions.reshape(-1)
     masks: dict[int, Any] = {}
     ropes: dict[Any, tuple[Any, Any]] = {}
     for layer, fields in enumerate(w.layers):
         window = cfg.layer_window(layer)
         if window not in masks:
-            masks[window] = allowed_keys(valid, causal=not cfg.bidirectional, window=window)
+            masks[window] = allowed_keys(segments, positions, causal=not cfg.bidirectional, window=window)
         rope = cfg.layer_rope(layer)
         if rope not in ropes:
-            ropes[rope] = tuple(xp.asarray(a) for a in rope.cos_sin(positions, cfg.head_dim))
+            # a position is below the row's length: the table's rows at the positions
+            ropes[rope] = tuple(xp.take(xp.asarray(a), flat, axis=0) for a in rope.cos_sin(np.arange(t), cfg.head_dim))
         cos, sin = ropes[rope]
         lw = LayerWeights(**{f: fields.get(f) for f in LAYER_FIELDS})
         allowed = masks[window]
 
         def project(h: Any, group: tuple[str, ...], lw: LayerWeights = lw) -> list[Any]:
-            return [h @ getattr(lw, p).T for p in group]
+            return products(h, [getattr(lw, p) for p in group])
 
         def attend(q: Any, k: Any, v: Any, allowed: Any = allowed) -> Any:
             return dense_attention(
@@ -240,9 +252,20 @@ def _decoder_hidden(w: EncoderWeights, cfg: ModelConfig, ids: Any, valid: Any) -
     return rms_norm(x, w.globals["norm"], cfg.rms_norm_eps).reshape(b, t, hsz)
 
 
-def encode_hidden(w: EncoderWeights, cfg: ModelConfig, ids: Any, types: Any, valid: Any) -> Any:
-    """Final hidden states ``[B, T, hidden]`` of right-padded token ids ``ids [B, T]`` (token types
-    ``types [B, T]``, read by ``bert`` only; ``valid [B, T]`` bool)."""
+def encode_hidden(
+    w: EncoderWeights,
+    cfg: ModelConfig,
+    ids: Any,
+    types: Any,
+    segments: Any,
+    positions: Any,
+    products: Products = float_products,
+) -> Any:
+    """Final hidden states ``[B, T, hidden]`` of rows of packed sequences (:class:`ruvllm.encoder.
+    PackedPass`): token ids ``ids [B, T]``, token types ``types`` (read by ``bert`` only), which
+    sequence of its row each position holds ``segments`` (0: padding) and its position in that
+    sequence ``positions``. A query reads keys of its own sequence only. ``products`` multiplies the
+    layers' weights (default: float arrays)."""
     if cfg.layout == "bert":
-        return _bert_hidden(w, cfg, ids, types, valid)
-    return _decoder_hidden(w, cfg, ids, valid)
+        return _bert_hidden(w, cfg, ids, types, segments, positions, products)
+    return _decoder_hidden(w, cfg, ids, segments, positions, products)
