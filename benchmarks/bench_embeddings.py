@@ -77,20 +77,20 @@ def llama_cpp_converter(work: Path) -> Path:
     return root
 
 
-def gguf_of(folder: str, gguf_dir: Path) -> Path:
-    """The model folder as a float32 GGUF written by llama.cpp's converter (made once)."""
+def gguf_of(folder: str, gguf_dir: Path, outtype: str = "f32") -> Path:
+    """The model folder as a GGUF of ``outtype`` (f32, q8_0) written by llama.cpp's converter (made once)."""
     import os
     import subprocess
     import sys
 
     name = folder.rstrip("/").split("/")[-1]
-    out = gguf_dir / f"{name}-f32.gguf"
+    out = gguf_dir / f"{name}-{outtype}.gguf"
     if not out.exists():
         root = llama_cpp_converter(gguf_dir / "llama.cpp-src")
         env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
         subprocess.run(
             [sys.executable, str(root / "convert_hf_to_gguf.py"), folder, "--sentence-transformers-dense-modules",
-             "--outtype", "f32", "--outfile", str(out)],
+             "--outtype", outtype, "--outfile", str(out)],
             check=True, env=env,
         )  # fmt: skip
     return out
@@ -134,6 +134,9 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=256, help="texts per timed run (batch 1 runs 32 of them)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp's embedding mode as a peer too")
+    ap.add_argument(
+        "--llama-cpp-types", default="f32", help="the GGUF types llama.cpp runs (f32, q8_0: the peer of jax:w8a8)"
+    )
     ap.add_argument("--gguf-dir", type=Path, default=Path.home() / ".cache" / "ruvllm-bench" / "embed")
     args = ap.parse_args()
     import torch
@@ -148,14 +151,17 @@ def main() -> None:
         name = path.rstrip("/").split("/")[-1]
         st = SentenceTransformer(path, device="cpu")
         engines = {"sentence-transformers": lambda b, st=st: st.encode(b, batch_size=len(b))}
-        if args.llama_cpp:
+        peers = []
+        for outtype in args.llama_cpp_types.split(",") if args.llama_cpp else []:
             import numpy as np
 
-            run = llama_cpp_engine(gguf_of(path, args.gguf_dir), torch.get_num_threads())
+            label = "llama.cpp" if outtype == "f32" else f"llama.cpp-{outtype}"
+            run = llama_cpp_engine(gguf_of(path, args.gguf_dir, outtype), torch.get_num_threads())
             got, ref = np.array(run(items[:64])), st.encode(items[:64])
             cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
-            print(json.dumps({"model": name, "llama.cpp cosine to sentence-transformers, min": float(cos.min())}))
-            engines["llama.cpp"] = run
+            print(json.dumps({"model": name, f"{label} cosine to sentence-transformers, min": float(cos.min())}))
+            engines[label] = run
+            peers.append(label)
         for spec in args.backends.split(","):  # backend or backend:quantization (jax:w8a8)
             backend, _, quantization = spec.partition(":")
             options = LoadOptions(quantization=quantization or "auto")
@@ -168,8 +174,8 @@ def main() -> None:
             st_rate = got["sentence-transformers"]
             ours = {k: v for k, v in got.items() if k.startswith("ruvllm")}
             row.update({f"{k} / sentence-transformers": round(v / st_rate, 2) for k, v in ours.items()})
-            if "llama.cpp" in got:
-                row.update({f"{k} / llama.cpp": round(v / got["llama.cpp"], 2) for k, v in ours.items()})
+            for peer in peers:
+                row.update({f"{k} / {peer}": round(v / got[peer], 2) for k, v in ours.items()})
             print(json.dumps(row), flush=True)
 
 

@@ -271,3 +271,34 @@ def test_encoder_quantizations_not_offered_are_refused_by_name(folders) -> None:
     for backend, q in (("jax", "q4"), ("candle-compat", "w8a8")):
         with pytest.raises(BackendError, match=q):
             load_embedding_model(str(folders["bert"]), backend=backend, options=LoadOptions(quantization=q))
+
+
+def test_the_heads_products_keep_numpy_blas_on_one_thread() -> None:
+    """The Dense and classifier heads multiply with NumPy's BLAS limited to one thread (its spinning
+    workers would take the cores from the encoder's next pass), and restore the limit after."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from ruvllm.embedding import heads
+    from ruvllm.embedding.pipeline import Dense
+
+    def blas_threads() -> list[int]:
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    seen = []
+    layer = Dense(np.eye(4, dtype=np.float32), None, "Identity")
+    real = heads._act
+
+    def act(x, name):
+        seen.extend(blas_threads())
+        return real(x, name)
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        heads._act = act
+        try:
+            out = heads.dense(np.ones((3, 4), np.float32), [layer])
+        finally:
+            heads._act = real
+        assert blas_threads() == before and 2 in before
+    assert seen and set(seen) == {1}
+    np.testing.assert_array_equal(out, np.ones((3, 4), np.float32))
