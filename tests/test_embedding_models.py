@@ -160,19 +160,19 @@ def test_cli_embed_writes_json_lines(folders, capsys) -> None:
 
 
 def test_the_jax_encoder_pads_to_few_lengths_with_little_waste() -> None:
-    """Lengths a pass is padded to: 8 and 16, then multiples of 16 up to 128, of 64 up to 512, of 256
-    beyond; each at least the sequence, with fewer than 16 padding positions up to 128 and 64 up to
-    512 (a power of two padded up to half), and 15 of them up to 512."""
+    """Lengths a pass is padded to: multiples of 8 up to 64, of 16 up to 128, of 64 up to 512, of 256
+    beyond; each at least the sequence, with fewer than 8 padding positions up to 64, 16 up to 128 and
+    64 up to 512 (a power of two padded up to half), and 18 of them up to 512."""
     pytest.importorskip("ruvllm_jax")
     from ruvllm_jax.encoder import padded_length
 
     got = {n: padded_length(n) for n in (1, 8, 9, 16, 17, 33, 100, 128, 129, 200, 512, 513, 1000)}
-    assert got == {1: 8, 8: 8, 9: 16, 16: 16, 17: 32, 33: 48, 100: 112, 128: 128, 129: 192, 200: 256,
+    assert got == {1: 8, 8: 8, 9: 16, 16: 16, 17: 24, 33: 40, 100: 112, 128: 128, 129: 192, 200: 256,
                    512: 512, 513: 768, 1000: 1024}  # fmt: skip
     lengths = [padded_length(n) for n in range(1, 513)]
     assert all(p >= n for n, p in enumerate(lengths, 1))
-    assert all(p - n < (16 if n <= 128 else 64) for n, p in enumerate(lengths, 1) if n > 8)
-    assert len(set(lengths)) == 15
+    assert all(p - n < (8 if n <= 64 else 16 if n <= 128 else 64) for n, p in enumerate(lengths, 1))
+    assert len(set(lengths)) == 18
     from ruvllm_jax.encoder import padded_rows
 
     assert [padded_rows(n) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 8, 8, 12, 20, 32, 36]
