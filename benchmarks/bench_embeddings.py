@@ -126,10 +126,21 @@ def rates(engines: dict, batch: int, items: list[str], rounds: int) -> dict[str,
     return {label: len(items) / statistics.median(t) for label, t in times.items()}
 
 
+def _form(form: str) -> Any:
+    """``LoadOptions`` of a ``backend:FORM`` spec: a dtype (float32, bfloat16) or a quantization."""
+    from ruvllm.backend import LoadOptions
+
+    if form in ("float32", "bfloat16"):
+        return LoadOptions(dtype=form)
+    return LoadOptions(quantization=form or "auto")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="+")
-    ap.add_argument("--backends", default="candle-compat,jax", help="backend or backend:quantization, e.g. jax:w8a8")
+    ap.add_argument(
+        "--backends", default="candle-compat,jax", help="backend or backend:FORM, a quantization or dtype (jax:w8a8)"
+    )
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--texts", type=int, default=256, help="texts per timed run (batch 1 runs 32 of them)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -142,7 +153,6 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from ruvllm.backend import LoadOptions
     from ruvllm.embedding import load_embedding_model
 
     print(json.dumps({"cpu": cpu_name(), "torch_threads": torch.get_num_threads()}), flush=True)
@@ -164,7 +174,7 @@ def main() -> None:
             peers.append(label)
         for spec in args.backends.split(","):  # backend or backend:quantization (jax:w8a8)
             backend, _, quantization = spec.partition(":")
-            options = LoadOptions(quantization=quantization or "auto")
+            options = _form(quantization)
             m = load_embedding_model(path, backend=backend, options=options)
             engines[f"ruvllm-{spec}"] = lambda b, m=m: m.embed(b, truncate=True)
         for batch in (int(b) for b in args.batches.split(",")):

@@ -1,6 +1,6 @@
 """Parity of ruvllm's embedding models with sentence-transformers on the real models (never run by the
 test suite): all-MiniLM-L6-v2 and EmbeddingGemma-300M, float32, both backends; a backend given as
-``jax:w8a8`` runs that quantization (bar 0.999 instead of 0.99999).
+``jax:w8a8`` or ``jax:bfloat16`` runs that form (bar 0.999 instead of 0.99999).
 
 For ~200 sentences of mixed length (1 to ~512 tokens; what a model's max_seq_length cuts is cut on
 both sides, truncate=True in ruvllm) it reports the cosine of each ruvllm vector to
@@ -18,6 +18,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,15 @@ def sentences(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "." for k in lengths]
 
 
+def _form(form: str) -> Any:
+    """``LoadOptions`` of a ``backend:FORM`` spec: a dtype (float32, bfloat16) or a quantization."""
+    from ruvllm.backend import LoadOptions
+
+    if form in ("float32", "bfloat16"):
+        return LoadOptions(dtype=form)
+    return LoadOptions(quantization=form or "auto")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="+")
@@ -44,7 +54,6 @@ def main() -> None:
     args = ap.parse_args()
     from sentence_transformers import SentenceTransformer
 
-    from ruvllm.backend import LoadOptions
     from ruvllm.embedding import load_embedding_model, read_pipeline
 
     texts = sentences(args.count)
@@ -68,7 +77,7 @@ def main() -> None:
             backend, _, quantization = spec.partition(":")
             form = quantization or "float32"
             bar = 0.99999 if form == "float32" else 0.999
-            options = LoadOptions(quantization=quantization or "auto")
+            options = _form(quantization)
             model = load_embedding_model(path, backend=backend, options=options)
             t0 = time.perf_counter()
             got = model.embed(texts, prompt_name=doc_prompt, truncate=True)

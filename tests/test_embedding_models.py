@@ -302,3 +302,52 @@ def test_the_heads_products_keep_numpy_blas_on_one_thread() -> None:
         assert blas_threads() == before and 2 in before
     assert seen and set(seen) == {1}
     np.testing.assert_array_equal(out, np.ones((3, 4), np.float32))
+
+
+@pytest.mark.parametrize("name", ["bert", "gemma", "qwen3"])
+def test_jax_bfloat16_encoder_against_float64_of_the_same_rounding(folders, name) -> None:
+    """``dtype="bfloat16"`` on the jax encoder: the final states equal a float64 NumPy pass of the same
+    model definition whose products round their input and weights to bfloat16 (float32 sums against
+    float64), and the vectors stay within cosine 0.999 of sentence-transformers' float32 ones."""
+    pytest.importorskip("ruvllm_jax")
+    import ml_dtypes
+
+    from ruvllm.backend import LoadOptions
+    from ruvllm.checkpoint import open_checkpoint
+    from ruvllm.embedding import load_embedding_model, read_pipeline
+    from ruvllm.encoder import EncodeBatch, packed_passes
+    from ruvllm.modeling.encoder import encode_hidden, load_encoder_weights
+
+    model = load_embedding_model(str(folders[name]), backend="jax", options=LoadOptions(dtype="bfloat16"))
+    assert model.encoder.model.options.dtype == "bfloat16"
+    enc = model.tokenize(SENTENCES)
+    batch = EncodeBatch([np.asarray(t, np.int32) for t in enc.token_ids])
+    got = model.encoder.encode(batch)
+
+    checkpoint = open_checkpoint(read_pipeline(folders[name]).transformer_path)
+    cfg = checkpoint.config
+    weights = load_encoder_weights(cfg, lambda n, shape: np.asarray(checkpoint.tensor(n), np.float64))
+
+    def bf16(a):
+        return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    def products(x, ws):
+        return [bf16(x) @ bf16(w).T for w in ws]
+
+    for i, ids in enumerate(batch.token_ids):
+        (p,) = packed_passes(EncodeBatch([ids]), 4096)
+        want = encode_hidden(weights, cfg, p.ids, p.types, p.segments, p.positions, products)[0]
+        # An input a float32 rounding from a bfloat16 boundary rounds the other way (a step of 2^-8 of
+        # itself): a few values move by up to ~1e-3 of the largest; nearly all agree to 5e-4.
+        top = np.abs(want).max()
+        np.testing.assert_allclose(got[i], want, atol=2e-3 * top)
+        assert np.mean(np.abs(got[i] - want) <= 5e-4 * top) >= 0.95
+    vectors = model.embed(SENTENCES)
+    ref = _st(folders[name]).encode(SENTENCES)
+    cos = np.sum(vectors * ref, axis=1) / np.linalg.norm(vectors, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.999, cos
+    from ruvllm.errors import BackendError
+
+    with pytest.raises(BackendError, match="dtype bfloat16 does not apply"):
+        options = LoadOptions(dtype="bfloat16", quantization="w8a8")
+        load_embedding_model(str(folders[name]), backend="jax", options=options)

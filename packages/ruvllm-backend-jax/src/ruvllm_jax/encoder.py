@@ -1,8 +1,10 @@
 """The jax backend's encoder pass: :func:`ruvllm.modeling.encode_hidden` jitted once per padded shape
 (rows by :func:`padded_rows`, length by :func:`padded_length`, so a server meets a bounded set of
-shapes), short sequences packed several to a row, no KV cache. Weights in float32, or with
-``quantization="w8a8"`` the layers' matrices as int8 blocks of 32 (Q8_0) multiplied by the native
-kernels with int8 activations per group of 32 (llama.cpp's CPU scheme for Q8_0)."""
+shapes), short sequences packed several to a row, no KV cache. Weights in float32; with
+``dtype="bfloat16"`` the layers' matrices in bfloat16, each product's input rounded to bfloat16 and
+summed in float32; or with ``quantization="w8a8"`` the matrices as int8 blocks of 32 (Q8_0)
+multiplied by the native kernels with int8 activations per group of 32 (llama.cpp's CPU scheme for
+Q8_0). Everything else (embeddings, norms, attention) stays float32."""
 
 from __future__ import annotations
 
@@ -85,13 +87,16 @@ def _q8_0(w: Any) -> Any:
 
 
 def _products(x: Any, ws: list[Any]) -> list[Any]:
-    """The layers' products: float matrices, held transposed (``[in, out]``), by XLA; Q8_0 matrices by
+    """The layers' products: float matrices, held transposed (``[in, out]``), by XLA (the input in the
+    matrix's dtype, the sums in float32); Q8_0 matrices by
     the native kernels (the input quantized once per call, one call per layout)."""
+    import jax.numpy as jnp
+
     from ruvllm_jax import native
     from ruvllm_jax.quant import QuantArray
 
     if not isinstance(ws[0], QuantArray):
-        return [x @ w for w in ws]
+        return [jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws]
     ys: list[Any] = [None] * len(ws)
     for panel in (True, False):
         idx = [i for i, w in enumerate(ws) if bool(w.panel) == panel]
@@ -116,12 +121,15 @@ class JaxEncoder:
                 f"the jax encoder runs float32 weights (quantization none or auto) or w8a8 (int8 blocks of 32 "
                 f"for weights and activations, native CPU kernels): quantization {options.quantization!r}"
             )
-        if options.dtype not in ("auto", "float32"):
-            raise BackendError(f"the jax encoder computes in float32 only: dtype {options.dtype!r}")
+        if options.dtype not in ("auto", "float32", "bfloat16"):
+            raise BackendError(f"the jax encoder's dtypes are float32 and bfloat16: dtype {options.dtype!r}")
         if options.extra:
             raise BackendError(f"the jax encoder takes no extra options (got {', '.join(sorted(options.extra))})")
         quantization = "none" if options.quantization == "auto" else options.quantization
-        self.options = LoadOptions(quantization=quantization, dtype="float32")
+        dtype = "float32" if options.dtype == "auto" else options.dtype
+        if dtype == "bfloat16" and quantization == "w8a8":
+            raise BackendError("the jax encoder's w8a8 form is int8 products: dtype bfloat16 does not apply to it")
+        self.options = LoadOptions(quantization=quantization, dtype=dtype)
         cfg = self.config = checkpoint.config
         check_encoder(cfg, str(getattr(checkpoint, "path", "")))
         if quantization == "w8a8":
@@ -136,7 +144,10 @@ class JaxEncoder:
         w = load_encoder_weights(cfg, read)
         # XLA:CPU multiplies a few rows by a transposed operand at half the rate of a plain one (EmbeddingGemma's
         # 32 x 768 x 1152 on a 2-core Zen 4: 82 against 170 GFLOP/s), so float matrices are held [in, out].
-        form = _q8_0 if quantization == "w8a8" else jnp.transpose
+        def transposed(a: Any) -> Any:
+            return jnp.transpose(a).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+
+        form = _q8_0 if quantization == "w8a8" else transposed
         w.layers = [{f: form(a) if f in _MATRICES else a for f, a in layer.items()} for layer in w.layers]
         self._tree = (w.globals, w.layers)
 

@@ -33,6 +33,13 @@ def add_embed_parser(sub: Any) -> None:
         help="none/auto: float32 weights; w8a8 (jax, native CPU kernels): int8 blocks of 32 for weights and "
         "activations, llama.cpp's Q8_0 scheme (faster, cosine to float32 about 0.999-0.9999)",
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto/float32; bfloat16 (jax): the layers' matrices and their products' inputs in bfloat16, "
+        "sums in float32 (cosine to float32 about 0.9999)",
+    )
     p.add_argument("--truncate", action="store_true", help="cut inputs longer than the model takes (default: refuse)")
     p.add_argument("--pair", action="store_true", help="cross-encoder: score TEXT[0] against each other text")
     p.set_defaults(func=cmd_embed)
@@ -48,7 +55,7 @@ def cmd_embed(args: argparse.Namespace, host: Any) -> int:
         raise RequestError("no texts given (as arguments or one a line on stdin)")
     model = load_embedding_model(
         args.model, backend=args.backend, host=host, matryoshka_dimensions=args.matryoshka_dimensions,
-        options=LoadOptions(quantization=args.quantization),
+        options=LoadOptions(quantization=args.quantization, dtype=args.dtype),
     )  # fmt: skip
     if args.pair or model.kind == "cross-encoder":
         if len(texts) < 2:
